@@ -1,0 +1,56 @@
+"""sparseattn: sparse attention for PyTorch — patterns, probability maps, engines, one data path."""
+
+from . import maps, patterns
+from .attention import SparseAttention, sparse_attention
+from .graph import AttentionGraph
+from .maps import ProbabilityMap, entmax, hardmax, softmax, sparselin_gen, sparsemax
+from .patterns import (
+    Pattern,
+    bigbird,
+    block_local,
+    cycle,
+    dense,
+    fixed,
+    global_tokens,
+    longformer,
+    random,
+    random_blocks,
+    split_heads,
+    star,
+    strided,
+    topk,
+    union,
+    window,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionGraph",
+    "Pattern",
+    "ProbabilityMap",
+    "SparseAttention",
+    "bigbird",
+    "block_local",
+    "cycle",
+    "dense",
+    "entmax",
+    "fixed",
+    "global_tokens",
+    "hardmax",
+    "longformer",
+    "maps",
+    "patterns",
+    "random",
+    "random_blocks",
+    "softmax",
+    "sparse_attention",
+    "sparselin_gen",
+    "sparsemax",
+    "split_heads",
+    "star",
+    "strided",
+    "topk",
+    "union",
+    "window",
+]

@@ -1,0 +1,209 @@
+"""The public attention API: ``sparse_attention`` and the ``SparseAttention`` module.
+
+Data path (DESIGN §2): pattern → AttentionGraph → engine scores on the graph → ρ → weights·V.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .engines import ENGINES
+from .graph import AttentionGraph
+from .maps import ProbabilityMap, resolve_prob_map
+from .patterns import HeadSplit, Pattern, PatternCycle, as_cycle, dense
+
+__all__ = ["sparse_attention", "SparseAttention", "choose_engine", "resolve_graph"]
+
+#: Largest score matrix (B·H·n_q·n_k entries) for which ``auto`` uses the dense engine.
+DENSE_LIMIT = 1 << 22
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (batch, heads, n, d), got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must share a device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            f"q, k, v must share (batch, heads): {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share the head dim d, got {q.shape[-1]} and {k.shape[-1]}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must share their length, got {k.shape[-2]} and {v.shape[-2]}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{name} contains NaN or inf")
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False))
+
+
+def resolve_graph(pattern: Pattern | AttentionGraph, q: Tensor, k: Tensor) -> AttentionGraph:
+    """The AttentionGraph a pattern (or a ready graph) gives for these q, k; validated."""
+    if isinstance(pattern, PatternCycle):
+        raise TypeError("a cycle of patterns is per layer: pass cycle[layer] (or use SparseAttention)")
+    if isinstance(pattern, Pattern):
+        graph = pattern.build(q, k)
+    elif isinstance(pattern, AttentionGraph):
+        graph = pattern
+    else:
+        raise TypeError(f"pattern must be a Pattern or an AttentionGraph, got {type(pattern).__name__}")
+    bsz, heads, n_q, _ = q.shape
+    n_k = k.shape[-2]
+    if (graph.n_q, graph.n_k) != (n_q, n_k):
+        raise ValueError(f"graph is {graph.n_q}×{graph.n_k} but q, k give {n_q}×{n_k}")
+    if not _broadcasts_to(graph.batch_shape, (bsz, heads)):
+        raise ValueError(
+            f"graph batch_shape {graph.batch_shape} does not broadcast to (batch, heads) "
+            f"= {(bsz, heads)}"
+        )
+    empty = (graph.degrees == 0).nonzero()
+    if empty.numel():
+        raise ValueError(
+            f"pattern {pattern!r} leaves {empty.shape[0]} query row(s) with no allowed key "
+            f"(first: {tuple(empty[0].tolist())}); every query needs at least one key"
+        )
+    return graph
+
+
+def choose_engine(graph: AttentionGraph, q: Tensor, k: Tensor) -> str:
+    """The ``auto`` rule: dense while the full score matrix is small (≤ DENSE_LIMIT entries,
+    16 MB in fp32) or the graph is more than half full; gather otherwise."""
+    bsz, heads, n_q, _ = q.shape
+    cells = bsz * heads * n_q * k.shape[-2]
+    density = graph.col.numel() / (max(1, math.prod(graph.batch_shape)) * n_q * k.shape[-2])
+    if cells <= DENSE_LIMIT or (density > 0.5 and cells <= 16 * DENSE_LIMIT):
+        return "dense"
+    return "gather"
+
+
+def sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: Pattern | AttentionGraph,
+    prob_map: str | ProbabilityMap = "softmax",
+    engine: str = "auto",
+    scale: float | None = None,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Sparse attention, Yun et al. eq. (3): out_i = Σ_{j ∈ A_i} ρ(scale · q_i·k_j)_j · v_j.
+
+    Args:
+        q: (batch, heads, n_q, d); k: (batch, heads, n_k, d); v: (batch, heads, n_k, d_v).
+            n_k may differ from n_q (cross-attention) for patterns that allow it.
+        pattern: a Pattern (static or data-dependent) or a ready AttentionGraph.
+        prob_map: ρ — a ProbabilityMap or one of "softmax", "hardmax", "sparsemax", "entmax15".
+        engine: "dense" (masked n×n reference), "gather" (neighbour lists), or "auto".
+        scale: score scale, default 1/√d.
+        key_padding_mask: optional BoolTensor (batch, n_k), True for real keys.
+        dropout_p: dropout on the attention weights (only when > 0).
+    Returns:
+        (batch, heads, n_q, d_v).
+    Raises:
+        ValueError/TypeError for bad shapes, dtypes, devices, NaN/inf inputs, unknown engines,
+        and patterns that leave a query without any key.
+    """
+    _check_qkv(q, k, v)
+    rho = resolve_prob_map(prob_map)
+    graph = resolve_graph(pattern, q, k)
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (
+            q.shape[0],
+            k.shape[-2],
+        ):
+            raise ValueError(
+                f"key_padding_mask must be a bool tensor of shape {(q.shape[0], k.shape[-2])}, "
+                f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+            )
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
+    if engine == "auto":
+        engine = choose_engine(graph, q, k)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {['auto', *ENGINES]}, got {engine!r}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return ENGINES[engine](q, k, v, graph, rho, scale, key_padding_mask, dropout_p)
+
+
+class SparseAttention(nn.Module):
+    """Multi-head sparse self-attention (Yun eq. 3), a drop-in layer for (batch, n, embed_dim).
+
+    Head configurations (Yun §5.1): a plain pattern or ``union(...)`` — every head the same
+    pattern (UNION); ``split_heads(A1, A2)`` — head groups with different patterns (MULTIHEAD);
+    ``cycle(A1, A2)`` — layer ``layer_index`` uses pattern ``layer_index mod p`` (SEQUENTIAL).
+
+    Args:
+        embed_dim: model width E (divisible by num_heads).
+        num_heads: H.
+        pattern: Pattern, HeadSplit, PatternCycle or AttentionGraph.
+        prob_map: ρ (see ``sparse_attention``).
+        engine: "auto", "dense" or "gather".
+        dropout: dropout on attention weights in training.
+        bias: biases in the projections.
+        layer_index: this layer's place in a stack (used by a cycle).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        pattern: Pattern | PatternCycle | AttentionGraph | None = None,
+        prob_map: str | ProbabilityMap = "softmax",
+        engine: str = "auto",
+        dropout: float = 0.0,
+        bias: bool = True,
+        layer_index: int = 0,
+    ) -> None:
+        super().__init__()
+        if embed_dim < 1 or num_heads < 1 or embed_dim % num_heads:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})"
+            )
+        pattern = dense() if pattern is None else pattern
+        if not isinstance(pattern, AttentionGraph):
+            pattern = as_cycle(pattern)[layer_index]
+        if isinstance(pattern, HeadSplit):
+            pattern.head_sizes(num_heads)  # validate now, not at the first forward
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.pattern = pattern
+        self.prob_map = resolve_prob_map(prob_map)
+        self.engine = engine
+        self.dropout = dropout
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bias)
+        self.out = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        """x: (batch, n, embed_dim) → (batch, n, embed_dim); key_padding_mask: (batch, n)."""
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"x must have shape (batch, n, {self.embed_dim}), got {tuple(x.shape)}")
+        bsz, n, _ = x.shape
+        q, k, v = self.qkv(x).view(bsz, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        out = sparse_attention(
+            q, k, v, self.pattern, self.prob_map, self.engine,
+            key_padding_mask=key_padding_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+        return self.out(out.transpose(1, 2).reshape(bsz, n, self.embed_dim))
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, pattern={self.pattern!r}, "
+            f"prob_map={self.prob_map!r}, engine={self.engine!r}"
+        )

@@ -1,0 +1,36 @@
+"""Dense engine: the masked n_q × n_k reference (O(n²) memory; ground truth in tests)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..graph import AttentionGraph
+from ..maps import ProbabilityMap
+
+__all__ = ["dense_attention"]
+
+
+def dense_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    graph: AttentionGraph,
+    prob_map: ProbabilityMap,
+    scale: float,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """out_i = Σ_{j ∈ A_i} ρ(scale · q_i·k_j)_j v_j over a dense mask (Yun eq. 3).
+
+    Shapes: q (B, H, n_q, d), k (B, H, n_k, d), v (B, H, n_k, d_v) → (B, H, n_q, d_v);
+    ``key_padding_mask`` (B, n_k), True for real keys.
+    """
+    mask = graph.to_dense().to(q.device)
+    if key_padding_mask is not None:
+        mask = mask & key_padding_mask[:, None, None, :]
+    scores = (q @ k.transpose(-1, -2)) * scale
+    weights = prob_map(scores, mask)
+    if dropout_p:
+        weights = F.dropout(weights, dropout_p)
+    return weights @ v

@@ -1,0 +1,339 @@
+"""AttentionGraph: who may attend to whom (Yun et al. §3.1, the sets A_k).
+
+Storage is compressed sparse rows (CSR) over the *flattened* rows of the graph: a graph with
+leading shape ``batch_shape`` (for example ``()`` for a static pattern, ``(heads,)`` or
+``(batch, heads)`` for a data-dependent one) and ``n_q`` queries has
+``R = prod(batch_shape) * n_q`` rows; row ``r`` holds the sorted, unique key indices
+``col[crow[r]:crow[r + 1]]``.
+
+Why CSR and not one padded ``(n_q, K)`` table: rows of very different length are common
+(a global token attends to all ``n`` keys while the others attend to ``2w + 1``), and padding every
+row to the longest one would make Longformer, BigBird and STAR cost O(n^2). The padded
+neighbour-list view that engines compute on is produced per group of rows by
+:meth:`AttentionGraph.neighbours`, padded only to the longest row of that group.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["AttentionGraph"]
+
+
+def _prod(shape: Sequence[int]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+class AttentionGraph:
+    """A sparse attention graph G = {(i, j) : query i may attend to key j}.
+
+    Args:
+        crow: LongTensor[R + 1], row pointers over the ``R = prod(batch_shape) * n_q`` rows.
+        col: LongTensor[E], key indices, sorted and unique within each row.
+        n_q: number of queries.
+        n_k: number of keys.
+        batch_shape: leading (batch, heads)-like dims; ``()`` means one graph shared by all.
+        causal: whether the graph is meant as causal (then ``density`` divides by n(n+1)/2,
+            Sparsefinder eq. 5). Edges above the diagonal are not allowed in a causal graph.
+
+    Use the constructors :meth:`from_neighbours`, :meth:`from_dense` and :meth:`from_edges`;
+    the raw constructor trusts its inputs.
+    """
+
+    def __init__(
+        self,
+        crow: Tensor,
+        col: Tensor,
+        n_q: int,
+        n_k: int,
+        batch_shape: Sequence[int] = (),
+        causal: bool = False,
+    ) -> None:
+        self.crow = crow
+        self.col = col
+        self.n_q = int(n_q)
+        self.n_k = int(n_k)
+        self.batch_shape = tuple(int(s) for s in batch_shape)
+        self.causal = bool(causal)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_edges(
+        cls,
+        rows: Tensor,
+        cols: Tensor,
+        n_q: int,
+        n_k: int,
+        batch_shape: Sequence[int] = (),
+        causal: bool = False,
+    ) -> AttentionGraph:
+        """Graph from flat edge lists (duplicates allowed, any order).
+
+        ``rows`` index the flattened rows ``[0, prod(batch_shape) * n_q)``; ``cols`` the keys.
+        Cost O(E log E).
+        """
+        n_rows = _prod(batch_shape) * n_q
+        rows = rows.reshape(-1).long()
+        cols = cols.reshape(-1).long()
+        if rows.numel() and (cols.min() < 0 or cols.max() >= n_k):
+            raise ValueError(f"key indices must lie in [0, {n_k}), got [{cols.min()}, {cols.max()}]")
+        key = torch.unique(rows * n_k + cols)  # sorted: by row, then by key
+        rows, cols = key // n_k, key % n_k
+        counts = torch.bincount(rows, minlength=n_rows)
+        crow = torch.zeros(n_rows + 1, dtype=torch.long)
+        torch.cumsum(counts, 0, out=crow[1:])
+        return cls(crow, cols, n_q, n_k, batch_shape, causal)
+
+    @classmethod
+    def from_neighbours(
+        cls, index: Tensor, valid: Tensor | None, n_k: int, causal: bool = False
+    ) -> AttentionGraph:
+        """Graph from a padded neighbour-list table.
+
+        Args:
+            index: LongTensor[..., n_q, K], key indices (entries where ``valid`` is False are
+                ignored and may hold anything).
+            valid: BoolTensor broadcastable to ``index`` or None (all valid).
+        """
+        if valid is None:
+            valid = torch.ones_like(index, dtype=torch.bool)
+        index, valid = torch.broadcast_tensors(index, valid)
+        *batch_shape, n_q, k = index.shape
+        rows = torch.arange(_prod(batch_shape) * n_q).view(*batch_shape, n_q, 1).expand_as(index)
+        return cls.from_edges(rows[valid], index[valid], n_q, n_k, batch_shape, causal)
+
+    @classmethod
+    def from_dense(cls, mask: Tensor, causal: bool = False) -> AttentionGraph:
+        """Graph from a boolean mask ``[..., n_q, n_k]`` (True = may attend). O(n_q * n_k)."""
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor, got {mask.dtype}")
+        if mask.dim() < 2:
+            raise ValueError(f"mask must have shape (..., n_q, n_k), got {tuple(mask.shape)}")
+        *batch_shape, n_q, n_k = mask.shape
+        flat = mask.reshape(-1, n_k)
+        rows, cols = flat.nonzero(as_tuple=True)
+        counts = flat.sum(-1)
+        crow = torch.zeros(flat.shape[0] + 1, dtype=torch.long)
+        torch.cumsum(counts, 0, out=crow[1:])
+        return cls(crow, cols, n_q, n_k, batch_shape, causal)
+
+    # ------------------------------------------------------------------ basic facts
+    @property
+    def num_rows(self) -> int:
+        """R = prod(batch_shape) * n_q."""
+        return self.crow.numel() - 1
+
+    @property
+    def degrees(self) -> Tensor:
+        """LongTensor[*batch_shape, n_q]: |A_i|, the number of keys each query attends to."""
+        return (self.crow[1:] - self.crow[:-1]).view(*self.batch_shape, self.n_q)
+
+    @property
+    def max_degree(self) -> int:
+        return int(self.degrees.max()) if self.num_rows else 0
+
+    def _per_graph(self, x: Tensor) -> Tensor | int | float:
+        return x.item() if not self.batch_shape else x
+
+    @property
+    def num_edges(self) -> Tensor | int:
+        """Edge count |G|: an int for an unbatched graph, else LongTensor[*batch_shape]."""
+        return self._per_graph(self.degrees.sum(-1))
+
+    @property
+    def possible_edges(self) -> int:
+        """Denominator of density: n_q * n_k, or n(n + 1)/2 when causal (Sparsefinder eq. 5)."""
+        if self.causal:
+            return self.n_q * (self.n_q + 1) // 2
+        return self.n_q * self.n_k
+
+    @property
+    def density(self) -> Tensor | float:
+        """|G| / possible edges; a float for an unbatched graph, else a tensor per graph."""
+        return self._per_graph(self.degrees.sum(-1).double() / self.possible_edges)
+
+    @property
+    def sparsity(self) -> Tensor | float:
+        """1 − density (Sparsefinder eq. 5; Yun Table 1 reports it as a percentage)."""
+        return 1 - self.density
+
+    def row_indices(self) -> Tensor:
+        """LongTensor[E]: the flattened row of every stored edge (CSR expanded to COO)."""
+        return torch.repeat_interleave(
+            torch.arange(self.num_rows), self.crow[1:] - self.crow[:-1], output_size=self.col.numel()
+        )
+
+    # ------------------------------------------------------------------ views
+    def neighbours(self, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Padded neighbour lists for some flattened rows.
+
+        Args:
+            rows: LongTensor[m] of flattened row ids (default: all rows).
+        Returns:
+            index: LongTensor[m, K] with K the largest degree among ``rows``; padded slots hold 0
+                (a valid key, so gathers are safe).
+            valid: BoolTensor[m, K].
+        """
+        if rows is None:
+            rows = torch.arange(self.num_rows)
+        start = self.crow[rows]
+        count = self.crow[rows + 1] - start
+        k = int(count.max()) if rows.numel() else 0
+        slot = torch.arange(k)
+        valid = slot < count[:, None]
+        pos = (start[:, None] + slot).masked_fill_(~valid, 0)
+        index = self.col[pos] if self.col.numel() else torch.zeros_like(pos)
+        return index.masked_fill_(~valid, 0), valid
+
+    def to_neighbours(self) -> tuple[Tensor, Tensor]:
+        """The whole graph as ``(index, valid)`` of shape ``[*batch_shape, n_q, K]``."""
+        index, valid = self.neighbours()
+        shape = (*self.batch_shape, self.n_q, index.shape[-1])
+        return index.view(shape), valid.view(shape)
+
+    def allows(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """Vectorised edge test for an unbatched graph: BoolTensor of the broadcast shape.
+
+        O(log E) per pair by binary search over the sorted edge keys; no n_q x n_k table.
+        """
+        if self.batch_shape:
+            raise ValueError(f"allows needs an unbatched graph, got batch_shape {self.batch_shape}")
+        q_idx, kv_idx = torch.broadcast_tensors(torch.as_tensor(q_idx), torch.as_tensor(kv_idx))
+        keys = self._edge_keys()
+        query = (q_idx.long() * self.n_k + kv_idx.long()).reshape(-1)
+        pos = torch.searchsorted(keys, query).clamp_(max=max(keys.numel() - 1, 0))
+        hit = keys[pos] == query if keys.numel() else torch.zeros_like(query, dtype=torch.bool)
+        return hit.view(q_idx.shape)
+
+    def to_dense(self) -> Tensor:
+        """BoolTensor[*batch_shape, n_q, n_k] (True where query i may attend to key j)."""
+        mask = torch.zeros(self.num_rows, self.n_k, dtype=torch.bool)
+        mask[self.row_indices(), self.col] = True
+        return mask.view(*self.batch_shape, self.n_q, self.n_k)
+
+    def to_csr(self) -> Tensor:
+        """``torch.sparse_csr_tensor`` of shape (n_q, n_k) with float ones (unbatched graphs)."""
+        if self.batch_shape:
+            raise ValueError(
+                f"to_csr needs an unbatched graph; this one has batch_shape {self.batch_shape}: "
+                "select one first, e.g. graph[b, h]"
+            )
+        values = torch.ones(self.col.numel())
+        with warnings.catch_warnings():  # "CSR support is in beta"
+            warnings.simplefilter("ignore")
+            return torch.sparse_csr_tensor(
+                self.crow, self.col, values, (self.n_q, self.n_k), check_invariants=False
+            )
+
+    def to_block_layout(self, block: int) -> Tensor:
+        """BoolTensor[*batch_shape, ceil(n_q/b), ceil(n_k/b)]: blocks holding at least one edge."""
+        if block < 1:
+            raise ValueError(f"block must be >= 1, got {block}")
+        nb_q, nb_k = -(-self.n_q // block), -(-self.n_k // block)
+        rows = self.row_indices()
+        brow = (rows // self.n_q) * nb_q + (rows % self.n_q) // block
+        layout = torch.zeros(_prod(self.batch_shape) * nb_q, nb_k, dtype=torch.bool)
+        layout[brow, self.col // block] = True
+        return layout.view(*self.batch_shape, nb_q, nb_k)
+
+    def __getitem__(self, idx: int | tuple[int, ...]) -> AttentionGraph:
+        """Select leading (batch, head) entries with integers: ``graph[b, h]``."""
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if len(idx) > len(self.batch_shape) or not all(isinstance(i, int) for i in idx):
+            raise IndexError(f"index with at most {len(self.batch_shape)} integers, got {idx}")
+        flat = 0
+        for i, size in zip(idx, self.batch_shape, strict=False):
+            if not -size <= i < size:
+                raise IndexError(f"index {i} out of range for size {size}")
+            flat = flat * size + (i % size)
+        rest = self.batch_shape[len(idx) :]
+        span = _prod(rest) * self.n_q
+        first = flat * span
+        crow = self.crow[first : first + span + 1]
+        col = self.col[crow[0] : crow[-1]]
+        return AttentionGraph(crow - crow[0], col, self.n_q, self.n_k, rest, self.causal)
+
+    # ------------------------------------------------------------------ algebra
+    def expand(self, batch_shape: Sequence[int]) -> AttentionGraph:
+        """Broadcast the leading dims to ``batch_shape`` (copies edges; O(E * repeats))."""
+        batch_shape = tuple(batch_shape)
+        if batch_shape == self.batch_shape:
+            return self
+        if tuple(torch.broadcast_shapes(self.batch_shape, batch_shape)) != batch_shape:
+            raise ValueError(f"cannot expand batch_shape {self.batch_shape} to {batch_shape}")
+        ids = torch.arange(_prod(self.batch_shape)).view(self.batch_shape)
+        ids = ids.expand(batch_shape).reshape(-1)
+        src = (ids[:, None] * self.n_q + torch.arange(self.n_q)).reshape(-1)
+        counts = self.crow[src + 1] - self.crow[src]
+        crow = torch.zeros(src.numel() + 1, dtype=torch.long)
+        torch.cumsum(counts, 0, out=crow[1:])
+        total = int(crow[-1])
+        new_row = torch.repeat_interleave(torch.arange(src.numel()), counts, output_size=total)
+        pos = self.crow[src][new_row] + torch.arange(total) - crow[new_row]
+        return AttentionGraph(crow, self.col[pos], self.n_q, self.n_k, batch_shape, self.causal)
+
+    def _edge_keys(self) -> Tensor:
+        return self.row_indices() * self.n_k + self.col
+
+    def _aligned(self, other: AttentionGraph) -> tuple[AttentionGraph, AttentionGraph]:
+        if not isinstance(other, AttentionGraph):
+            raise TypeError(f"expected an AttentionGraph, got {type(other).__name__}")
+        if (self.n_q, self.n_k) != (other.n_q, other.n_k):
+            raise ValueError(
+                f"graphs have different sizes: {(self.n_q, self.n_k)} vs {(other.n_q, other.n_k)}"
+            )
+        shape = tuple(torch.broadcast_shapes(self.batch_shape, other.batch_shape))
+        return self.expand(shape), other.expand(shape)
+
+    def union(self, other: AttentionGraph) -> AttentionGraph:
+        """G ∪ G' (Yun §5.1 UNION), broadcasting leading dims."""
+        a, b = self._aligned(other)
+        keys = torch.cat([a._edge_keys(), b._edge_keys()])
+        return AttentionGraph.from_edges(
+            keys // a.n_k, keys % a.n_k, a.n_q, a.n_k, a.batch_shape, a.causal and b.causal
+        )
+
+    def intersection(self, other: AttentionGraph) -> AttentionGraph:
+        """G ∩ G', broadcasting leading dims."""
+        a, b = self._aligned(other)
+        keys = a._edge_keys()
+        keys = keys[torch.isin(keys, b._edge_keys())]
+        return AttentionGraph.from_edges(
+            keys // a.n_k, keys % a.n_k, a.n_q, a.n_k, a.batch_shape, a.causal or b.causal
+        )
+
+    __or__ = union
+    __and__ = intersection
+
+    def tril(self) -> AttentionGraph:
+        """Keep only edges with key <= query (the causal restriction), marked causal."""
+        if self.n_q != self.n_k:
+            raise ValueError(f"causal graphs need n_q == n_k, got {self.n_q} and {self.n_k}")
+        rows = self.row_indices()
+        keep = self.col <= rows % self.n_q
+        return AttentionGraph.from_edges(
+            rows[keep], self.col[keep], self.n_q, self.n_k, self.batch_shape, causal=True
+        )
+
+    def __eq__(self, other: object) -> bool:
+        """Same sizes, leading dims and edge set (the ``causal`` flag is metadata)."""
+        if not isinstance(other, AttentionGraph):
+            return NotImplemented
+        return (
+            (self.n_q, self.n_k, self.batch_shape) == (other.n_q, other.n_k, other.batch_shape)
+            and torch.equal(self.crow, other.crow)
+            and torch.equal(self.col, other.col)
+        )
+
+    __hash__ = None  # mutable tensors inside
+
+    def __repr__(self) -> str:
+        return (
+            f"AttentionGraph(n_q={self.n_q}, n_k={self.n_k}, batch_shape={self.batch_shape}, "
+            f"edges={int(self.col.numel())}, max_degree={self.max_degree}, causal={self.causal})"
+        )

@@ -1,0 +1,60 @@
+"""Sparsity patterns {A_k^l} (Yun et al. §3.1) and their compositions (§5.1)."""
+
+from .base import Causal, Pattern
+from .compose import HeadSplit, PatternCycle, Union, as_cycle, cycle, split_heads, union
+from .dynamic import TopK, topk
+from .fixed import (
+    bigbird,
+    block_local,
+    dense,
+    fixed,
+    global_tokens,
+    longformer,
+    random,
+    random_blocks,
+    star,
+    strided,
+    window,
+)
+
+#: The named patterns with an example of their parameters (``sparseattn patterns`` lists them).
+NAMED = {
+    "dense": (dense, {}),
+    "window": (window, {"w": 16}),
+    "strided": (strided, {"w": 16}),
+    "fixed": (fixed, {"w": 16}),
+    "star": (star, {"w": 1}),
+    "random": (random, {"density": 0.1, "seed": 0}),
+    "longformer": (longformer, {"w": 16, "global_tokens": 2}),
+    "bigbird": (bigbird, {"w": 16, "global_tokens": 2, "random_blocks": 2, "block": 16}),
+    "block_local": (block_local, {"block": 16}),
+    "global_tokens": (global_tokens, {"tokens": 2}),
+    "random_blocks": (random_blocks, {"random_blocks": 2, "block": 16}),
+    "topk": (topk, {"k": 32}),
+}
+
+__all__ = [
+    "NAMED",
+    "Causal",
+    "HeadSplit",
+    "Pattern",
+    "PatternCycle",
+    "TopK",
+    "Union",
+    "as_cycle",
+    "bigbird",
+    "block_local",
+    "cycle",
+    "dense",
+    "fixed",
+    "global_tokens",
+    "longformer",
+    "random",
+    "random_blocks",
+    "split_heads",
+    "star",
+    "strided",
+    "topk",
+    "union",
+    "window",
+]

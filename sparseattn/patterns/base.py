@@ -1,0 +1,120 @@
+"""Pattern: a rule {A_k} that yields an AttentionGraph for any length n (Yun et al. §3.1)."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ..graph import AttentionGraph
+
+__all__ = ["Pattern", "Causal", "check_positive"]
+
+
+def check_positive(name: str, value: int) -> int:
+    """Validate an integer size parameter at the public boundary."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Pattern(abc.ABC):
+    """A sparsity pattern: for each length n, the sets A_k ⊆ [n] of keys query k attends to.
+
+    Static patterns implement :meth:`_graph` (O(n·K), no n² scan) and :meth:`_allows`
+    (a vectorised predicate in the shape of FlexAttention's ``mask_mod``). Graphs are cached
+    per n. Data-dependent patterns (``data_dependent = True``) override :meth:`build`.
+    Indices are 0-based here; the papers count from 1.
+    """
+
+    data_dependent: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__.lower()
+
+    # -- to implement -------------------------------------------------------------------
+    @abc.abstractmethod
+    def _graph(self, n: int) -> AttentionGraph: ...
+
+    @abc.abstractmethod
+    def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor: ...
+
+    # -- public ---------------------------------------------------------------------------
+    def graph(self, n: int) -> AttentionGraph:
+        """The AttentionGraph of this pattern at length n (cached per n)."""
+        check_positive("n", n)
+        cache = self.__dict__.setdefault("_cache", {})
+        if n not in cache:
+            cache[n] = self._graph(n)
+        return cache[n]
+
+    def allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
+        """Vectorised predicate: may query ``q_idx`` attend to key ``kv_idx`` at length n?
+
+        ``q_idx`` and ``kv_idx`` are integer tensors broadcast against each other; returns a
+        BoolTensor of their broadcast shape. This is FlexAttention's ``mask_mod`` with n bound.
+        """
+        check_positive("n", n)
+        q_idx, kv_idx = torch.broadcast_tensors(torch.as_tensor(q_idx), torch.as_tensor(kv_idx))
+        inside = (q_idx >= 0) & (q_idx < n) & (kv_idx >= 0) & (kv_idx < n)
+        return inside & self._allows(q_idx.long(), kv_idx.long(), n)
+
+    def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
+        """The graph for inputs q: (B, H, n_q, d), k: (B, H, n_k, d) — what engines call."""
+        return self.graph(self._self_attention_length(q, k))
+
+    def _self_attention_length(self, q: Tensor, k: Tensor) -> int:
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        if n_q != n_k:
+            raise ValueError(
+                f"pattern {self!r} defines self-attention graphs (n_q == n_k); got n_q={n_q}, "
+                f"n_k={n_k}. For cross-attention use dense(), topk(k) or an AttentionGraph."
+            )
+        return n_q
+
+    def causal(self) -> Pattern:
+        """Causal variant: the same pattern restricted to keys j <= query i."""
+        return Causal(self)
+
+    def __or__(self, other: Pattern) -> Pattern:
+        from .compose import union
+
+        return union(self, other)
+
+    def params(self) -> dict:
+        """The pattern's parameters, for listings and reports."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{self.name}({args})"
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Causal(Pattern):
+    """``base`` restricted to j <= i (the lower triangle); its density uses n(n+1)/2."""
+
+    base: Pattern
+
+    @property
+    def name(self) -> str:
+        return f"causal {self.base.name}"
+
+    def _graph(self, n: int) -> AttentionGraph:
+        return self.base.graph(n).tril()
+
+    def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
+        return self.base.allows(q_idx, kv_idx, n) & (kv_idx <= q_idx)
+
+    def causal(self) -> Pattern:
+        return self
+
+    def __repr__(self) -> str:
+        return f"{self.base!r}.causal()"

@@ -1,0 +1,373 @@
+"""The named static patterns of the papers (Yun et al. eqs. 4–6, Longformer, BigBird, random).
+
+Every graph is built from neighbour lists in O(n·K); nothing scans all n² pairs except
+``dense()``, whose graph *is* n². Indices are 0-based (the papers count from 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..graph import AttentionGraph
+from .base import Pattern, check_positive
+
+__all__ = [
+    "Dense",
+    "Window",
+    "Stride",
+    "BlockLocal",
+    "FixedSummary",
+    "Star",
+    "GlobalTokens",
+    "Random",
+    "RandomBlocks",
+    "dense",
+    "window",
+    "strided",
+    "fixed",
+    "star",
+    "global_tokens",
+    "random",
+    "random_blocks",
+    "longformer",
+    "bigbird",
+    "block_local",
+]
+
+
+def _rows(n: int, k: int) -> Tensor:
+    return torch.arange(n).view(n, 1).expand(n, k)
+
+
+def _table(index: Tensor, n: int) -> AttentionGraph:
+    """Graph from an (n, K) neighbour table whose out-of-range entries are dropped."""
+    return AttentionGraph.from_neighbours(index, (index >= 0) & (index < n), n)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Dense(Pattern):
+    """A_k = [n]: full attention."""
+
+    def _graph(self, n: int) -> AttentionGraph:
+        crow = torch.arange(n + 1) * n
+        return AttentionGraph(crow, torch.arange(n).repeat(n), n, n)
+
+    def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
+        return torch.ones_like(q_idx, dtype=torch.bool)
+
+    def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
+        n_q, n_k = q.shape[-2], k.shape[-2]  # dense also serves cross-attention
+        crow = torch.arange(n_q + 1) * n_k
+        return AttentionGraph(crow, torch.arange(n_k).repeat(n_q), n_q, n_k)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Window(Pattern):
+    """Yun eq. (4), A¹: A_k = [n] ∩ {k − ⌈w/2⌉, …, k + ⌊w/2⌋} (w + 1 keys inside the sequence)."""
+
+    w: int
+
+    def __post_init__(self) -> None:
+        check_positive("w", self.w)
+
+    def _graph(self, n: int) -> AttentionGraph:
+        offsets = torch.arange(-math.ceil(self.w / 2), self.w // 2 + 1)
+        return _table(torch.arange(n)[:, None] + offsets, n)
+
+    def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
+        delta = kv_idx - q_idx
+        return (delta >= -math.ceil(self.w / 2)) & (delta <= self.w // 2)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Stride(Pattern):
+    """Yun eq. (4), A²: A_k = [n] ∩ {…, k − 2w, k − w, k, k + w, k + 2w, …}."""
+
+    w: int
+
+    def __post_init__(self) -> None:
+        check_positive("w", self.w)
+
+    def _graph(self, n: int) -> AttentionGraph:
+        steps = torch.arange(-(-n // self.w)) * self.w
+        return _table(torch.arange(n)[:, None] % self.w + steps, n)
+
+    def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
+        return (kv_idx - q_idx) % self.w == 0
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class BlockLocal(Pattern):
+    """Attend within the own block of ``block`` tokens; also Yun eq. (5), A¹ (FIXED, w = block)."""
+
+    block: int
+
+    def __post_init__(self) -> None:
+        check_positive("block", self.block)
+
+    def _graph(self, n: int) -> AttentionGraph:
+        start = torch.arange(n)[:, None] // self.block * self.block
+        return _table(start + torch.arange(self.block), n)
+
+    def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
+        return q_idx // self.block == kv_idx // self.block
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class FixedSummary(Pattern):
+    """Yun eq. (5), A²: A_k = [n] ∩ ({k} ∪ {w, 2w, 3w, …}) — the last token of every segment."""
+
+    w: int
+
+    def __post_init__(self) -> None:
+        check_positive("w", self.w)
+
+    def _graph(self, n: int) -> AttentionGraph:
+        summary = torch.arange(self.w - 1, n, self.w).view(1, -1).expand(n, -1)
+        return _table(torch.cat([torch.arange(n)[:, None], summary], 1), n)
+
+    def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
+        return (kv_idx == q_idx) | (kv_idx % self.w == self.w - 1)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Star(Pattern):
+    """Yun eq. (6), STAR (Guo et al.): the relay token is the last position n; it attends to all
+    and all attend to it; token k < n attends to its 2w + 1 cyclic neighbours in [n − 1]:
+    A_k = {n} ∪ {(i − 1) mod (n − 1) + 1 : i ∈ {k − w, …, k + w}},  A_n = [n].
+    """
+
+    w: int
+
+    def __post_init__(self) -> None:
+        check_positive("w", self.w)
+
+    def _graph(self, n: int) -> AttentionGraph:
+        m = n - 1  # ordinary tokens 0..n-2; relay n-1
+        rows = [torch.full((n,), m)]
+        cols = [torch.arange(n)]
+        if m > 0:
+            ring = (torch.arange(m)[:, None] + torch.arange(-self.w, self.w + 1)) % m
+            relay = torch.full((m, 1), m)
+            table = torch.cat([ring, relay], 1)
+            rows.append(_rows(m, table.shape[1]).reshape(-1))
+            cols.append(table.reshape(-1))
+        return AttentionGraph.from_edges(torch.cat(rows), torch.cat(cols), n, n)
+
+    def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
+        m = n - 1
+        relay = (q_idx == m) | (kv_idx == m)
+        dist = (kv_idx - q_idx) % max(m, 1)
+        return relay | (dist <= self.w) | (dist >= m - self.w)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class GlobalTokens(Pattern):
+    """Global tokens (Longformer, BigBird): each attends to all keys and all attend to it.
+
+    ``tokens`` is an int g (the first g positions) or explicit positions; those >= n are dropped.
+    """
+
+    tokens: int | tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tokens, int):
+            check_positive("global_tokens", self.tokens)
+        else:
+            object.__setattr__(self, "tokens", tuple(sorted(set(int(t) for t in self.tokens))))
+            if not self.tokens or self.tokens[0] < 0:
+                raise ValueError(f"global_tokens must be non-empty and >= 0, got {self.tokens}")
+
+    def positions(self, n: int) -> Tensor:
+        if isinstance(self.tokens, int):
+            return torch.arange(min(self.tokens, n))
+        pos = torch.tensor(self.tokens)
+        return pos[pos < n]
+
+    def _graph(self, n: int) -> AttentionGraph:
+        g = self.positions(n)
+        rows = torch.cat([g.repeat_interleave(n), torch.arange(n).repeat_interleave(g.numel())])
+        cols = torch.cat([torch.arange(n).repeat(g.numel()), g.repeat(n)])
+        return AttentionGraph.from_edges(rows, cols, n, n)
+
+    def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
+        g = self.positions(n)
+        return torch.isin(q_idx, g) | torch.isin(kv_idx, g)
+
+
+def _random_subsets(rows: int, n: int, k: int, gen: torch.Generator) -> Tensor:
+    """LongTensor[rows, k]: for each row a uniform random k-subset of [n], in O(rows·k) expected.
+
+    The first k distinct values of an i.i.d. uniform sequence form a uniform k-subset; we draw
+    with replacement and redraw the (rare) rows that came up short.
+    """
+    if 2 * k > n:  # dense regime: a random permutation per row costs O(n) = O(k)
+        return torch.rand(rows, n, generator=gen).argsort(-1)[:, :k]
+    out = torch.empty(rows, k, dtype=torch.long)
+    todo = torch.arange(rows)
+    draws = 2 * k + 8
+    while todo.numel():
+        cand = torch.randint(n, (todo.numel(), draws), generator=gen)
+        sorted_cand, order = cand.sort(dim=-1, stable=True)
+        first = torch.ones_like(cand, dtype=torch.bool)
+        first[:, 1:] = sorted_cand[:, 1:] != sorted_cand[:, :-1]
+        first_pos = torch.full_like(cand, draws).scatter_(1, order, torch.where(
+            first, order, torch.full_like(order, draws)))
+        pos, _ = first_pos.sort(-1)
+        ok = pos[:, k - 1] < draws
+        out[todo[ok]] = cand[ok].gather(1, pos[ok, :k])
+        todo = todo[~ok]
+        draws *= 2
+    return out
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Random(Pattern):
+    """RANDOM (Yun §5): each query attends to ``k`` keys drawn uniformly without replacement
+    (or ``round(density · n)``, at least 1), independently per query, from ``seed``."""
+
+    k: int | None = None
+    density: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.k is None) == (self.density is None):
+            raise ValueError("random pattern: give exactly one of k or density")
+        if self.k is not None:
+            check_positive("k", self.k)
+        elif not 0 < self.density <= 1:
+            raise ValueError(f"density must lie in (0, 1], got {self.density}")
+
+    def keys_per_query(self, n: int) -> int:
+        k = self.k if self.k is not None else max(1, round(self.density * n))
+        return min(k, n)
+
+    def _graph(self, n: int) -> AttentionGraph:
+        gen = torch.Generator().manual_seed(self.seed)
+        table = _random_subsets(n, n, self.keys_per_query(n), gen)
+        return AttentionGraph.from_neighbours(table, None, n)
+
+    def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
+        return self.graph(n).allows(q_idx, kv_idx)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class RandomBlocks(Pattern):
+    """BigBird's random attention: every query block of size ``block`` attends to
+    ``random_blocks`` key blocks drawn uniformly without replacement (from ``seed``)."""
+
+    random_blocks: int
+    block: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_positive("random_blocks", self.random_blocks)
+        check_positive("block", self.block)
+
+    def block_table(self, n: int) -> Tensor:
+        """LongTensor[ceil(n/b), r]: the key blocks chosen by each query block."""
+        nb = -(-n // self.block)
+        gen = torch.Generator().manual_seed(self.seed)
+        return _random_subsets(nb, nb, min(self.random_blocks, nb), gen)
+
+    def _graph(self, n: int) -> AttentionGraph:
+        table = self.block_table(n)  # (nb, r)
+        keys = (table[:, :, None] * self.block + torch.arange(self.block)).flatten(1)
+        per_query = keys[torch.arange(n) // self.block]
+        return _table(per_query, n)
+
+    def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
+        table = self.block_table(n)[q_idx.clamp(0, n - 1) // self.block]
+        return (table == (kv_idx // self.block)[..., None]).any(-1)
+
+
+# --------------------------------------------------------------------------- factories
+def dense() -> Pattern:
+    """Full attention, A_k = [n]."""
+    return Dense()
+
+
+def window(w: int) -> Pattern:
+    """Sliding window, Yun eq. (4) A¹: keys k − ⌈w/2⌉ … k + ⌊w/2⌋ (so ``window(512)`` is ±256)."""
+    return Window(w)
+
+
+def strided(w: int, part: int | None = None) -> Pattern:
+    """STRIDED (Child et al.; Yun eq. 4): ``part=1`` the window A¹, ``part=2`` the stride A²,
+    ``None`` their union (Yun §5.1 UNION). ``strided(w).parts`` gives (A¹, A²)."""
+    from .compose import union
+
+    parts = (Window(w), Stride(w))
+    return _pick("strided", parts, part, union)
+
+
+def fixed(w: int, part: int | None = None) -> Pattern:
+    """FIXED (Child et al.; Yun eq. 5): ``part=1`` own segment of w, ``part=2`` {k} ∪ segment
+    ends, ``None`` their union. ``fixed(w).parts`` gives (A¹, A²)."""
+    from .compose import union
+
+    parts = (BlockLocal(w), FixedSummary(w))
+    return _pick("fixed", parts, part, union)
+
+
+def _pick(name, parts, part, union):
+    if part is None:
+        return union(*parts, name=name)
+    if part not in (1, 2):
+        raise ValueError(f"part must be 1, 2 or None (the union), got {part!r}")
+    return parts[part - 1]
+
+
+def star(w: int) -> Pattern:
+    """STAR (Guo et al.; Yun eq. 6) with the relay token at the last position."""
+    return Star(w)
+
+
+def global_tokens(tokens: int | Sequence[int]) -> Pattern:
+    """Global tokens: the first ``tokens`` positions (int) or the given positions."""
+    return _global(tokens)
+
+
+def _global(tokens: int | Sequence[int]) -> GlobalTokens:
+    return GlobalTokens(tokens if isinstance(tokens, int) else tuple(tokens))
+
+
+def random(k: int | None = None, density: float | None = None, seed: int = 0) -> Pattern:
+    """RANDOM: ``k`` (or ``density·n``) uniform random keys per query, seeded."""
+    return Random(k, density, seed)
+
+
+def random_blocks(random_blocks: int, block: int, seed: int = 0) -> Pattern:
+    """BigBird random block attention."""
+    return RandomBlocks(random_blocks, block, seed)
+
+
+def block_local(block: int) -> Pattern:
+    """Block-diagonal local attention in blocks of ``block`` tokens."""
+    return BlockLocal(block)
+
+
+def longformer(w: int, global_tokens: int | Sequence[int] = 1) -> Pattern:
+    """Longformer (Beltagy et al.): window(w) ∪ global tokens."""
+    from .compose import union
+
+    return union(Window(w), _global(global_tokens), name="longformer")
+
+
+def bigbird(
+    w: int,
+    global_tokens: int | Sequence[int] = 1,
+    random_blocks: int = 1,
+    block: int = 16,
+    seed: int = 0,
+) -> Pattern:
+    """BigBird (Zaheer et al.): window(w) ∪ global tokens ∪ ``random_blocks`` random key blocks
+    per query block of ``block`` tokens."""
+    from .compose import union
+
+    return union(Window(w), _global(global_tokens), RandomBlocks(random_blocks, block, seed), name="bigbird")
