@@ -47,17 +47,15 @@ def chunk_rows(degrees: Tensor, budget: int) -> list[Tensor]:
 
 
 def _chunk(q_rows, k_src, v_src, key_idx, valid, prob_map, scale, dropout_p, key_ok):
-    """q_rows (m, b, d); k_src (N, b, d); key_idx/valid (m, K) → out (m, b, d_v)."""
-    kk = k_src[key_idx]  # (m, K, b, d)
-    vv = v_src[key_idx]
-    scores = torch.einsum("mbd,mkbd->mbk", q_rows, kk) * scale
-    mask = valid[:, None, :]
-    if key_ok is not None:  # (N, b) real-key flags, gathered like K
-        mask = mask & key_ok[key_idx].transpose(1, 2)
+    """q_rows (b, m, d); k_src (b, N, d); key_idx/valid (m, K) → out (b, m, d_v)."""
+    kk = k_src[:, key_idx]  # (b, m, K, d): batch-first keeps the products as plain bmm
+    vv = v_src[:, key_idx]
+    scores = torch.einsum("bmd,bmkd->bmk", q_rows, kk) * scale
+    mask = valid if key_ok is None else valid & key_ok[:, key_idx]  # key_ok: (b, N)
     weights = prob_map(scores, mask)
     if dropout_p:
         weights = F.dropout(weights, dropout_p)
-    return torch.einsum("mbk,mkbd->mbd", weights, vv)
+    return torch.einsum("bmk,bmkd->bmd", weights, vv)
 
 
 def gather_attention(
@@ -69,52 +67,39 @@ def gather_attention(
     scale: float,
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
-    budget: int = 1 << 16,
+    budget: int = 1 << 18,
 ) -> Tensor:
     """Sparse attention over neighbour lists (same contract as ``dense_attention``).
 
     A static graph (``batch_shape == ()``) is shared by all (batch, head) pairs, which ride
-    along as one axis of size B·H; a batched graph is expanded to (B, H) and every flattened
-    row gathers from its own (batch, head) slice.
+    along as a leading axis of size B·H; a batched graph is expanded to (B, H) and every
+    flattened row gathers from its own (batch, head) slice of the flattened keys.
+    ``budget`` bounds (B·H or 1) × rows × K per chunk.
     """
     bsz, heads, n_q, d = q.shape
     n_k, d_v = k.shape[-2], v.shape[-1]
-    bh = bsz * heads
-    key_ok = None
-    if graph.batch_shape == ():
-        q_src = q.reshape(bh, n_q, d).transpose(0, 1)  # (n_q, BH, d)
-        k_src = k.reshape(bh, n_k, d).transpose(0, 1)
-        v_src = v.reshape(bh, n_k, d_v).transpose(0, 1)
-        if key_padding_mask is not None:
-            key_ok = key_padding_mask.repeat_interleave(heads, 0).transpose(0, 1)  # (n_k, BH)
-        offset_of = None
-    else:
+    static = graph.batch_shape == ()
+    b = bsz * heads if static else 1
+    if not static:
         graph = graph.expand((bsz, heads))
-        q_src = q.reshape(bh * n_q, 1, d)
-        k_src = k.reshape(bh * n_k, 1, d)
-        v_src = v.reshape(bh * n_k, 1, d_v)
-        if key_padding_mask is not None:
-            key_ok = key_padding_mask.repeat_interleave(heads, 0).reshape(bh * n_k, 1)
-        offset_of = n_k
-    b = q_src.shape[1]
+    q_src = q.reshape(b, -1, d)  # (BH, n_q, d) or (1, BH·n_q, d)
+    k_src = k.reshape(b, -1, d)
+    v_src = v.reshape(b, -1, d_v)
+    key_ok = None
+    if key_padding_mask is not None:
+        key_ok = key_padding_mask.repeat_interleave(heads, 0).reshape(b, -1)
     use_ckpt = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    outs, rows_all = [], []
+    outs, order = [], []
     for rows in chunk_rows(graph.degrees.reshape(-1), max(1, budget // b)):
         idx, valid = graph.neighbours(rows)
-        if offset_of is not None:
+        if not static:  # flattened row r = (bh, i) reads keys bh·n_k + j
             idx = idx + (rows // n_q * n_k)[:, None]
-        idx, valid = idx.to(q.device), valid.to(q.device)
-        args = (q_src[rows.to(q.device)], k_src, v_src, idx, valid, prob_map, scale, dropout_p,
-                key_ok)
-        if use_ckpt:
-            outs.append(checkpoint(_chunk, *args, use_reentrant=False))
-        else:
-            outs.append(_chunk(*args))
-        rows_all.append(rows)
-    out = torch.cat(outs)  # rows in chunk order
-    inverse = torch.empty_like(torch.cat(rows_all))
-    inverse[torch.cat(rows_all)] = torch.arange(inverse.numel())
-    out = out[inverse.to(q.device)]  # (R, b, d_v) in row order
-    if offset_of is None:
-        return out.transpose(0, 1).reshape(bsz, heads, n_q, d_v)
-    return out.reshape(bsz, heads, n_q, d_v)
+        rows_dev = rows.to(q.device)
+        args = (q_src[:, rows_dev], k_src, v_src, idx.to(q.device), valid.to(q.device),
+                prob_map, scale, dropout_p, key_ok)
+        outs.append(checkpoint(_chunk, *args, use_reentrant=False) if use_ckpt else _chunk(*args))
+        order.append(rows_dev)
+    order = torch.cat(order)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return torch.cat(outs, 1)[:, inverse].reshape(bsz, heads, n_q, d_v)

@@ -1,0 +1,275 @@
+"""Probability maps ρ: padded ragged rows of attention scores → attention weights.
+
+Yun et al. 2020 (§3.1, appendix B) write attention as ``ρ(scores) · V`` for a general probability
+map ρ that replaces the softmax σ_S. Every map here acts along the last dim of ``scores``
+(shape ``(..., K)``) and takes an optional boolean ``valid`` mask, broadcastable to ``scores``
+(``None`` = all valid), that marks the real entries of a padded ragged row.
+
+Rules shared by all maps:
+
+* padding (``valid == False``) receives exactly 0.0 weight and 0.0 gradient; padded score values
+  are never read, so they may be anything (``±inf``, NaN, garbage);
+* valid scores must be finite; each row with at least one valid entry sums to 1;
+* **a row with no valid entry maps to an all-zero row** with zero gradient, never NaN (the
+  engines reject empty pattern rows at their public boundary; here the case is defined);
+* all maps are shift invariant, so the (detached) max of the valid entries is subtracted first;
+* float32 and float64, any number of leading dims. Sparse maps output exact zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from numbers import Real
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx
+
+__all__ = [
+    "ProbabilityMap",
+    "entmax",
+    "hardmax",
+    "resolve_prob_map",
+    "softmax",
+    "sparselin_gen",
+    "sparsemax",
+]
+
+Kernel = Callable[[Tensor, Tensor], Tensor]
+"""``kernel(z, valid) -> p``: z (..., K) shifted scores (valid max 0, padding 0), valid (..., K)."""
+
+
+class ProbabilityMap:
+    """A probability map ρ applied along the last dim of a padded score tensor.
+
+    Attributes:
+        name: short name, e.g. ``"entmax"``.
+        sparse: whether the map can give exact zeros to valid entries.
+        params: hyper-parameters shown by ``repr``, e.g. ``{"alpha": 1.5}``.
+    """
+
+    def __init__(self, name: str, kernel: Kernel, *, sparse: bool, **params: float) -> None:
+        self.name = name
+        self.sparse = sparse
+        self.params = params
+        self._kernel = kernel
+
+    def __call__(self, scores: Tensor, valid: Tensor | None = None) -> Tensor:
+        """Weights ρ(scores) of shape (..., K) for scores (..., K) and a bool mask ``valid``."""
+        if not isinstance(scores, Tensor) or not scores.is_floating_point():
+            kind = scores.dtype if isinstance(scores, Tensor) else type(scores).__name__
+            raise TypeError(f"scores must be a floating-point tensor, got {kind}")
+        if scores.dim() == 0:
+            raise ValueError("scores must have at least one dim (the row dim K), got a 0-d tensor")
+        if valid is None:
+            valid = torch.ones_like(scores, dtype=torch.bool)
+        elif not isinstance(valid, Tensor) or valid.dtype != torch.bool:
+            kind = valid.dtype if isinstance(valid, Tensor) else type(valid).__name__
+            raise TypeError(f"valid must be a bool tensor or None, got {kind}")
+        else:
+            try:
+                valid = valid.expand(scores.shape)
+            except RuntimeError as err:
+                raise ValueError(
+                    f"valid of shape {tuple(valid.shape)} must broadcast to scores of shape "
+                    f"{tuple(scores.shape)}"
+                ) from err
+        if scores.shape[-1] == 0:
+            return torch.zeros_like(scores)
+        return self._kernel(_shift(scores, valid), valid)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{key}={value!r}" for key, value in self.params.items())
+        return f"{self.name}({args})"
+
+
+def _shift(scores: Tensor, valid: Tensor) -> Tensor:
+    """Valid scores minus their detached row max (exact for shift-invariant ρ); padding → 0."""
+    row_max = scores.detach().masked_fill(~valid, -math.inf).amax(-1, keepdim=True)
+    return torch.where(valid, scores - row_max, 0.0)
+
+
+def _safe_divide(num: Tensor, den: Tensor) -> Tensor:
+    """num / den, with den = 0 (an all-invalid row, where num = 0 too) giving 0."""
+    return num / torch.where(den > 0, den, 1.0)
+
+
+def _softmax(z: Tensor, valid: Tensor) -> Tensor:
+    e = torch.where(valid, z.exp(), 0.0)
+    return _safe_divide(e, e.sum(-1, keepdim=True))
+
+
+def _hardmax(z: Tensor, valid: Tensor) -> Tensor:
+    top = (valid & (z == 0)).to(z.dtype)  # z == 0 exactly at the row maxima
+    # `z * 0` keeps the output in the autograd graph with its true (zero) gradient.
+    return _safe_divide(top, top.sum(-1, keepdim=True)) + z * 0
+
+
+def _sorted_rows(x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows sorted descending, padding last and set to 0 (no -inf in a cumsum).
+
+    Returns the sorted rows (..., K), the ranks k = 1..K (K,) and ``in_row`` (..., K): k ≤ count.
+    """
+    xs = x.masked_fill(~valid, -math.inf).sort(dim=-1, descending=True).values
+    k = torch.arange(1, x.shape[-1] + 1, dtype=x.dtype, device=x.device)
+    in_row = k <= valid.sum(-1, keepdim=True)
+    return xs.masked_fill(~in_row, 0.0), k, in_row
+
+
+def _threshold_at_support(per_k: Tensor, support: Tensor) -> Tensor:
+    """τ = per_k[k* − 1] with k* = |support| (..., 1); rows with no support read index 0."""
+    last = (support.sum(-1, keepdim=True) - 1).clamp_min(0)
+    return per_k.gather(-1, last)
+
+
+def _sparsemax_sort(z: Tensor, valid: Tensor) -> Tensor:
+    """Sparsemax by sorting (Martins & Astudillo 2016): p = [z − τ]₊, τ = (Σ_{j≤k*} z_(j) − 1)/k*,
+    k* = max{k : 1 + k z_(k) > Σ_{j≤k} z_(j)}."""
+    zs, k, in_row = _sorted_rows(z, valid)
+    cumsum = zs.cumsum(-1)
+    support = in_row & (1 + k * zs > cumsum)
+    tau = _threshold_at_support((cumsum - 1) / k, support)
+    return (z - tau).clamp_min(0.0).masked_fill(~valid, 0.0)
+
+
+def _entmax15_sort(z: Tensor, valid: Tensor) -> Tensor:
+    """1.5-entmax by sorting (Peters et al. 2019): with x = z/2 sorted, for each prefix k,
+    τ_k = mean_k − sqrt([(1 − k·var_k)/k]₊); k* = |{k : τ_k ≤ x_(k)}|; p = [x − τ_{k*}]₊²."""
+    x = z / 2
+    xs, k, in_row = _sorted_rows(x, valid)
+    mean = xs.cumsum(-1) / k
+    mean_sq = (xs * xs).cumsum(-1) / k
+    delta = (1 - k * (mean_sq - mean * mean)) / k
+    tau_k = mean - delta.clamp_min(0.0).sqrt()
+    tau = _threshold_at_support(tau_k, in_row & (tau_k <= xs))
+    return (x - tau).clamp_min(0.0).square().masked_fill(~valid, 0.0)
+
+
+def _entmax_bisect(z: Tensor, valid: Tensor, alpha: float) -> Tensor:
+    """α-entmax by bisection on τ (Yun et al. appendix B.3): p = [(α−1) z − τ]₊^{1/(α−1)}, Σ p = 1.
+
+    With max (α−1)z = 0, τ ∈ [−1, −count^{1−α}]. After (mantissa bits + 12) halvings (64 in
+    float64, 35 in float32) the lower end, where Σ p ≥ 1 holds, is used and the row renormalised.
+    """
+    x = ((alpha - 1) * z).masked_fill(~valid, -math.inf)
+    count = valid.sum(-1, keepdim=True).clamp_min(1).to(z.dtype)
+
+    def weights(tau: Tensor) -> Tensor:
+        return (x - tau).clamp_min(0.0).pow(1 / (alpha - 1))
+
+    tau_lo = torch.full_like(count, -1.0)
+    width = 1 - count.pow(1 - alpha)
+    for _ in range(12 - int(math.log2(torch.finfo(z.dtype).eps))):
+        width = width / 2
+        tau_mid = tau_lo + width
+        tau_lo = torch.where(weights(tau_mid).sum(-1, keepdim=True) >= 1, tau_mid, tau_lo)
+    p = weights(tau_lo)
+    return _safe_divide(p, p.sum(-1, keepdim=True))
+
+
+class _EntmaxFunction(torch.autograd.Function):
+    """α-entmax (α > 1) with the closed-form backward (Peters et al. 2019): with s = p^{2−α} on
+    the support (α = 2: s = 1[p > 0]), ∂L/∂z = s⊙g − s · Σ(s⊙g) / Σs."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, z: Tensor, valid: Tensor, alpha: float) -> Tensor:
+        if alpha == 2.0:
+            p = _sparsemax_sort(z, valid)
+        elif alpha == 1.5:
+            p = _entmax15_sort(z, valid)
+        else:
+            p = _entmax_bisect(z, valid, alpha)
+        ctx.alpha = alpha
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (p,) = ctx.saved_tensors
+        s = torch.where(p > 0, p.pow(2.0 - ctx.alpha), 0.0)
+        sg = s * grad
+        return sg - s * _safe_divide(sg.sum(-1, keepdim=True), s.sum(-1, keepdim=True)), None, None
+
+
+def _entmax_kernel(alpha: float) -> Kernel:
+    return lambda z, valid: _EntmaxFunction.apply(z, valid, alpha)
+
+
+def _check_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def softmax() -> ProbabilityMap:
+    """Softmax σ_S (Yun et al. appendix B.1): p_j = exp(v_j) / Σ_i exp(v_i) over valid entries."""
+    return ProbabilityMap("softmax", _softmax, sparse=False)
+
+
+def hardmax() -> ProbabilityMap:
+    """Hardmax: one-hot on the argmax of the valid entries (the limit in Yun et al. Assumption 2).
+
+    Ties: the weight is split uniformly, 1/m to each of the m tied maxima, so ``[1, 3, 3, 0]`` →
+    ``[0, 0.5, 0.5, 0]``. The map is piecewise constant: its gradient is exactly zero.
+    """
+    return ProbabilityMap("hardmax", _hardmax, sparse=True)
+
+
+def sparsemax() -> ProbabilityMap:
+    """Sparsemax (Martins & Astudillo 2016), the Euclidean projection onto the simplex:
+    p = [v − τ]₊ with Σ p = 1; equals ``entmax(2)``. Exact, sort-based."""
+    return ProbabilityMap("sparsemax", _entmax_kernel(2.0), sparse=True)
+
+
+def sparselin_gen(lam: float) -> ProbabilityMap:
+    """Sparselin-gen (Yun et al. appendix B.2): ρ(v)_j = max(0, (v_j − τ)/(1 − λ)), Σ ρ = 1.
+
+    Solves argmin_{p ∈ Δ} ‖p − v‖² − λ‖p‖²; it equals sparsemax(v / (1 − λ)). ``lam`` ∈ [0, 1).
+    """
+    lam = _check_real("lam", lam)
+    if not 0.0 <= lam < 1.0:
+        raise ValueError(f"lam must lie in [0, 1), got {lam}")
+    sparsemax_kernel = _entmax_kernel(2.0)
+
+    def kernel(z: Tensor, valid: Tensor) -> Tensor:
+        return sparsemax_kernel(z / (1 - lam), valid)
+
+    return ProbabilityMap("sparselin_gen", kernel, sparse=True, lam=lam)
+
+
+def entmax(alpha: float) -> ProbabilityMap:
+    """α-entmax (Yun et al. appendix B.3): p_j = [(α−1) v_j − τ]₊^{1/(α−1)} with Σ p = 1.
+
+    α = 1 is softmax; α = 1.5 and α = 2 (sparsemax) are exact and sort-based; any other α > 1
+    uses bisection on τ to float precision. Backward is closed-form (no autograd through the sort
+    or the bisection loop). ``alpha`` must be finite and ≥ 1.
+    """
+    alpha = _check_real("alpha", alpha)
+    if alpha < 1.0:
+        raise ValueError(f"alpha must be >= 1 (1 = softmax), got {alpha}")
+    kernel = _softmax if alpha == 1.0 else _entmax_kernel(alpha)
+    return ProbabilityMap("entmax", kernel, sparse=alpha > 1.0, alpha=alpha)
+
+
+_NAMED: dict[str, Callable[[], ProbabilityMap]] = {
+    "softmax": softmax,
+    "hardmax": hardmax,
+    "sparsemax": sparsemax,
+    "entmax15": lambda: entmax(1.5),
+    "entmax": lambda: entmax(1.5),
+}
+
+
+def resolve_prob_map(spec: str | ProbabilityMap) -> ProbabilityMap:
+    """A ProbabilityMap from a name (``"softmax"``, ``"hardmax"``, ``"sparsemax"``,
+    ``"entmax15"``, ``"entmax"`` = 1.5-entmax) or an existing map (returned as is)."""
+    if isinstance(spec, ProbabilityMap):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a str or a ProbabilityMap, got {type(spec).__name__}")
+    if spec not in _NAMED:
+        raise ValueError(f"spec must be one of {sorted(_NAMED)}, got {spec!r}")
+    return _NAMED[spec]()
