@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .engines import ENGINES
-from .graph import AttentionGraph
+from .graph import AttentionGraph, broadcast_or_none
 from .maps import ProbabilityMap, resolve_prob_map
 from .patterns import HeadSplit, Pattern, PatternCycle, as_cycle, dense
 
@@ -47,27 +47,25 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
             raise ValueError(f"{name} contains NaN or inf")
 
 
-def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
-    if len(shape) > len(target):
-        return False
-    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False))
-
-
 def resolve_graph(pattern: Pattern | AttentionGraph, q: Tensor, k: Tensor) -> AttentionGraph:
     """The AttentionGraph a pattern (or a ready graph) gives for these q, k; validated."""
     if isinstance(pattern, PatternCycle):
-        raise TypeError("a cycle of patterns is per layer: pass cycle[layer] (or use SparseAttention)")
+        raise TypeError(
+            "a cycle of patterns is per layer: pass cycle[layer] (or use SparseAttention)"
+        )
     if isinstance(pattern, Pattern):
         graph = pattern.build(q, k)
     elif isinstance(pattern, AttentionGraph):
         graph = pattern
     else:
-        raise TypeError(f"pattern must be a Pattern or an AttentionGraph, got {type(pattern).__name__}")
+        raise TypeError(
+            f"pattern must be a Pattern or an AttentionGraph, got {type(pattern).__name__}"
+        )
     bsz, heads, n_q, _ = q.shape
     n_k = k.shape[-2]
     if (graph.n_q, graph.n_k) != (n_q, n_k):
         raise ValueError(f"graph is {graph.n_q}×{graph.n_k} but q, k give {n_q}×{n_k}")
-    if not _broadcasts_to(graph.batch_shape, (bsz, heads)):
+    if broadcast_or_none(graph.batch_shape, (bsz, heads)) != (bsz, heads):
         raise ValueError(
             f"graph batch_shape {graph.batch_shape} does not broadcast to (batch, heads) "
             f"= {(bsz, heads)}"
@@ -123,15 +121,14 @@ def sparse_attention(
     _check_qkv(q, k, v)
     rho = resolve_prob_map(prob_map)
     graph = resolve_graph(pattern, q, k)
-    if key_padding_mask is not None:
-        if key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (
-            q.shape[0],
-            k.shape[-2],
-        ):
-            raise ValueError(
-                f"key_padding_mask must be a bool tensor of shape {(q.shape[0], k.shape[-2])}, "
-                f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
-            )
+    expected = (q.shape[0], k.shape[-2])
+    if key_padding_mask is not None and (
+        key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != expected
+    ):
+        raise ValueError(
+            f"key_padding_mask must be a bool tensor of shape {expected}, "
+            f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+        )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
     if engine == "auto":
@@ -192,11 +189,18 @@ class SparseAttention(nn.Module):
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         """x: (batch, n, embed_dim) → (batch, n, embed_dim); key_padding_mask: (batch, n)."""
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
-            raise ValueError(f"x must have shape (batch, n, {self.embed_dim}), got {tuple(x.shape)}")
+            raise ValueError(
+                f"x must have shape (batch, n, {self.embed_dim}), got {tuple(x.shape)}"
+            )
         bsz, n, _ = x.shape
         q, k, v = self.qkv(x).view(bsz, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         out = sparse_attention(
-            q, k, v, self.pattern, self.prob_map, self.engine,
+            q,
+            k,
+            v,
+            self.pattern,
+            self.prob_map,
+            self.engine,
             key_padding_mask=key_padding_mask,
             dropout_p=self.dropout if self.training else 0.0,
         )

@@ -29,6 +29,14 @@ def _prod(shape: Sequence[int]) -> int:
     return math.prod(shape) if shape else 1
 
 
+def broadcast_or_none(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """torch.broadcast_shapes, or None when the shapes do not broadcast."""
+    try:
+        return tuple(torch.broadcast_shapes(a, b))
+    except RuntimeError:
+        return None
+
+
 class AttentionGraph:
     """A sparse attention graph G = {(i, j) : query i may attend to key j}.
 
@@ -81,7 +89,9 @@ class AttentionGraph:
         rows = rows.reshape(-1).long()
         cols = cols.reshape(-1).long()
         if rows.numel() and (cols.min() < 0 or cols.max() >= n_k):
-            raise ValueError(f"key indices must lie in [0, {n_k}), got [{cols.min()}, {cols.max()}]")
+            raise ValueError(
+                f"key indices must lie in [0, {n_k}), got [{cols.min()}, {cols.max()}]"
+            )
         key = torch.unique(rows * n_k + cols)  # sorted: by row, then by key
         rows, cols = key // n_k, key % n_k
         counts = torch.bincount(rows, minlength=n_rows)
@@ -165,7 +175,9 @@ class AttentionGraph:
     def row_indices(self) -> Tensor:
         """LongTensor[E]: the flattened row of every stored edge (CSR expanded to COO)."""
         return torch.repeat_interleave(
-            torch.arange(self.num_rows), self.crow[1:] - self.crow[:-1], output_size=self.col.numel()
+            torch.arange(self.num_rows),
+            self.crow[1:] - self.crow[:-1],
+            output_size=self.col.numel(),
         )
 
     # ------------------------------------------------------------------ views
@@ -264,7 +276,7 @@ class AttentionGraph:
         batch_shape = tuple(batch_shape)
         if batch_shape == self.batch_shape:
             return self
-        if tuple(torch.broadcast_shapes(self.batch_shape, batch_shape)) != batch_shape:
+        if broadcast_or_none(self.batch_shape, batch_shape) != batch_shape:
             raise ValueError(f"cannot expand batch_shape {self.batch_shape} to {batch_shape}")
         ids = torch.arange(_prod(self.batch_shape)).view(self.batch_shape)
         ids = ids.expand(batch_shape).reshape(-1)
@@ -287,7 +299,11 @@ class AttentionGraph:
             raise ValueError(
                 f"graphs have different sizes: {(self.n_q, self.n_k)} vs {(other.n_q, other.n_k)}"
             )
-        shape = tuple(torch.broadcast_shapes(self.batch_shape, other.batch_shape))
+        shape = broadcast_or_none(self.batch_shape, other.batch_shape)
+        if shape is None:
+            raise ValueError(
+                f"batch shapes {self.batch_shape} and {other.batch_shape} do not broadcast"
+            )
         return self.expand(shape), other.expand(shape)
 
     def union(self, other: AttentionGraph) -> AttentionGraph:

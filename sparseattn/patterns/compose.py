@@ -143,8 +143,12 @@ class HeadSplit(Pattern):
         """FlexAttention-shaped predicate (h, q_idx, kv_idx) for the given number of heads."""
         bounds = torch.tensor(self.head_sizes(num_heads)).cumsum(0)
         group = torch.bucketize(torch.as_tensor(head), bounds, right=True)
-        out = torch.zeros(torch.broadcast_shapes(group.shape, torch.as_tensor(q_idx).shape,
-                                                 torch.as_tensor(kv_idx).shape), dtype=torch.bool)
+        out = torch.zeros(
+            torch.broadcast_shapes(
+                group.shape, torch.as_tensor(q_idx).shape, torch.as_tensor(kv_idx).shape
+            ),
+            dtype=torch.bool,
+        )
         for g, p in enumerate(self.patterns):
             out |= (group == g) & p.allows(q_idx, kv_idx, n)
         return out

@@ -128,7 +128,7 @@ class FixedSummary(Pattern):
         check_positive("w", self.w)
 
     def _graph(self, n: int) -> AttentionGraph:
-        summary = torch.arange(self.w - 1, n, self.w).view(1, -1).expand(n, -1)
+        summary = torch.arange(self.w - 1, max(n, self.w - 1), self.w).view(1, -1).expand(n, -1)
         return _table(torch.cat([torch.arange(n)[:, None], summary], 1), n)
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
@@ -216,8 +216,9 @@ def _random_subsets(rows: int, n: int, k: int, gen: torch.Generator) -> Tensor:
         sorted_cand, order = cand.sort(dim=-1, stable=True)
         first = torch.ones_like(cand, dtype=torch.bool)
         first[:, 1:] = sorted_cand[:, 1:] != sorted_cand[:, :-1]
-        first_pos = torch.full_like(cand, draws).scatter_(1, order, torch.where(
-            first, order, torch.full_like(order, draws)))
+        first_pos = torch.full_like(cand, draws).scatter_(
+            1, order, torch.where(first, order, torch.full_like(order, draws))
+        )
         pos, _ = first_pos.sort(-1)
         ok = pos[:, k - 1] < draws
         out[todo[ok]] = cand[ok].gather(1, pos[ok, :k])
@@ -370,4 +371,6 @@ def bigbird(
     per query block of ``block`` tokens."""
     from .compose import union
 
-    return union(Window(w), _global(global_tokens), RandomBlocks(random_blocks, block, seed), name="bigbird")
+    return union(
+        Window(w), _global(global_tokens), RandomBlocks(random_blocks, block, seed), name="bigbird"
+    )
