@@ -1,4 +1,4 @@
-"""Engines: how the work on a graph is done. ``dense`` is the reference; ``gather`` the sparse one."""
+"""Engines: how the work on a graph is done (``dense`` is the reference)."""
 
 from .dense import dense_attention
 from .gather import gather_attention
