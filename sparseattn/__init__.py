@@ -1,7 +1,7 @@
 """sparseattn: sparse attention for PyTorch — patterns, probability maps, engines, one data path."""
 
 from . import maps, patterns
-from .attention import SparseAttention, sparse_attention
+from .attention import SparseAttention, attention_weights, sparse_attention
 from .graph import AttentionGraph
 from .maps import ProbabilityMap, entmax, hardmax, softmax, sparselin_gen, sparsemax
 from .patterns import (
@@ -30,6 +30,7 @@ __all__ = [
     "Pattern",
     "ProbabilityMap",
     "SparseAttention",
+    "attention_weights",
     "bigbird",
     "block_local",
     "cycle",

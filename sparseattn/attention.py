@@ -15,7 +15,13 @@ from .graph import AttentionGraph, broadcast_or_none
 from .maps import ProbabilityMap, resolve_prob_map
 from .patterns import HeadSplit, Pattern, PatternCycle, as_cycle, dense
 
-__all__ = ["sparse_attention", "SparseAttention", "choose_engine", "resolve_graph"]
+__all__ = [
+    "sparse_attention",
+    "attention_weights",
+    "SparseAttention",
+    "choose_engine",
+    "resolve_graph",
+]
 
 #: Largest score matrix (B·H·n_q·n_k entries) for which ``auto`` uses the dense engine.
 DENSE_LIMIT = 1 << 22
@@ -121,14 +127,8 @@ def sparse_attention(
     _check_qkv(q, k, v)
     rho = resolve_prob_map(prob_map)
     graph = resolve_graph(pattern, q, k)
-    expected = (q.shape[0], k.shape[-2])
-    if key_padding_mask is not None and (
-        key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != expected
-    ):
-        raise ValueError(
-            f"key_padding_mask must be a bool tensor of shape {expected}, "
-            f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
-        )
+    if key_padding_mask is not None:
+        _check_key_padding(key_padding_mask, q, k)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
     if engine == "auto":
@@ -137,6 +137,39 @@ def sparse_attention(
         raise ValueError(f"engine must be one of {['auto', *ENGINES]}, got {engine!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return ENGINES[engine](q, k, v, graph, rho, scale, key_padding_mask, dropout_p)
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    pattern: Pattern | AttentionGraph,
+    prob_map: str | ProbabilityMap = "softmax",
+    scale: float | None = None,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """The attention matrix A = ρ(scale · QKᵀ on the graph) as a dense (B, H, n_q, n_k) tensor.
+
+    Zeros off the graph and on padded keys. O(n_q · n_k) memory: meant for analysis and for
+    methods that need A itself (MCA's sample sizes, Sparsefinder's gold graphs) at BERT lengths.
+    """
+    _check_qkv(q, k, k)
+    rho = resolve_prob_map(prob_map)
+    graph = resolve_graph(pattern, q, k)
+    mask = graph.to_dense().to(q.device)
+    if key_padding_mask is not None:
+        _check_key_padding(key_padding_mask, q, k)
+        mask = mask & key_padding_mask[:, None, None, :]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return rho((q @ k.transpose(-1, -2)) * scale, mask)
+
+
+def _check_key_padding(key_padding_mask: Tensor, q: Tensor, k: Tensor) -> None:
+    expected = (q.shape[0], k.shape[-2])
+    if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != expected:
+        raise ValueError(
+            f"key_padding_mask must be a bool tensor of shape {expected}, "
+            f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+        )
 
 
 class SparseAttention(nn.Module):

@@ -1,0 +1,163 @@
+"""MCA: Monte-Carlo approximation of the attention value product (Kim & Ko, AAAI 2022).
+
+Only the value projection H = X·W_V + b is approximated; the scores, the probability map and
+the product A·H̃ stay exact. Per head h with weight slice W_h (d_in × d_head), token j's value row
+is estimated from r_j input features drawn i.i.d. with p_h(k) = ‖W_h[k, :]‖² / ‖W_h‖_F²:
+
+    H̃[j] = (1/r_j) Σ_t X[j, k_t] W_h[k_t, :] / p_h(k_t) + b_h              (unbiased, Lemma 1)
+    E‖H̃[j] − X[j]W_h‖ ≤ ‖X[j]‖ ‖W_h‖_F / √r_j                               (Lemma 1, eq. 4)
+
+The sample sizes follow the attention each token receives (eq. 7):
+r_j = min(⌊(n · max_i A[i, j] / α)²⌋, d_in), at least 1; r_j = d_in is computed exactly, and
+α = 0 means exact everywhere. Then E‖Ỹ[i] − Y[i]‖ ≤ α β ‖W_h‖_F with β the mean row norm of X
+(Theorem 2; the supplement's eq. 8 divides by n once more, a slip — β already holds the 1/n).
+With the floor in eq. 7 the bound can exceed that by up to √2 for tokens with r_j < 2·(…)²;
+tests check it with margin.
+
+Unlike the reference code, every token draws its own samples (independent errors), r_j never
+rounds to 0, and padding tokens are excluded from the cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .attention import attention_weights
+from .graph import AttentionGraph
+from .maps import ProbabilityMap
+from .patterns import Pattern
+
+__all__ = ["sample_sizes", "mc_value_projection", "mca_attention", "MCAOutput", "head_weights"]
+
+
+def head_weights(weight: Tensor, num_heads: int) -> Tensor:
+    """nn.Linear weight (H·d_head, d_in) → per-head W_h of shape (H, d_in, d_head)."""
+    out_features, d_in = weight.shape
+    if out_features % num_heads:
+        raise ValueError(
+            f"weight rows ({out_features}) must be divisible by num_heads ({num_heads})"
+        )
+    return weight.view(num_heads, out_features // num_heads, d_in).transpose(1, 2)
+
+
+def sample_sizes(
+    weights: Tensor, alpha: float, d_in: int, query_mask: Tensor | None = None
+) -> Tensor:
+    """MCA eq. (7): r_j = min(⌊(n · max_i A[i, j] / α)²⌋, d_in), at least 1.
+
+    Args:
+        weights: attention A of shape (B, H, n_q, n_k).
+        alpha: error knob α ≥ 0; 0 means exact (r_j = d_in).
+        d_in: number of input features.
+        query_mask: optional bool (B, n_q), True for real queries; n counts real tokens and the
+            max runs over real queries only.
+    Returns:
+        LongTensor (B, H, n_k) in [1, d_in].
+    """
+    if not alpha >= 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    bsz, heads, n_q, n_k = weights.shape
+    if alpha == 0:
+        return torch.full((bsz, heads, n_k), d_in, dtype=torch.long, device=weights.device)
+    if query_mask is not None:
+        weights = weights.masked_fill(~query_mask[:, None, :, None], 0.0)
+        n = query_mask.sum(-1).view(bsz, 1, 1).to(weights.dtype)
+    else:
+        n = torch.tensor(float(n_q), dtype=weights.dtype)
+    root = n * weights.amax(dim=-2) / alpha
+    r = torch.floor(root.double().clamp(max=float(d_in)) ** 2)
+    return r.clamp(1, d_in).long()
+
+
+def mc_value_projection(
+    x: Tensor,
+    weight: Tensor,
+    r: Tensor,
+    bias: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Monte-Carlo estimate of X·W_h (+ b_h) with r_j samples for token j (Lemma 1).
+
+    Cost follows Σ r_j: all samples of a head are drawn at once and reduced per token with
+    index_add, so work is O(Σ_j r_j · d_head), never n · d_in · d_head, except for tokens with
+    r_j = d_in, which are projected exactly.
+
+    Args:
+        x: (B, n, d_in).
+        weight: (H, d_in, d_head) per-head value weights (see ``head_weights``).
+        r: LongTensor (B, H, n), sample sizes in [0, d_in]; 0 skips the token (its row is just
+            the bias: for padding, which no query attends to).
+        bias: optional (H, d_head).
+        generator: torch.Generator for reproducible draws.
+    Returns:
+        H̃ of shape (B, H, n, d_head).
+    """
+    bsz, n, d_in = x.shape
+    heads, _, d_head = weight.shape
+    prob = weight.pow(2).sum(-1)
+    prob = prob / prob.sum(-1, keepdim=True)  # (H, d_in): p_h(k)
+    x_flat = x.reshape(bsz * n, d_in)
+    out = x.new_zeros(heads, bsz * n, d_head)
+    for h in range(heads):
+        r_h = r[:, h].reshape(-1)  # (B·n,)
+        exact = r_h >= d_in
+        if exact.any():
+            out[h, exact] = x_flat[exact] @ weight[h]
+        tokens = ((r_h > 0) & ~exact).nonzero().squeeze(1)
+        if tokens.numel():
+            counts = r_h[tokens]
+            total = int(counts.sum())
+            owner = torch.repeat_interleave(tokens, counts, output_size=total)  # token per sample
+            feat = torch.multinomial(prob[h], total, replacement=True, generator=generator)
+            coef = x_flat[owner, feat] / (prob[h, feat] * r_h[owner])  # (S,)
+            out[h].index_add_(0, owner, coef[:, None] * weight[h, feat])
+    out = out.view(heads, bsz, n, d_head).transpose(0, 1)
+    if bias is not None:
+        out = out + bias[None, :, None, :]
+    return out
+
+
+@dataclass
+class MCAOutput:
+    """Result of ``mca_attention``: out (B, H, n_q, d_head); r (B, H, n_k) sample sizes;
+    macs_kept: Σ r_j / (n_real · d_in), the fraction of value-projection multiply-adds kept."""
+
+    out: Tensor
+    r: Tensor
+    macs_kept: float
+
+
+def mca_attention(
+    x: Tensor,
+    q: Tensor,
+    k: Tensor,
+    value_weight: Tensor,
+    value_bias: Tensor | None,
+    alpha: float,
+    pattern: Pattern | AttentionGraph,
+    prob_map: str | ProbabilityMap = "softmax",
+    scale: float | None = None,
+    key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> MCAOutput:
+    """Ỹ = A · H̃ with A exact on the pattern's graph under ρ, and H̃ sampled (MCA).
+
+    Args:
+        x: (B, n, d_in) the layer input; q, k: (B, H, n, d).
+        value_weight: (H, d_in, d_head); value_bias: (H, d_head) or None.
+        alpha: α ≥ 0 (0: exact).
+        pattern, prob_map, scale, key_padding_mask: as in ``sparse_attention``.
+    """
+    if x.dim() != 3 or x.shape[:2] != (q.shape[0], q.shape[2]):
+        raise ValueError(f"x must have shape (batch, n, d_in) matching q, got {tuple(x.shape)}")
+    weights = attention_weights(q, k, pattern, prob_map, scale, key_padding_mask)
+    r = sample_sizes(weights, alpha, x.shape[-1], key_padding_mask)
+    if key_padding_mask is not None:
+        r = r * key_padding_mask[:, None, :]  # padding: no samples, no cost
+    values = mc_value_projection(x, value_weight, r, value_bias, generator)
+    n_real = x.shape[0] * x.shape[1] if key_padding_mask is None else int(key_padding_mask.sum())
+    kept = float(r.sum()) / (n_real * r.shape[1] * x.shape[-1])
+    return MCAOutput(weights @ values, r, kept)
