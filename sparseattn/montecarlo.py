@@ -161,3 +161,77 @@ def mca_attention(
     n_real = x.shape[0] * x.shape[1] if key_padding_mask is None else int(key_padding_mask.sum())
     kept = float(r.sum()) / (n_real * r.shape[1] * x.shape[-1])
     return MCAOutput(weights @ values, r, kept)
+
+
+class MCAMethod:
+    """MCA as a method hook for :func:`sparseattn.hf.sparsify` (BERT family).
+
+    ``sparsify(model, method=MCAMethod(alpha=0.2))`` approximates every configured layer's value
+    product; the pattern and ρ of the layer still apply. The hook accumulates what it kept:
+    ``macs_kept`` = Σ r_j / Σ d_in over layers, heads and real tokens (the paper's cost metric).
+    With ``track_error=True`` it also records, per layer, the mean over real queries of
+    ‖Ỹ_i − Y_i‖ and the Theorem 2 bound α·β·‖W_h‖_F averaged over heads.
+    """
+
+    def __init__(self, alpha: float, seed: int = 0, track_error: bool = False) -> None:
+        if not alpha >= 0:
+            raise ValueError(f"alpha must be >= 0, got {alpha}")
+        self.alpha = float(alpha)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.track_error = track_error
+        self.samples = 0.0
+        self.full = 0.0
+        self.errors: dict[int, list[tuple[float, float]]] = {}
+
+    @property
+    def macs_kept(self) -> float:
+        return self.samples / self.full if self.full else 1.0
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        pattern: Pattern | AttentionGraph,
+        prob_map: str | ProbabilityMap = "softmax",
+        engine: str = "auto",
+        scale: float | None = None,
+        key_padding_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        context=None,
+    ) -> Tensor:
+        if context is None or context.hidden_states is None:
+            raise ValueError("MCA needs the layer input: use it through sparseattn.hf.sparsify")
+        heads = q.shape[1]
+        lin = context.value_proj
+        weight = head_weights(lin.weight, heads)
+        bias = None if lin.bias is None else lin.bias.view(heads, -1)
+        x = context.hidden_states
+        res = mca_attention(
+            x,
+            q,
+            k,
+            weight,
+            bias,
+            self.alpha,
+            pattern,
+            prob_map,
+            scale,
+            key_padding_mask,
+            self.generator,
+        )
+        real = (
+            torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+            if key_padding_mask is None
+            else key_padding_mask
+        )
+        self.samples += float(res.r.sum())
+        self.full += float(real.sum()) * heads * x.shape[-1]
+        if self.track_error:
+            exact = attention_weights(q, k, pattern, prob_map, scale, key_padding_mask) @ v
+            err = (res.out - exact).norm(dim=-1)  # (B, H, n)
+            mean_err = float((err * real[:, None, :]).sum() / (real.sum() * heads))
+            beta = float(x.norm(dim=-1)[real].mean())
+            bound = self.alpha * beta * float(weight.pow(2).sum((1, 2)).sqrt().mean())
+            self.errors.setdefault(context.layer, []).append((mean_err, bound))
+        return res.out
