@@ -30,11 +30,20 @@ def _prod(shape: Sequence[int]) -> int:
 
 
 def broadcast_or_none(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
-    """torch.broadcast_shapes, or None when the shapes do not broadcast."""
-    try:
-        return tuple(torch.broadcast_shapes(a, b))
-    except RuntimeError:
-        return None
+    """Broadcast two shapes like tensors do, or None when they do not broadcast.
+
+    Plain Python: ``torch.broadcast_shapes`` costs ~1 s on its first call (it imports sympy).
+    """
+    out = []
+    for x, y in zip(
+        reversed((1,) * (len(b) - len(a)) + tuple(a)),
+        reversed((1,) * (len(a) - len(b)) + tuple(b)),
+        strict=True,
+    ):
+        if x != y and 1 not in (x, y):
+            return None
+        out.append(y if x == 1 else x)
+    return tuple(reversed(out))
 
 
 class AttentionGraph:

@@ -1,0 +1,47 @@
+"""Pattern and map analysis: Yun et al. Assumptions 1–2 and the contextual mapping, executed.
+
+* :func:`assumption1` — self-loops, chain γ and hops s of a pattern cycle (Yun §3.2);
+* :func:`assumption2` — a scale t under which a probability map approaches the hardmax;
+* :func:`yun_contextual_mapping`, :func:`sparsebert_contextual_mapping` and
+  :func:`verify_contextual_mapping` — the constructions of Yun Lemma 7 and SparseBERT Lemma 4,
+  run in exact arithmetic on every grid input.
+"""
+
+from .connectivity import (
+    Assumption1Report,
+    ChainResult,
+    HopsResult,
+    assumption1,
+    cycle_graphs,
+    find_chain,
+    hops,
+    named_pattern,
+)
+from .construction import (
+    ContextualMapping,
+    ContextualMappingReport,
+    sparsebert_contextual_mapping,
+    verify_contextual_mapping,
+    yun_contextual_mapping,
+)
+from .maps import Assumption2Report, assumption2, closed_form_t, margin_inputs
+
+__all__ = [
+    "Assumption1Report",
+    "Assumption2Report",
+    "ChainResult",
+    "ContextualMapping",
+    "ContextualMappingReport",
+    "HopsResult",
+    "assumption1",
+    "assumption2",
+    "closed_form_t",
+    "cycle_graphs",
+    "find_chain",
+    "hops",
+    "margin_inputs",
+    "named_pattern",
+    "sparsebert_contextual_mapping",
+    "verify_contextual_mapping",
+    "yun_contextual_mapping",
+]
