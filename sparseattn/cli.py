@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -78,7 +79,6 @@ def demo(n: int = typer.Option(2048, help="sequence length of the attention comp
 
 
 # ------------------------------------------------------------------ expressivity (Likhosherstov)
-from typing import Annotated  # noqa: E402  (typer reads these annotations at import time)
 
 expressivity_app = typer.Typer(
     help="What one self-attention matrix can express (Likhosherstov et al. 2023).",
@@ -445,7 +445,8 @@ def dam(
         title=f"MLM validation after the same steps ({result['run']}); dense warm start: "
         f"loss {warm['val_loss']:.3f}, acc {warm['val_acc']:.3f}"
     )
-    for col in ("cell", "sparsity", "val loss", "val acc", "diag kept", "offsets 1–4 kept"):
+    columns = ("cell", "sparsity", "val loss", "val acc", "retrained loss / acc", "diag kept")
+    for col in (*columns, "offsets 1–4 kept"):
         table.add_column(col)
     for row in result["summary"]["rows"]:
         dam_row = "diag_kept" in row
@@ -454,6 +455,7 @@ def dam(
             f"{row['sparsity']:.1%}",
             f"{row['val_loss']:.3f}",
             f"{row['val_acc']:.3f}",
+            f"{row['retrained_loss']:.3f} / {row['retrained_acc']:.3f}" if dam_row else "—",
             f"{row['diag_kept']:.2f}" if dam_row else "—",
             f"{row['offsets_1_4_kept']:.2f}" if dam_row else "—",
         )
@@ -516,6 +518,70 @@ def sparsefinder(
     console.print(table)
     console.print(f"wrote {summary['folder']}: summary.json, table.md, sweep.json, "
                   "downstream.json, timing.json, sparsity_recall.png, sparsity_downstream.png")
+
+
+@app.command()
+def bench(
+    suite: str = typer.Argument("full", help="suite name: full or quick"),
+    quick: bool = typer.Option(False, "--quick", help="the quick suite (under 2 minutes)"),
+    run: str = typer.Option("", help="run name (default: the suite name and the date)"),
+    out: str = typer.Option("results/bench", help="parent folder of the run folder"),
+    ns: str = typer.Option("", help="comma-separated lengths instead of the suite's"),
+    only: str = typer.Option("", help="comma-separated patterns instead of the suite's"),
+) -> None:
+    """Time the engines against dense SDPA, compiled FlexAttention and the entmax package;
+    write results.json, results.md and bench.png under OUT/RUN (a re-run resumes)."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "suite.py").exists():
+        console.print("[red]benchmarks/ is not next to this package: run from a source checkout")
+        raise typer.Exit(1)
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from benchmarks.suite import SUITES, run_suite
+
+    name = "quick" if quick else suite
+    if name not in SUITES:
+        console.print(f"[red]suite must be one of {sorted(SUITES)}, got {name!r}")
+        raise typer.Exit(2)
+    run_dir = Path(out) / (run or f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    lengths = tuple(int(x) for x in ns.split(",") if x) or None
+    patterns_ = tuple(x for x in only.split(",") if x) or None
+    start = time.perf_counter()
+    run_suite(SUITES[name], run_dir, log=lambda m: console.print(escape(m)), ns=lengths,
+              patterns=patterns_)
+    console.print(f"wrote {run_dir}/results.json, results.md, bench.png "
+                  f"in {time.perf_counter() - start:.0f} s")
+
+
+@app.command()
+def mca(
+    alphas: str = typer.Option("0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0", help="α values"),
+    max_passages: int = typer.Option(48, help="test passages of the embedded corpus"),
+    run: str = typer.Option("default", help="run name under results/mca/"),
+    quick: bool = typer.Option(False, help="3 α values on 16 passages"),
+) -> None:
+    """MCA sweep on MiniLM: error vs Theorem 2 bound, fidelity vs value-projection MACs kept."""
+    from .experiments.mca import MCAConfig
+    from .experiments.mca import run as run_mca
+
+    values = (0.0, 0.2, 1.0) if quick else tuple(float(a) for a in alphas.split(","))
+    config = MCAConfig(values, 16 if quick else max_passages, run=run)
+    result = run_mca(config)
+    table = Table(title=f"MCA on MiniLM ({result['passages']} test passages)")
+    for col in ("α", "MACs kept", "sampled / exact projection time", "embedding cosine",
+                "retrieval acc."):
+        table.add_column(col)
+    for c in result["cells"]:
+        t = c["projection_seconds"]
+        ratio = t["sampled"] / t["exact"] if t["exact"] else float("nan")
+        table.add_row(f"{c['alpha']:.1f}", f"{c['macs_kept']:.1%}", f"{ratio:.1f}×",
+                      f"{c['embedding_cosine_mean']:.4f}", f"{c['retrieval_accuracy']:.3f}")
+    console.print(table)
+    console.print(f"exact retrieval accuracy {result['exact_retrieval_accuracy']:.3f}; "
+                  f"results in results/mca/{run}/")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 * :func:`assumption2` — a scale t under which a probability map approaches the hardmax;
 * :func:`yun_contextual_mapping`, :func:`sparsebert_contextual_mapping` and
   :func:`verify_contextual_mapping` — the constructions of Yun Lemma 7 and SparseBERT Lemma 4,
-  run in exact arithmetic on every grid input.
+  run in exact arithmetic on every grid input;
+* :mod:`.expressivity` — which patterns a self-attention matrix can express (Likhosherstov
+  et al.): SAM, weak approximation, Algorithm 1, the Theorem 0.4 construction.
 """
 
 from .connectivity import (
@@ -24,9 +26,45 @@ from .construction import (
     verify_contextual_mapping,
     yun_contextual_mapping,
 )
+from .expressivity import (
+    RatioErrors,
+    SAMConstruction,
+    WeakApproxResult,
+    construct_sam,
+    construction_weights,
+    csam,
+    least_construct_d,
+    random_sparse_stochastic,
+    ratio_errors,
+    sam,
+    theorem_d,
+    theorem_slope,
+    try_weak_approx,
+    usam,
+    weak_sam_approx_d1,
+    weak_sam_approx_d1_lp,
+    weakly_approximates,
+)
 from .maps import Assumption2Report, assumption2, closed_form_t, margin_inputs
 
 __all__ = [
+    "RatioErrors",
+    "SAMConstruction",
+    "WeakApproxResult",
+    "construct_sam",
+    "construction_weights",
+    "csam",
+    "least_construct_d",
+    "random_sparse_stochastic",
+    "ratio_errors",
+    "sam",
+    "theorem_d",
+    "theorem_slope",
+    "try_weak_approx",
+    "usam",
+    "weak_sam_approx_d1",
+    "weak_sam_approx_d1_lp",
+    "weakly_approximates",
     "Assumption1Report",
     "Assumption2Report",
     "ChainResult",

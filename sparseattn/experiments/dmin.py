@@ -1,0 +1,334 @@
+"""d_min(eps1, eps2) versus n: Likhosherstov et al. (AAAI 2023), Figures 3 and 4.
+
+For each n on a grid and each of ``draws`` random k-nonzero-bounded, gamma-variation-bounded
+right stochastic matrices A (union of k random permutation matrices, values 1 or gamma by a coin
+flip), scan an ascending grid of even d and record the least d for which the Theorem 0.4
+construction (redrawing the Stiefel matrix Y up to round(Q·n) times) meets eqs. (7) and (8).
+Then fit d_min = a·log n + b and compare the slope a with the slope of the theoretical d of
+eq. (6)/(22). Several Q give Figure 4.
+
+Writes ``<out_dir>/<run>/config.json``, ``metrics.json`` (after every finished cell, atomically;
+a re-run with the same config skips finished cells) and ``dmin.png``.
+Run: ``sparseattn expressivity dmin`` (see ``--help``) or ``run(DminConfig())``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ..analysis.expressivity import (
+    least_construct_d,
+    random_sparse_stochastic,
+    theorem_d,
+    theorem_slope,
+)
+
+#: The paper's grid: n from 512 to 3072 in steps of 256, 5 matrices per n.
+PAPER_NS = tuple(range(512, 3073, 256))
+
+
+@dataclass(frozen=True)
+class DminConfig:
+    """One d_min study. Fields above ``run`` define the results; the rest only where and how."""
+
+    k: int = 1  # A is the union of k random permutation matrices (k-nonzero-bounded)
+    gamma: float = 2.0  # nonzeros are 1 or gamma by a coin flip (gamma-variation-bounded)
+    eps1: float = 0.25  # eq. (7): zero entries of A -> ratio below eps1
+    eps2: float = 2.0  # eq. (8): nonzero ratios within a factor exp(±eps2)
+    ns: tuple[int, ...] = (16, 32, 64, 128, 256)  # sequence lengths (paper: PAPER_NS)
+    draws: int = 5  # matrices A per n (paper: 5)
+    d_step: int = 4  # d grid: d_step, 2·d_step, ... up to 2n (2n, where it is exact, comes last)
+    qs: tuple[float, ...] = (1.0,)  # redraws of Y per d = round(Q·n) (paper: Q = 1; Fig. 4)
+    causal: bool = False  # Corollary 0.7: lower-triangular A (diagonal kept), CSAM
+    seed: int = 0
+    run: str | None = None  # run folder name; default derived from the fields above
+    out_dir: str = "results/expressivity/dmin"
+    threads: int = 1  # torch threads (the machine is shared)
+    progress: bool = True
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that determine the results (a re-run with equal identity resumes)."""
+        d = asdict(self)
+        for key in ("run", "out_dir", "threads", "progress"):
+            d.pop(key)
+        d["ns"], d["qs"] = list(self.ns), list(self.qs)
+        return d
+
+    def run_name(self) -> str:
+        if self.run:
+            return self.run
+        digest = hashlib.sha1(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
+        kind = "causal-" if self.causal else ""
+        return f"{kind}k{self.k}-g{self.gamma:g}-e{self.eps1:g}-{self.eps2:g}-{digest[:8]}"
+
+    def validate(self) -> DminConfig:
+        if self.k < 1:
+            raise ValueError(f"k must be >= 1, got {self.k}")
+        if not self.gamma >= 1:
+            raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        if not 0 < self.eps1 < 1:
+            raise ValueError(f"eps1 must lie in (0, 1), got {self.eps1}")
+        if not self.eps2 > 0:
+            raise ValueError(f"eps2 must be > 0, got {self.eps2}")
+        if not self.ns or min(self.ns) < 2:
+            raise ValueError(f"ns must be a non-empty list of lengths >= 2, got {self.ns}")
+        if self.draws < 1:
+            raise ValueError(f"draws must be >= 1, got {self.draws}")
+        if self.d_step < 2 or self.d_step % 2:
+            raise ValueError(f"d_step must be an even number >= 2, got {self.d_step}")
+        if not self.qs or min(self.qs) <= 0:
+            raise ValueError(f"qs must be a non-empty list of positive factors, got {self.qs}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        return self
+
+
+@dataclass
+class _Cell:
+    q: float
+    n: int
+    draw: int
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = f"q={self.q:g}/n={self.n}/draw={self.draw}"
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Atomic write: a temporary file in the same folder, then rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def machine_facts(threads: int) -> dict[str, Any]:
+    """CPU model, logical cores, torch version and threads, for the record."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": threads,
+        "python": platform.python_version(),
+    }
+
+
+def _fit(points: list[tuple[int, int]]) -> dict[str, float] | None:
+    """Least squares d = a·log n + b over (n, d) points (natural log)."""
+    if len({n for n, _ in points}) < 2:
+        return None
+    x = torch.tensor([math.log(n) for n, _ in points], dtype=torch.float64)
+    y = torch.tensor([float(d) for _, d in points], dtype=torch.float64)
+    design = torch.stack([x, torch.ones_like(x)], 1)
+    sol = torch.linalg.lstsq(design, y[:, None]).solution.flatten()
+    a, b = float(sol[0]), float(sol[1])
+    resid = y - (a * x + b)
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float((resid**2).sum()) / ss_tot if ss_tot > 0 else 1.0
+    return {"slope": a, "intercept": b, "r2": r2}
+
+
+def summarise(config: DminConfig, cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per-Q fits and per-n tables from the finished cells."""
+    out: dict[str, Any] = {}
+    slope = theorem_slope(config.k, config.gamma, config.eps1, config.eps2)
+    for q in config.qs:
+        done = [c for c in cells.values() if c["q"] == q]
+        table = []
+        for n in config.ns:
+            ds = sorted(c["d_min"] for c in done if c["n"] == n)
+            if ds:
+                table.append(
+                    {
+                        "n": n,
+                        "d_min": ds,
+                        "mean": sum(ds) / len(ds),
+                        "theorem_d": theorem_d(n, config.k, config.gamma, config.eps1, config.eps2),
+                        "2n": 2 * n,
+                    }
+                )
+        fit = _fit([(c["n"], c["d_min"]) for c in done])
+        out[f"{q:g}"] = {
+            "table": table,
+            "fit": fit,
+            "theory_slope": slope,
+            "theory_over_fit": slope / fit["slope"] if fit and fit["slope"] > 0 else None,
+        }
+    return out
+
+
+def plot(config: DminConfig, summary: dict[str, Any], path: Path) -> None:
+    """Figure 3 (d_min vs n, log-x, fit and theoretical slope) and, with several Q, Figure 4."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 2 if len(config.qs) > 1 else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 3.8), squeeze=False)
+    q0 = f"{1.0 if 1.0 in config.qs else config.qs[0]:g}"  # the paper's Q = 1 when run
+    ax = axes[0][0]
+    s = summary[q0]
+    xs = [row["n"] for row in s["table"] for _ in row["d_min"]]
+    ys = [d for row in s["table"] for d in row["d_min"]]
+    ax.scatter(xs, ys, s=18, facecolors="none", edgecolors="red", label="d_min (one A each)")
+    ns = [row["n"] for row in s["table"]]
+    if s["fit"] and ns:
+        a, b = s["fit"]["slope"], s["fit"]["intercept"]
+        grid = [ns[0] * (ns[-1] / ns[0]) ** (t / 50) for t in range(51)]
+        fit_label = f"fit {a:.1f}·ln n {b:+.1f}"
+        ax.plot(grid, [a * math.log(g) + b for g in grid], "k:", label=fit_label)
+        y0 = a * math.log(ns[0]) + b
+        slope = s["theory_slope"]
+        top = max(ys) * 1.15
+        ends = [g for g in grid if y0 + slope * math.log(g / ns[0]) <= top]
+        ax.plot(
+            ends,
+            [y0 + slope * math.log(g / ns[0]) for g in ends],
+            "b--",
+            label=f"theory slope {slope:.0f}",
+        )
+        cap = [g for g in grid if 2 * g <= top]
+        ax.plot(cap, [2 * g for g in cap], color="0.6", lw=0.8, label="d = 2n (exact)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("n")
+    ax.set_ylabel("least d meeting (7), (8)")
+    kind = "CSAM" if config.causal else "SAM"
+    ax.set_title(
+        f"{kind}: k={config.k}, γ={config.gamma:g}, ε1={config.eps1:g}, ε2={config.eps2:g}, Q={q0}",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    if panels == 2:
+        ax2 = axes[0][1]
+        for q in config.qs:
+            rows = summary[f"{q:g}"]["table"]
+            ax2.plot(
+                [r["n"] for r in rows], [r["mean"] for r in rows], "o-", ms=3, label=f"Q={q:g}"
+            )
+        ax2.set_xscale("log", base=2)
+        ax2.set_xlabel("n")
+        ax2.set_ylabel("mean d_min over draws")
+        ax2.set_title("dependence on the redraw factor Q (Fig. 4)", fontsize=9)
+        ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
+
+
+def _cell(config: DminConfig, cell: _Cell) -> dict[str, Any]:
+    """d_min for one (Q, n, draw): the same A for every Q, Y seeds that depend on (n, draw, Q)."""
+    a = random_sparse_stochastic(
+        cell.n,
+        config.k,
+        config.gamma,
+        seed=config.seed * 1_000_003 + cell.n * 1_009 + cell.draw,
+        causal=config.causal,
+    )
+    start = time.perf_counter()
+    d_values = range(config.d_step, 2 * cell.n + 1, config.d_step)  # 2n is tried last anyway
+    y_seed = config.seed * 7_919 + cell.n * 31 + cell.draw * 3 + round(cell.q * 1000) * 100_019
+    d_min, res = least_construct_d(
+        a, config.eps1, config.eps2, d_values, q=cell.q, seed=y_seed, causal=config.causal
+    )
+    return {
+        "q": cell.q,
+        "n": cell.n,
+        "draw": cell.draw,
+        "d_min": d_min,
+        "y_draws_at_d_min": res.draws,
+        "eps1_achieved": res.eps1,
+        "eps2_achieved": res.eps2,
+        "nonzeros_per_row_max": int((a > 0).sum(1).max()),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def run(config: DminConfig) -> dict[str, Any]:
+    """Run (or resume) the study; returns the metrics dict written to metrics.json."""
+    config.validate()
+    folder = Path(config.out_dir) / config.run_name()
+    folder.mkdir(parents=True, exist_ok=True)
+    config_path, metrics_path = folder / "config.json", folder / "metrics.json"
+    identity = config.identity()
+    if config_path.exists():
+        old = json.loads(config_path.read_text())
+        if old != identity:
+            raise ValueError(
+                f"run folder {folder} holds a different config; choose another run name"
+            )
+    else:
+        _write_json(config_path, identity)
+    cells: dict[str, dict[str, Any]] = {}
+    if metrics_path.exists():
+        cells = json.loads(metrics_path.read_text()).get("cells", {})
+    todo = [
+        _Cell(q, n, r) for q in config.qs for n in sorted(config.ns) for r in range(config.draws)
+    ]
+    pending = [c for c in todo if c.key not in cells]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    machine = machine_facts(config.threads)
+
+    def metrics(complete: bool) -> dict[str, Any]:
+        return {
+            "cells": cells,
+            "summary": summarise(config, cells),
+            "complete": complete,
+            "machine": machine,
+            "run": config.run_name(),
+        }
+
+    try:
+        bar = tqdm(
+            pending,
+            total=len(todo),
+            initial=len(todo) - len(pending),
+            desc="d_min cells",
+            disable=not config.progress,
+        )
+        for cell in bar:
+            bar.set_postfix_str(cell.key)
+            cells[cell.key] = _cell(config, cell)
+            _write_json(metrics_path, metrics(False))
+    finally:
+        torch.set_num_threads(threads)
+    result = metrics(True)
+    result["total_seconds"] = sum(c["seconds"] for c in cells.values())
+    _write_json(metrics_path, result)
+    plot(config, result["summary"], folder / "dmin.png")
+    result["folder"] = str(folder)
+    return result

@@ -1,0 +1,78 @@
+"""Writing experiment results: atomic files, JSON, figures, machine facts.
+
+Every experiment writes ``results/<experiment>/<run>/`` through these helpers, so a crash or an
+interrupt never leaves a half-written file (temp file in the same folder + ``os.replace``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+__all__ = ["atomic_write", "write_json", "read_json", "save_figure", "machine_facts"]
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
+    """Create ``path`` atomically: ``write(tmp_name)`` fills a temp file that then replaces it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | Path, obj: object) -> None:
+    """Atomically write ``obj`` as indented JSON."""
+
+    def dump(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False, default=str)
+            f.write("\n")
+
+    atomic_write(path, dump)
+
+
+def read_json(path: str | Path) -> object | None:
+    """The JSON at ``path``, or None when it does not exist."""
+    path = Path(path)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def save_figure(fig, path: str | Path, dpi: int = 110) -> None:
+    """Atomically save a matplotlib figure (format from the suffix) and close it."""
+    import matplotlib.pyplot as plt
+
+    suffix = Path(path).suffix.lstrip(".") or "png"
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format=suffix))
+    plt.close(fig)
+
+
+def machine_facts() -> dict:
+    """CPU, threads and versions, recorded next to every measured number."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
