@@ -260,16 +260,28 @@ def fidelity(
         metrics, folder = run_study(config)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
-    table = Table(title=f"all-MiniLM-L6-v2 fidelity, {metrics['passages']} {split} passages "
-                  f"(exact retrieval {metrics['reference_retrieval_accuracy']:.3f})")
-    for col in ("method", "graph sparsity", "zero weights", "cosine mean / min", "retrieval",
-                "agrees", "last-layer error"):
+    table = Table(
+        title=f"all-MiniLM-L6-v2 fidelity, {metrics['passages']} {split} passages "
+        f"(exact retrieval {metrics['reference_retrieval_accuracy']:.3f})"
+    )
+    for col in (
+        "method",
+        "graph sparsity",
+        "zero weights",
+        "cosine mean / min",
+        "retrieval",
+        "agrees",
+        "last-layer error",
+    ):
         table.add_column(col)
     for row in metrics["methods"].values():
         table.add_row(
-            escape(row["name"]), f"{row['graph_sparsity']:.1%}", f"{row['weight_sparsity']:.1%}",
+            escape(row["name"]),
+            f"{row['graph_sparsity']:.1%}",
+            f"{row['weight_sparsity']:.1%}",
             f"{row['embedding_cosine_mean']:.3f} / {row['embedding_cosine_min']:.3f}",
-            f"{row['retrieval_accuracy']:.3f}", f"{row['retrieval_agreement']:.3f}",
+            f"{row['retrieval_accuracy']:.3f}",
+            f"{row['retrieval_agreement']:.3f}",
             f"{row['layer_rel_error'][-1]:.3f}",
         )
     console.print(table)

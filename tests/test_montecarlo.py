@@ -130,3 +130,35 @@ def test_head_weights_and_bad_input():
     xx, ww, q, k = data()
     with pytest.raises(ValueError, match="x must have shape"):
         mca_attention(xx[0], q, k, ww, None, 0.1, sa.dense())
+
+
+def test_mca_hook_inside_a_hugging_face_bert():
+    transformers = pytest.importorskip("transformers")
+    from sparseattn import hf
+    from sparseattn.montecarlo import MCAMethod
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+    )
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(1, 99, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, 15:] = 0
+    with torch.no_grad():
+        exact = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hook = MCAMethod(alpha=0.0)
+        hf.sparsify(model, method=hook)
+        same = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hf.sparsify(model, method=MCAMethod(alpha=2.0, seed=1, track_error=True))
+        approx = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hf.restore(model)
+    real = mask.bool()
+    torch.testing.assert_close(same[real], exact[real], atol=1e-5, rtol=1e-5)
+    assert hook.macs_kept == 1.0
+    assert not torch.allclose(approx[real], exact[real], atol=1e-3)
