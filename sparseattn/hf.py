@@ -183,8 +183,9 @@ def sparsify(
     pattern: Pattern | PatternCycle | Sequence[Pattern] | AttentionGraph | None = None,
     prob_map: str | ProbabilityMap = "softmax",
     engine: str = "auto",
-    method: Method | None = None,
+    method: Method | str | None = None,
     layers: Iterable[int] | None = None,
+    **method_options,
 ) -> nn.Module:
     """Give ``layers`` (default all) of a Hugging Face encoder the attention (pattern, ρ, engine).
 
@@ -194,7 +195,8 @@ def sparsify(
     :func:`sparse_attention` (same signature; it receives the layer's AttentionGraph as
     ``pattern``). Calling ``sparsify`` again on a sparsified model changes only ``layers``;
     layers never configured keep exact attention (torch SDPA). Modifies ``model`` in place and
-    returns it; :func:`restore` undoes it.
+    returns it; :func:`restore` undoes it. A method may also be named: ``method="mca"`` with
+    ``method_options`` for :class:`sparseattn.montecarlo.MCAMethod` (e.g. ``alpha=0.2``).
 
     Raises:
         ValueError for an unsupported architecture (names the supported ones), a bad layer index,
@@ -214,6 +216,15 @@ def sparsify(
             f"{type(pattern).__name__}"
         )
     rho = resolve_prob_map(prob_map)
+    if isinstance(method, str):
+        from .montecarlo import MCAMethod
+
+        named = {"mca": MCAMethod}
+        if method not in named:
+            raise ValueError(f"method must be one of {sorted(named)} or a callable, got {method!r}")
+        method = named[method](**method_options)
+    elif method_options:
+        raise TypeError(f"options {sorted(method_options)} need a named method, e.g. method='mca'")
     if method is None:
         if engine not in ("auto", *ENGINES):
             raise ValueError(f"engine must be one of {['auto', *ENGINES]}, got {engine!r}")

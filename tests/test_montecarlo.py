@@ -155,10 +155,14 @@ def test_mca_hook_inside_a_hugging_face_bert():
         hook = MCAMethod(alpha=0.0)
         hf.sparsify(model, method=hook)
         same = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        hf.sparsify(model, method=MCAMethod(alpha=2.0, seed=1, track_error=True))
+        hf.sparsify(model, method="mca", alpha=2.0, seed=1, track_error=True)
         approx = model(input_ids=ids, attention_mask=mask).last_hidden_state
         hf.restore(model)
     real = mask.bool()
     torch.testing.assert_close(same[real], exact[real], atol=1e-5, rtol=1e-5)
     assert hook.macs_kept == 1.0
     assert not torch.allclose(approx[real], exact[real], atol=1e-3)
+    with pytest.raises(ValueError, match="method must be one of"):
+        hf.sparsify(model, method="magic")
+    with pytest.raises(TypeError, match="named method"):
+        hf.sparsify(model, alpha=0.2)
