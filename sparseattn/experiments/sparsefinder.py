@@ -1,0 +1,713 @@
+"""Sparsefinder (Treviso et al. 2022) on an entmax MiniLM: predict the attention graph, measure
+recall against sparsity, and attend exactly on the predicted graph.
+
+Pipeline (each step writes JSON under ``<out_dir>/<run>/``, atomically; finished steps are skipped
+when the run is repeated with the same config):
+
+1. ``teacher.json`` — the 1.5-entmax MiniLM teacher (:mod:`sparseattn.predict.teacher`, cached
+   separately and reused) and its fidelity to the original softmax model before / after adaptation.
+2. gold graphs (§4.1) of every layer and head on train and test passages, through hooks
+   (recomputed when needed: one forward pass per batch) → ``gold.json`` (gold sparsity).
+3. ``fits.pt`` / ``fits.json`` — per layer: the q/k projections (eq. 7, r = 4, Adam lr 0.01, one
+   epoch), k-means centroids for every B, Routing centroids, and the chunked (§6.1) projections
+   and centroids.
+4. ``sweep.json`` — recall (eq. 4), sparsity (eq. 5) and exact-query share of every method over
+   its knob grid × window sizes, on the test passages, averaged over layers and heads.
+5. ``downstream.json`` — the teacher with predicted graphs plugged into every layer (exact entmax
+   on Ĝ, Proposition 1): embedding cosine to the full-entmax teacher and retrieval accuracy.
+6. ``timing.json`` — prediction + attention on Ĝ vs full entmax attention, at the teacher's length
+   and at n = 4096 (test tokens of one layer concatenated).
+7. ``summary.json``, ``table.md``, ``sparsity_recall.png``, ``sparsity_downstream.png``.
+
+Run: ``sparseattn sparsefinder`` (``--quick`` for a ~2 minute smoke version).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .. import fidelity, hf
+from ..corpus import load_corpus
+from ..fastmaps import entmax15_rows
+from ..patterns import dense
+from ..predict.baselines import (
+    BigBirdBaseline,
+    LongformerBaseline,
+    LSHBaseline,
+    RoutingBaseline,
+    StridedBaseline,
+    WindowBaseline,
+)
+from ..predict.evaluate import (
+    best_at_least,
+    dominance,
+    downstream,
+    embed,
+    frontier_value,
+    gold_summary,
+    pareto_frontier,
+    sweep,
+)
+from ..predict.extract import LayerGraphs, extract_graphs, token_batches
+from ..predict.pattern import PredictedPattern
+from ..predict.predictors import (
+    ChunkedPredictor,
+    DistancePredictor,
+    FixedParts,
+    GraphPredictor,
+    KMeansPredictor,
+    QuantizationPredictor,
+    chunk_layer,
+)
+from ..predict.projection import QKProjection
+from ..predict.teacher import TeacherConfig, entmax_map, load_teacher, teacher_folder
+from ..results import atomic_write, machine_facts, read_json, save_figure, write_json
+
+__all__ = ["METHODS", "SparsefinderConfig", "quick_config", "run"]
+
+#: Method name → (label in plots and tables, knob name).
+METHODS: dict[str, tuple[str, str]] = {
+    "window": ("window", "window"),
+    "bigbird": ("BigBird", "random_blocks"),
+    "longformer": ("Longformer", "global_tokens"),
+    "strided": ("strided", "stride"),
+    "reformer": ("Reformer (LSH)", "buckets"),
+    "routing": ("Routing Transformer", "n_clusters"),
+    "sf_distance": ("Sparsefinder distance", "threshold"),
+    "sf_distance_all_edges": ("Sparsefinder distance, eq. 7 on all edges", "threshold"),
+    "sf_quantization": ("Sparsefinder quantization", "bins"),
+    "sf_kmeans": ("Sparsefinder k-means", "n_clusters"),
+    "sf_chunked_v1": ("Sparsefinder chunked v1", "top_blocks"),
+    "sf_chunked_v2": ("Sparsefinder chunked v2", "top_blocks"),
+}
+#: Sparsity levels at which the table also reads every method's frontier.
+COMMON_SPARSITY = (0.9, 0.8)
+
+#: Plot colours: baselines (dashed lines) and Sparsefinder variants (solid lines).
+COLORS: dict[str, str] = {
+    "window": "black", "bigbird": "tab:olive", "longformer": "tab:pink",
+    "strided": "tab:gray", "reformer": "tab:purple", "routing": "tab:brown",
+    "sf_distance": "tab:red", "sf_distance_all_edges": "salmon", "sf_quantization": "tab:green",
+    "sf_kmeans": "tab:blue", "sf_chunked_v1": "tab:orange", "sf_chunked_v2": "tab:cyan",
+}
+
+
+@dataclass(frozen=True)
+class SparsefinderConfig:
+    """Fields above ``run`` define the results (a run with an equal identity resumes)."""
+
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    train_passages: int | None = None  # None: the whole train split
+    test_passages: int | None = None  # None: the whole test split
+    batch_size: int = 8
+    # projections (§4.2, table 5)
+    r: int = 4
+    margin: float = 1.0
+    lr: float = 0.01
+    epochs: int = 1
+    batch_pairs: int = 2048  # triplets per head and Adam step
+    max_pairs: int | None = None  # triplets per head and epoch (None: every gold edge)
+    # train eq. 7 on the edges outside the fixed parts (window ``train_window``, first and last
+    # token), which §4.7 adds anyway; "sf_distance_all_edges" keeps the paper's recipe
+    train_window: int | None = 1
+    # fixed parts (§4.7): windows |i − j| ≤ w added to every method except the window baseline
+    windows: tuple[int, ...] = (0, 1, 3)
+    last_token: bool = True  # the last token ([SEP]) is global too, beside the first ([CLS])
+    # knob grids (appendix C.2, trimmed / adapted to n ≈ 120)
+    window_grid: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 7, 9, 11, 15, 20, 25, 30, 40, 50, 63)
+    thresholds: tuple[float, ...] = (0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0)
+    bins: tuple[int, ...] = (2, 4, 8, 16)
+    clusters: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 20)
+    bigbird_blocks: tuple[int, ...] = (2, 4, 8, 12, 16, 24, 32, 48)
+    longformer_tokens: tuple[int, ...] = (2, 4, 8, 12, 16, 20, 32)
+    strides: tuple[int, ...] = (2, 3, 4, 6, 8, 12, 16, 24)
+    lsh_buckets: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 100)
+    routing_clusters: tuple[int, ...] = (2, 4, 6, 8, 10, 16)
+    chunk_block: int = 4
+    chunk_top: tuple[int, ...] = (1, 2, 4, 8)
+    chunk_clusters: int = 4
+    # downstream: these methods at these knob values, with window ``downstream_window``
+    downstream_window: int = 1
+    downstream_knobs: tuple[tuple[str, tuple[float, ...]], ...] = (
+        ("window", (1, 3, 7)),
+        ("bigbird", (4, 16)),
+        ("reformer", (8, 32)),
+        ("routing", (2, 4)),
+        ("sf_distance", (1.0, 1.5, 2.0)),
+        ("sf_kmeans", (4, 8, 16)),
+    )
+    # timing
+    timing_lengths: tuple[int, ...] = (0, 4096)  # 0: the teacher's length (a test batch)
+    timing_layer: int = 2
+    timing_methods: tuple[str, ...] = ("sf_kmeans", "sf_distance")
+    timing_repeats: int = 3
+    seed: int = 0
+    run: str | None = None
+    out_dir: str = "results/sparsefinder"
+    threads: int = 1
+    progress: bool = True
+
+    def identity(self) -> dict:
+        d = asdict(self)
+        for key in ("run", "out_dir", "threads", "progress"):
+            d.pop(key)
+        return json.loads(json.dumps(d))  # tuples → lists
+
+    def run_name(self) -> str:
+        if self.run:
+            return self.run
+        digest = hashlib.sha1(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
+        return f"minilm-{digest[:8]}"
+
+    def grid(self, method: str) -> tuple[float, ...]:
+        return {
+            "window": self.window_grid, "bigbird": self.bigbird_blocks,
+            "longformer": self.longformer_tokens, "strided": self.strides,
+            "reformer": self.lsh_buckets, "routing": self.routing_clusters,
+            "sf_distance": self.thresholds, "sf_distance_all_edges": self.thresholds,
+            "sf_quantization": self.bins,
+            "sf_kmeans": self.clusters, "sf_chunked_v1": self.chunk_top,
+            "sf_chunked_v2": self.chunk_top,
+        }[method]
+
+    def validate(self) -> SparsefinderConfig:
+        if self.batch_size < 1 or self.r < 1 or self.threads < 1 or self.timing_repeats < 1:
+            raise ValueError("batch_size, r, threads and timing_repeats must be >= 1")
+        if any(w < 0 for w in (*self.windows, *self.window_grid)):
+            raise ValueError("windows must be >= 0")
+        unknown = {m for m, _ in self.downstream_knobs} - set(METHODS)
+        unknown |= set(self.timing_methods) - {"sf_kmeans", "sf_distance"}
+        if unknown:
+            raise ValueError(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
+        return self
+
+
+def quick_config(**overrides) -> SparsefinderConfig:
+    """A ~2 minute smoke run: few passages and knobs; the cached default teacher if present."""
+    teacher = TeacherConfig()
+    if not (teacher_folder(teacher, overrides.get("out_dir", "results/sparsefinder"))
+            / "metrics.json").exists():
+        teacher = TeacherConfig(steps=8, eval_passages=16)
+    base = SparsefinderConfig(
+        teacher=teacher, train_passages=48, test_passages=16, max_pairs=20_000,
+        windows=(1,), window_grid=(0, 1, 3, 7, 15, 31), thresholds=(0.5, 1.0, 2.0),
+        bins=(4, 8), clusters=(4, 8), bigbird_blocks=(4, 16), longformer_tokens=(4, 16),
+        strides=(4, 16), lsh_buckets=(4, 16), routing_clusters=(4, 8), chunk_top=(2, 4),
+        downstream_knobs=(("window", (3,)), ("sf_kmeans", (4,))),
+        timing_lengths=(0, 1024), timing_methods=("sf_kmeans",), timing_repeats=1,
+    )
+    return replace(base, **overrides)
+
+
+# --------------------------------------------------------------------------- data
+@dataclass
+class _Data:
+    model: torch.nn.Module
+    tokenizer: object
+    teacher_metrics: dict
+    rho: object
+    train: list[LayerGraphs] | None = None
+    test: list[LayerGraphs] | None = None
+
+
+def _passages(config: SparsefinderConfig):
+    corpus = load_corpus(config.teacher.words_per_passage)
+    train = list(corpus.train[: config.train_passages])
+    test = list(corpus.test[: config.test_passages])
+    return train, test
+
+
+def _extract(data: _Data, config: SparsefinderConfig, bar) -> None:
+    train, test = _passages(config)
+    hf.sparsify(data.model, dense(), data.rho, engine="dense")
+    try:
+        for name, passages in (("train", train), ("test", test)):
+            bar.set_postfix_str(f"gold graphs ({name})")
+            batches = token_batches(data.tokenizer, [p.text for p in passages],
+                                    config.batch_size, config.teacher.max_length)
+            setattr(data, name, extract_graphs(data.model, batches))
+    finally:
+        hf.restore(data.model)
+
+
+# --------------------------------------------------------------------------- fitting
+def _fit(data: _Data, config: SparsefinderConfig, bar) -> dict:
+    """Fitted state per layer (plain tensors and dicts, for torch.save)."""
+    fits: dict = {"projection": [], "projection_all_edges": [], "kmeans": {}, "routing": {},
+                  "chunk_projection": [], "chunk_v2": [], "seconds": {}}
+    kwargs = dict(r=config.r, margin=config.margin, lr=config.lr, epochs=config.epochs,
+                  batch_pairs=config.batch_pairs, max_pairs=config.max_pairs, seed=config.seed)
+    timer = {"projection": 0.0, "projection_all_edges": 0.0, "kmeans": 0.0, "routing": 0.0,
+             "chunked": 0.0}
+    excluded = FixedParts(config.train_window, True, config.last_token)
+
+    def exclude(batch):
+        return excluded.graph(batch.n, batch.lengths).to_dense()
+
+    for layer in data.train:
+        bar.set_postfix_str(f"projections, layer {layer.layer}")
+        t = time.perf_counter()
+        proj = QKProjection(**kwargs).fit(layer, exclude=exclude)
+        timer["projection"] += time.perf_counter() - t
+        fits["projection"].append(proj.state_dict())
+        t = time.perf_counter()
+        fits["projection_all_edges"].append(QKProjection(**kwargs).fit(layer).state_dict())
+        timer["projection_all_edges"] += time.perf_counter() - t
+        q, k = layer.tokens()
+        t = time.perf_counter()
+        for c in config.clusters:
+            km = KMeansPredictor(c, 1, proj, seed=config.seed).fit(q, k)
+            fits["kmeans"].setdefault(c, []).append(km.centroids_)
+        timer["kmeans"] += time.perf_counter() - t
+        t = time.perf_counter()
+        for c in config.routing_clusters:
+            rt = RoutingBaseline(c, proj, seed=config.seed).fit(q, k)
+            fits["routing"].setdefault(c, []).append(rt.centroids_)
+        timer["routing"] += time.perf_counter() - t
+        t = time.perf_counter()
+        chunks = chunk_layer(layer, config.chunk_block)
+        cproj = QKProjection(**kwargs).fit(chunks)  # chunk-level: fixed parts not excluded
+        fits["chunk_projection"].append(cproj.state_dict())
+        v2 = ChunkedPredictor(config.chunk_block, 1, cproj, "v2", config.chunk_clusters,
+                              config.seed).fit(chunks)
+        fits["chunk_v2"].append(v2.centroids_)
+        timer["chunked"] += time.perf_counter() - t
+    fits["seconds"] = timer
+    return fits
+
+
+class _Fitted:
+    """Predictor factories from the fitted state."""
+
+    def __init__(self, fits: dict, config: SparsefinderConfig) -> None:
+        self.config = config
+        self.proj = [QKProjection.from_state_dict(s) for s in fits["projection"]]
+        self.proj_all = [QKProjection.from_state_dict(s) for s in fits["projection_all_edges"]]
+        self.cproj = [QKProjection.from_state_dict(s) for s in fits["chunk_projection"]]
+        self.fits = fits
+
+    def make(self, method: str, knob: float) -> Callable[[int], GraphPredictor]:
+        c, seed = self.config, self.config.seed
+        if method == "window":
+            return lambda _l: WindowBaseline(int(knob))
+        if method == "bigbird":
+            return lambda _l: BigBirdBaseline(int(knob), 1, seed)
+        if method == "longformer":
+            return lambda _l: LongformerBaseline(int(knob), seed)
+        if method == "strided":
+            return lambda _l: StridedBaseline(int(knob))
+        if method == "reformer":
+            return lambda l: LSHBaseline(int(knob), self.proj[l], seed)
+        if method == "routing":
+            def routing(l: int) -> GraphPredictor:
+                out = RoutingBaseline(int(knob), self.proj[l], seed=seed)
+                out.centroids_ = self.fits["routing"][int(knob)][l]
+                return out
+            return routing
+        if method == "sf_distance":
+            return lambda l: DistancePredictor(float(knob), self.proj[l])
+        if method == "sf_distance_all_edges":
+            return lambda l: DistancePredictor(float(knob), self.proj_all[l])
+        if method == "sf_quantization":
+            return lambda l: QuantizationPredictor(int(knob), self.proj[l])
+        if method == "sf_kmeans":
+            def kmeans(l: int) -> GraphPredictor:
+                out = KMeansPredictor(int(knob), 1, self.proj[l], seed=seed)
+                out.centroids_ = self.fits["kmeans"][int(knob)][l]
+                return out
+            return kmeans
+        if method in ("sf_chunked_v1", "sf_chunked_v2"):
+            variant = method[-2:]
+
+            def chunked(l: int) -> GraphPredictor:
+                out = ChunkedPredictor(c.chunk_block, int(knob), self.cproj[l], variant,
+                                       c.chunk_clusters, seed)
+                if variant == "v2":
+                    out.centroids_ = self.fits["chunk_v2"][l]
+                return out
+            return chunked
+        raise ValueError(f"unknown method {method!r}")
+
+    def fixed_variants(self, method: str) -> list[tuple[int | None, FixedParts]]:
+        last = self.config.last_token
+        if method == "window":  # the baseline's own window is its knob
+            return [(None, FixedParts(None, True, last))]
+        return [(w, FixedParts(w, True, last)) for w in self.config.windows]
+
+
+# --------------------------------------------------------------------------- steps
+def _sweep_method(fitted: _Fitted, method: str, test: list[LayerGraphs]) -> list[dict]:
+    variants = fitted.fixed_variants(method)
+    points = []
+    for knob in fitted.config.grid(method):
+        results = sweep(test, fitted.make(method, knob), [f for _, f in variants])
+        for (w, _), res in zip(variants, results, strict=True):
+            if method == "window":
+                w = int(knob)
+            points.append({"knob": knob, "window": w, **res})
+    return points
+
+
+def _downstream_sets(data: _Data, config: SparsefinderConfig):
+    _, test = _passages(config)
+    size, length = config.batch_size, config.teacher.max_length
+    halves = [p.halves() for p in test]
+    return {
+        "passages": token_batches(data.tokenizer, [p.text for p in test], size, length),
+        "first": token_batches(data.tokenizer, [a for a, _ in halves], size, length),
+        "second": token_batches(data.tokenizer, [b for _, b in halves], size, length),
+    }
+
+
+def _teacher_reference(data: _Data, sets: dict) -> dict:
+    hf.sparsify(data.model, dense(), data.rho, engine="dense")
+    try:
+        return {name: embed(data.model, batches) for name, batches in sets.items()}
+    finally:
+        hf.restore(data.model)
+
+
+def _full_entmax(q, k, v, scale: float):
+    """Full 1.5-entmax attention, one head at a time (bounded memory): the baseline."""
+    out = torch.empty(*q.shape[:-1], v.shape[-1])
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            p = entmax15_rows((q[b, h] @ k[b, h].T) * scale)
+            out[b, h] = p @ v[b, h]
+    return out
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def _closest_knob(points: list[dict], window: int, target: float, grid) -> float:
+    """The knob whose sweep point (at this window) has sparsity closest to ``target``."""
+    rows = [p for p in points if p["window"] == window and p["knob"] in grid]
+    return min(rows, key=lambda p: abs(p["sparsity"] - target))["knob"]
+
+
+@torch.no_grad()
+def _timing(data: _Data, fitted: _Fitted, config: SparsefinderConfig, sweep_points: dict,
+            gold_sparsity: float, bar) -> dict:
+    from ..attention import sparse_attention
+
+    layer = data.test[min(config.timing_layer, len(data.test) - 1)]
+    q_all, k_all = layer.tokens()  # (H, N, d)
+    scale = q_all.shape[-1] ** -0.5
+    rows = []
+    for n in config.timing_lengths:
+        if n == 0:
+            batch = max(layer.batches, key=lambda b: b.n)
+            q, k = batch.q, batch.k
+        else:
+            if n > q_all.shape[1]:
+                raise ValueError(f"timing length {n} exceeds the {q_all.shape[1]} test tokens")
+            q, k = q_all[None, :, :n].contiguous(), k_all[None, :, :n].contiguous()
+        v = k.clone()  # values do not change the cost; the layer's own are not extracted
+        bar.set_postfix_str(f"timing full entmax, n={q.shape[-2]}")
+        t_full, full = _median_time(lambda q=q, k=k, v=v: _full_entmax(q, k, v, scale),
+                                    config.timing_repeats)
+        gold = None
+        if n != 0:  # the gold graph of the synthetic sequence, for recall there
+            gold = torch.stack([entmax15_rows((q[0, h] @ k[0, h].T) * scale) > 0
+                                for h in range(q.shape[1])])[None]
+        else:
+            gold = batch.gold
+        for method in config.timing_methods:
+            knob = _closest_knob(sweep_points[method], config.downstream_window, gold_sparsity,
+                                 config.grid(method))
+            pattern = PredictedPattern(
+                fitted.make(method, knob)(layer.layer),
+                FixedParts(config.downstream_window, True, config.last_token),
+            )
+            bar.set_postfix_str(f"timing {method}, n={q.shape[-2]}")
+            t_pred, graph = _median_time(lambda p=pattern, q=q, k=k: p.build(q, k),
+                                         config.timing_repeats)
+            t_att, out = _median_time(
+                lambda g=graph, q=q, k=k, v=v: sparse_attention(
+                    q, k, v, g, data.rho, engine="gather", scale=scale),
+                config.timing_repeats,
+            )
+            dense_graph = graph.to_dense()
+            hit = (dense_graph & gold).sum().double() / gold.sum().double()
+            covered = ~(gold & ~dense_graph).any(-1)
+            rows.append({
+                "n": q.shape[-2], "batch": q.shape[0], "heads": q.shape[1],
+                "method": method, "knob": knob, "window": config.downstream_window,
+                "full_entmax_seconds": t_full, "predict_seconds": t_pred,
+                "attention_seconds": t_att, "total_seconds": t_pred + t_att,
+                "ratio_total_to_full": (t_pred + t_att) / t_full,
+                "sparsity": float(1 - dense_graph.sum() / dense_graph.numel()),
+                "gold_sparsity": float(1 - gold.sum() / gold.numel()),
+                "recall": float(hit),
+                "exact_queries": float(covered.double().mean()),
+                "max_abs_diff_exact_rows": float(
+                    (out - full).abs().amax(-1)[covered].max()) if bool(covered.any()) else None,
+            })
+    return {"layer": layer.layer, "rows": rows, "machine": machine_facts(),
+            "note": "median of timing_repeats runs; torch threads as in machine; shared machine"}
+
+
+# --------------------------------------------------------------------------- summary + plots
+def _points(rows: list[dict]) -> list[tuple[float, float]]:
+    return [(r["sparsity"], r["recall"]) for r in rows]
+
+
+def _summary(sweeps: dict, gold: dict, downstream_rows: dict) -> dict:
+    s_gold = gold["sparsity"]
+    table = {}
+    for method, rows in sweeps.items():
+        pts = _points(rows)
+        front = pareto_frontier(pts)
+        sparsest = max(rows, key=lambda r: (r["sparsity"], r["recall"]))
+        table[method] = {
+            "label": METHODS[method][0],
+            "recall_at_gold_sparsity": frontier_value(front, s_gold),
+            "best_recall_with_sparsity_at_least_gold": best_at_least(pts, s_gold),
+            "recall_at_sparsity": {str(s): frontier_value(front, s) for s in COMMON_SPARSITY},
+            "sparsest": {k: sparsest[k] for k in ("knob", "window", "sparsity", "recall")},
+            "frontier": front,
+        }
+        if method != "window" and "window" in sweeps:
+            table[method]["vs_window"] = dominance(pts, _points(sweeps["window"]))
+    return {"gold_sparsity": s_gold, "gold_sparsity_per_layer": gold["sparsity_per_layer"],
+            "methods": table, "downstream_points": sum(len(v) for v in downstream_rows.values())}
+
+
+def _table_md(summary: dict, teacher: dict, timing: dict | None) -> str:
+    s = summary["gold_sparsity"]
+    lines = []
+    for when in ("before", "after"):
+        t = teacher[when]
+        lines.append(f"Teacher {when} adaptation, vs the softmax model: embedding cosine "
+                     f"{t['embedding_cosine_mean']:.4f} (min {t['embedding_cosine_min']:.4f}), "
+                     f"retrieval {t['retrieval_accuracy']:.3f} (softmax "
+                     f"{t['reference_retrieval_accuracy']:.3f}), zero weights "
+                     f"{t['weight_sparsity']:.3f}")
+    lines += ["", f"Gold sparsity of the teacher (test passages): {s:.4f}", "",
+             "| method | recall at gold sparsity (frontier) | best recall, sparsity ≥ gold | "
+             "sparsest setting (sparsity, recall) | "
+             + " | ".join(f"recall at {s}" for s in COMMON_SPARSITY)
+             + " | window frontier points dominated | recall gap vs window (min / mean) |",
+             "|---|---|---|---|" + "---|" * len(COMMON_SPARSITY) + "---|---|"]
+
+    def fmt(x):
+        return "—" if x is None else f"{x:.3f}"
+
+    for row in summary["methods"].values():
+        vs = row.get("vs_window", {})
+        dom = fmt(vs.get("dominated_base_points")) if vs else "—"
+        gap = f"{fmt(vs.get('gap_min'))} / {fmt(vs.get('gap_mean'))}" if vs else "—"
+        sp = row["sparsest"]
+        at = " | ".join(fmt(row["recall_at_sparsity"][str(s)]) for s in COMMON_SPARSITY)
+        lines.append(f"| {row['label']} | {fmt(row['recall_at_gold_sparsity'])} | "
+                     f"{fmt(row['best_recall_with_sparsity_at_least_gold'])} | "
+                     f"{sp['sparsity']:.3f}, {sp['recall']:.3f} | {at} | {dom} | {gap} |")
+    if timing:
+        lines += ["", "| n | method | knob | sparsity | recall | full entmax s | predict s | "
+                  "attention s | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in timing["rows"]:
+            lines.append(
+                f"| {r['n']} | {r['method']} | {r['knob']} | {r['sparsity']:.3f} | "
+                f"{r['recall']:.3f} | {r['full_entmax_seconds']:.3f} | {r['predict_seconds']:.3f}"
+                f" | {r['attention_seconds']:.3f} | {r['ratio_total_to_full']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot_recall(sweeps: dict, gold: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    for method, rows in sweeps.items():
+        color = COLORS[method]
+        style = "-" if method.startswith("sf_") else "--"
+        pts = _points(rows)
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=6, color=color, alpha=0.25)
+        front = pareto_frontier(pts)
+        ax.plot([p[0] for p in front], [p[1] for p in front], style, color=color, lw=1.4,
+                marker="o", ms=2.5, label=METHODS[method][0])
+    ax.axvline(gold, color="k", ls=":", lw=1, label=f"gold sparsity {gold:.3f}")
+    ax.set_xlabel("sparsity (eq. 5)")
+    ax.set_ylabel("recall (eq. 4)")
+    ax.set_title("Sparsity–recall, 1.5-entmax MiniLM (test, mean of layers × heads)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6.5, loc="lower left", ncol=2)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=80)
+
+
+def _plot_downstream(rows: dict, reference: dict, gold: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    for key, ax, label in (("embedding_cosine_mean", axes[0], "embedding cosine to teacher"),
+                           ("retrieval_accuracy", axes[1], "retrieval accuracy")):
+        for method, pts in rows.items():
+            color = COLORS[method]
+            xy = [(p["graph_sparsity"], p[key]) for p in pts]
+            front = pareto_frontier(xy)
+            ax.scatter([p[0] for p in xy], [p[1] for p in xy], s=10, color=color, alpha=0.5)
+            ax.plot([p[0] for p in front], [p[1] for p in front],
+                    "-" if method.startswith("sf_") else "--", color=color, lw=1.3,
+                    label=METHODS[method][0])
+        ax.axvline(gold, color="k", ls=":", lw=1)
+        star = 1.0 if key == "embedding_cosine_mean" else reference["retrieval_accuracy"]
+        ax.plot([gold], [star], "*", color="gold", mec="k", ms=12, label="full-entmax teacher")
+        if key == "retrieval_accuracy":
+            ax.axhline(reference["retrieval_accuracy"], color="grey", ls="-.", lw=1)
+        ax.set_xlabel("graph sparsity used (real tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=6.5, loc="lower left")
+    fig.suptitle("Sparsity–downstream: exact entmax on the predicted graph (test passages)",
+                 fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=80)
+
+
+# --------------------------------------------------------------------------- run
+def run(config: SparsefinderConfig) -> dict:
+    """Run (or resume) the whole pipeline; returns the summary (with ``folder``)."""
+    config = config.validate()
+    torch.set_num_threads(config.threads)
+    folder = Path(config.out_dir) / config.run_name()
+    folder.mkdir(parents=True, exist_ok=True)
+    identity = config.identity()
+    saved = read_json(folder / "config.json")
+    if saved is not None and saved != identity:
+        raise ValueError(f"{folder} holds a different config; choose another run name")
+    write_json(folder / "config.json", identity)
+    paths = {name: folder / f"{name}.json" for name in
+             ("teacher", "gold", "fits", "sweep", "downstream", "timing", "summary", "steps")}
+    clock: dict = read_json(paths["steps"]) or {}
+
+    @contextlib.contextmanager
+    def step(name: str):
+        """Record the wall-clock and CPU seconds of a step (CPU: all threads of this process)."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        yield
+        clock[name] = {"wall_seconds": time.perf_counter() - wall,
+                       "cpu_seconds": time.process_time() - cpu}
+        write_json(paths["steps"], clock)
+
+    fits_path = folder / "fits.pt"
+    sweeps: dict = read_json(paths["sweep"]) or {}
+    down: dict = read_json(paths["downstream"]) or {"reference": None, "methods": {}}
+    down_todo = [(m, kn) for m, knobs in config.downstream_knobs for kn in knobs
+                 if str(kn) not in down["methods"].get(m, {})]
+    sweep_todo = [m for m in METHODS if m not in sweeps]
+    timing = read_json(paths["timing"])
+    steps = 2 + len(sweep_todo) + len(down_todo) + (timing is None)
+    with tqdm(total=steps, desc="sparsefinder", disable=not config.progress) as bar:
+        bar.set_postfix_str("teacher")
+        with step("teacher"):
+            model, tokenizer, tmetrics = load_teacher(config.teacher, config.out_dir,
+                                                      progress=config.progress)
+        data = _Data(model, tokenizer, tmetrics, entmax_map(config.teacher.alpha))
+        write_json(paths["teacher"], {k: v for k, v in tmetrics.items() if k != "distill_loss"}
+                   | {"folder": str(teacher_folder(config.teacher, config.out_dir))})
+        bar.update(1)
+        need_graphs = bool(sweep_todo) or timing is None or not paths["gold"].exists() \
+            or not fits_path.exists()
+        if need_graphs:
+            with step("extract"):
+                _extract(data, config, bar)
+            gold = gold_summary(data.test) | {
+                "train_batches": len(data.train[0].batches),
+                "train_tokens": int(sum(int(b.valid.sum()) for b in data.train[0].batches)),
+                "test_batches": len(data.test[0].batches),
+                "test_tokens": int(sum(int(b.valid.sum()) for b in data.test[0].batches)),
+                "train": {k: v for k, v in gold_summary(data.train).items()
+                          if k in ("sparsity", "sparsity_per_layer")},
+            }
+            write_json(paths["gold"], gold)
+        gold = read_json(paths["gold"])
+        bar.update(1)
+        if fits_path.exists():
+            fits = torch.load(fits_path, weights_only=False)
+        else:
+            with step("fit"):
+                fits = _fit(data, config, bar)
+            atomic_write(fits_path, lambda tmp: torch.save(fits, tmp))
+            write_json(paths["fits"], {
+                "seconds": fits["seconds"],
+                "projection_pairs_per_head": [s["n_pairs"].tolist() for s in fits["projection"]],
+                "projection_loss_first_last": [
+                    [s["loss_curve"][0], s["loss_curve"][-1]] for s in fits["projection"]],
+                "projection_steps": [len(s["loss_curve"]) for s in fits["projection"]],
+            })
+        fitted = _Fitted(fits, config)
+        for method in sweep_todo:
+            bar.set_postfix_str(f"sweep {method}")
+            with step(f"sweep {method}"):
+                sweeps[method] = _sweep_method(fitted, method, data.test)
+            write_json(paths["sweep"], sweeps)
+            bar.update(1)
+        sweeps = {m: sweeps[m] for m in METHODS if m in sweeps}
+        if down_todo:
+            sets = _downstream_sets(data, config)
+            ref = _teacher_reference(data, sets)
+            down["reference"] = {
+                "retrieval_accuracy": fidelity.retrieval_accuracy(ref["first"], ref["second"]),
+                "passages": len(ref["passages"]),
+            }
+            fixed = FixedParts(config.downstream_window, True, config.last_token)
+            layers = model.config.num_hidden_layers
+            for method, knob in down_todo:
+                bar.set_postfix_str(f"downstream {method}={knob}")
+                make = fitted.make(method, knob)
+                parts = None if method == "window" else fixed
+                if method == "window":
+                    parts = FixedParts(None, True, config.last_token)
+                patterns = [PredictedPattern(make(layer), parts) for layer in range(layers)]
+                with step(f"downstream {method}={knob}"):
+                    row = downstream(model, sets, ref, patterns, data.rho, engine="dense")
+                row |= {"knob": knob, "window": knob if method == "window"
+                        else config.downstream_window}
+                down["methods"].setdefault(method, {})[str(knob)] = row
+                write_json(paths["downstream"], down)
+                bar.update(1)
+        if timing is None:
+            with step("timing"):
+                timing = _timing(data, fitted, config, sweeps, gold["sparsity"], bar)
+            write_json(paths["timing"], timing)
+            bar.update(1)
+    down_rows = {m: list(v.values()) for m, v in down["methods"].items()}
+    summary = _summary(sweeps, gold, down_rows)
+    summary["teacher"] = {k: tmetrics[k] for k in ("before", "after", "distill_seconds")}
+    summary["downstream_reference"] = down["reference"]
+    summary["steps"] = clock
+    summary["seconds_after_teacher"] = {
+        key: sum(v[key] for name, v in clock.items() if name != "teacher")
+        for key in ("wall_seconds", "cpu_seconds")}
+    write_json(paths["summary"], summary)
+    table = _table_md(summary, tmetrics, timing)
+    atomic_write(folder / "table.md", lambda tmp: Path(tmp).write_text(table))
+    _plot_recall(sweeps, gold["sparsity"], folder / "sparsity_recall.png")
+    if down_rows:
+        _plot_downstream(down_rows, down["reference"], gold["sparsity"],
+                         folder / "sparsity_downstream.png")
+    return summary | {"folder": str(folder)}
+

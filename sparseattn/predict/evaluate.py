@@ -1,0 +1,255 @@
+"""Sparsefinder's metrics (eqs. 4–5), sweeps, Pareto frontiers and the downstream effect.
+
+* recall(Ĝ; G) = |Ĝ ∩ G| / |G| (eq. 4), per head;
+* sparsity(Ĝ) = 1 − |Ĝ| / #pairs (eq. 5), pairs = real-token pairs (i, j), j ≤ i when causal, so
+  the denominator is n(n+1)/2 for a causal sequence of n real tokens (footnote 2);
+* exact = share of real queries whose recall is 1 — for them entmax on Ĝ equals full entmax
+  (Proposition 1).
+
+Counts are pooled per (layer, head) over all sequences, then recall and sparsity are averaged
+over heads and layers (the paper's "averaged across all layers and heads").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .. import fidelity, hf
+from ..graph import AttentionGraph
+from ..maps import ProbabilityMap
+from ..patterns import Pattern
+from .extract import GraphBatch, LayerGraphs, TokenBatch
+from .predictors import FixedParts, GraphPredictor
+
+__all__ = [
+    "Tally",
+    "best_at_least",
+    "dominance",
+    "downstream",
+    "embed",
+    "exact_fraction",
+    "frontier_value",
+    "gold_summary",
+    "pair_mask",
+    "pareto_frontier",
+    "recall",
+    "sparsity",
+    "sweep",
+]
+
+
+def _dense(graph: AttentionGraph | Tensor) -> Tensor:
+    return graph.to_dense() if isinstance(graph, AttentionGraph) else graph
+
+
+def pair_mask(n: int, valid: Tensor | None = None, causal: bool = False) -> Tensor:
+    """The pairs eq. 5 counts: (B, 1, n, n) real × real (j ≤ i when causal), or (n, n)."""
+    mask = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        mask = mask.tril()
+    if valid is None:
+        return mask
+    return (valid[:, :, None] & valid[:, None, :])[:, None] & mask
+
+
+def recall(pred: AttentionGraph | Tensor, gold: AttentionGraph | Tensor) -> Tensor:
+    """Eq. 4 per graph: |Ĝ ∩ G| / |G|. Graphs or bool masks (..., n, n) → (...) float64."""
+    p, g = _dense(pred), _dense(gold)
+    return (p & g).sum((-2, -1)).double() / g.sum((-2, -1)).double()
+
+
+def sparsity(pred: AttentionGraph | Tensor, valid: Tensor | None = None,
+             causal: bool = False) -> Tensor:
+    """Eq. 5 per graph: 1 − |Ĝ ∩ pairs| / |pairs|, pairs from :func:`pair_mask`. → (...)."""
+    p = _dense(pred)
+    pairs = pair_mask(p.shape[-1], valid, causal)
+    return 1 - (p & pairs).sum((-2, -1)).double() / pairs.expand_as(p).sum((-2, -1)).double()
+
+
+def exact_fraction(pred: AttentionGraph | Tensor, gold: AttentionGraph | Tensor,
+                   valid: Tensor | None = None) -> Tensor:
+    """Per graph, the share of real queries whose whole gold row lies in Ĝ (recall 1)."""
+    p, g = _dense(pred), _dense(gold)
+    covered = ~(g & ~p).any(-1)  # (..., n)
+    if valid is None:
+        return covered.double().mean(-1)
+    real = valid[:, None, :].expand_as(covered)
+    return (covered & real).sum(-1).double() / real.sum(-1).double()
+
+
+class Tally:
+    """Counts pooled per (layer, head): gold edges, predicted edges on valid pairs, hits, pairs,
+    exact queries, real queries."""
+
+    FIELDS = ("gold", "pred", "hit", "pairs", "exact", "queries")
+
+    def __init__(self, layers: int, heads: int) -> None:
+        self.counts = {f: torch.zeros(layers, heads, dtype=torch.float64) for f in self.FIELDS}
+
+    def add(self, layer: int, pred: Tensor, batch: GraphBatch, causal: bool = False) -> None:
+        """pred: bool (b, H, n, n) (or broadcastable) predicted mask for ``batch``."""
+        pairs = pair_mask(batch.n, batch.valid, causal)
+        p = pred & pairs
+        g = batch.gold
+        heads = g.shape[1]
+        c = self.counts
+        c["gold"][layer] += g.sum((0, 2, 3)).double()
+        c["pred"][layer] += p.expand_as(g).sum((0, 2, 3)).double()
+        c["hit"][layer] += (p & g).sum((0, 2, 3)).double()
+        c["pairs"][layer] += float(pairs.expand(g.shape[0], 1, -1, -1).sum())
+        real = batch.valid[:, None, :].expand(-1, heads, -1)
+        covered = ~(g & ~p).any(-1)
+        c["exact"][layer] += (covered & real).sum((0, 2)).double()
+        c["queries"][layer] += real.sum((0, 2)).double()
+
+    def summary(self) -> dict:
+        """recall / sparsity per (layer, head) and their means; exact over all real queries."""
+        c = self.counts
+        rec = c["hit"] / c["gold"].clamp_min(1)
+        spa = 1 - c["pred"] / c["pairs"].clamp_min(1)
+        return {
+            "recall": float(rec.mean()),
+            "sparsity": float(spa.mean()),
+            "exact": float(c["exact"].sum() / c["queries"].sum()),
+            "recall_per_layer": rec.mean(1).tolist(),
+            "sparsity_per_layer": spa.mean(1).tolist(),
+            "recall_per_head": rec.tolist(),
+            "sparsity_per_head": spa.tolist(),
+        }
+
+
+def gold_summary(layers: Sequence[LayerGraphs], causal: bool = False) -> dict:
+    """Sparsity of the gold graphs themselves (the dashed line of Figs. 2 and 4)."""
+    tally = Tally(len(layers), layers[0].heads)
+    for li, graphs in enumerate(layers):
+        for batch in graphs.batches:
+            tally.add(li, batch.gold, batch, causal)
+    return tally.summary()
+
+
+@torch.no_grad()
+def sweep(
+    layers: Sequence[LayerGraphs],
+    make: Callable[[int], GraphPredictor],
+    fixed: Sequence[FixedParts | None],
+    causal: bool = False,
+) -> list[dict]:
+    """Evaluate one predictor setting with several fixed parts on every layer's graphs.
+
+    ``make(i)`` gives the predictor for ``layers[i]`` (a layer's fitted projection etc.). Each
+    batch is predicted once; every ``fixed`` variant is unioned on the dense mask. Returns one
+    :meth:`Tally.summary` per entry of ``fixed``.
+    """
+    tallies = [Tally(len(layers), layers[0].heads) for _ in fixed]
+    for li, graphs in enumerate(layers):
+        predictor = make(li)
+        for batch in graphs.batches:
+            pred = predictor.predict(batch.q, batch.k, batch.valid).to_dense()
+            for tally, parts in zip(tallies, fixed, strict=True):
+                extra = None if parts is None else parts.graph(batch.n, batch.lengths)
+                mask = pred if extra is None else pred | extra.to_dense()
+                tally.add(li, mask, batch, causal)
+    return [t.summary() for t in tallies]
+
+
+# --------------------------------------------------------------------------- Pareto
+def pareto_frontier(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Non-dominated (sparsity, recall) points, by increasing sparsity (recall then decreases).
+
+    A point is dominated when another has sparsity ≥ and recall ≥, one of them strictly.
+    """
+    best: list[tuple[float, float]] = []
+    for s, r in sorted(points, key=lambda p: (-p[0], -p[1])):  # high sparsity first
+        if not best or r > best[-1][1]:
+            best.append((s, r))
+    return best[::-1]
+
+
+def frontier_value(frontier: Sequence[tuple[float, float]], s: float) -> float | None:
+    """Recall of the frontier at sparsity s, linear between its points; None outside its range."""
+    if not frontier or s < frontier[0][0] or s > frontier[-1][0]:
+        return None
+    xs = [p[0] for p in frontier]
+    ys = [p[1] for p in frontier]
+    return float(np.interp(s, xs, ys))
+
+
+def best_at_least(points: Sequence[tuple[float, float]], s: float) -> float | None:
+    """Highest recall among settings whose sparsity is at least s (None if there is none)."""
+    vals = [r for sp, r in points if sp >= s]
+    return max(vals) if vals else None
+
+
+def dominance(method: Sequence[tuple[float, float]], base: Sequence[tuple[float, float]],
+              grid: int = 101) -> dict:
+    """How ``method``'s Pareto frontier compares with ``base``'s.
+
+    ``dominated_base_points``: share of base frontier points with some method point of sparsity ≥
+    and recall ≥ theirs. On the common sparsity range of both frontiers, recall gaps
+    (method − base) of the interpolated curves: min, mean and max over ``grid`` points.
+    """
+    fm, fb = pareto_frontier(method), pareto_frontier(base)
+    dominated = sum(any(s >= bs and r >= br for s, r in fm) for bs, br in fb)
+    lo, hi = max(fm[0][0], fb[0][0]), min(fm[-1][0], fb[-1][0])
+    out = {"dominated_base_points": dominated / len(fb), "overlap": [lo, hi]}
+    if lo <= hi:
+        xs = np.linspace(lo, hi, grid)
+        gaps = [frontier_value(fm, x) - frontier_value(fb, x) for x in xs]
+        out |= {"gap_min": float(min(gaps)), "gap_mean": float(np.mean(gaps)),
+                "gap_max": float(max(gaps))}
+    return out
+
+
+# --------------------------------------------------------------------------- downstream
+@torch.no_grad()
+def embed(model: nn.Module, batches: Sequence[TokenBatch]) -> Tensor:
+    """Sentence embeddings (mean pooling + L2 normalisation) in the order of the input texts."""
+    total = sum(b.index.numel() for b in batches)
+    out = torch.empty(total, model.config.hidden_size)
+    for b in batches:
+        hidden = model(**b.inputs()).last_hidden_state
+        out[b.index] = hf.mean_pool(hidden, b.attention_mask)
+    return out
+
+
+def downstream(
+    model: nn.Module,
+    sets: dict[str, Sequence[TokenBatch]],
+    reference: dict[str, Tensor],
+    pattern: Pattern | Sequence[Pattern],
+    prob_map: str | ProbabilityMap,
+    engine: str = "dense",
+) -> dict:
+    """The teacher run with ``pattern`` (one per layer, or one for all) and ``prob_map``, against
+    the full-entmax teacher's embeddings ``reference`` — with :mod:`sparseattn.fidelity`'s metrics.
+
+    ``sets`` holds token batches of the passages (``"passages"``) and of their halves
+    (``"first"``, ``"second"``); ``reference`` the teacher's embeddings of each. Returns the mean
+    and min embedding cosine on the passages, the half → half retrieval accuracy, its agreement
+    with the teacher's retrieval, and the graph sparsity actually used (real tokens, averaged
+    over layers). ``model`` is sparsified for the call and restored after.
+    """
+    hf.sparsify(model, list(pattern) if isinstance(pattern, Sequence) else pattern, prob_map,
+                engine)
+    try:
+        hf.attention_sparsity(model, reset=True)
+        emb = embed(model, sets["passages"])
+        per_layer = hf.attention_sparsity(model, reset=True)
+        first, second = embed(model, sets["first"]), embed(model, sets["second"])
+    finally:
+        hf.restore(model)
+    cosine = fidelity.embedding_cosine(emb, reference["passages"])
+    agree = fidelity.retrieve(first, second) == fidelity.retrieve(reference["first"],
+                                                                  reference["second"])
+    return {
+        "embedding_cosine_mean": float(cosine.mean()),
+        "embedding_cosine_min": float(cosine.min()),
+        "retrieval_accuracy": fidelity.retrieval_accuracy(first, second),
+        "retrieval_agreement": float(agree.double().mean()),
+        "graph_sparsity": float(np.mean(list(per_layer.values()))),
+        "graph_sparsity_per_layer": [per_layer[k] for k in sorted(per_layer)],
+    }

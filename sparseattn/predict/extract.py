@@ -1,0 +1,147 @@
+"""Gold attention graphs (Sparsefinder §4.1) and the queries and keys that produced them.
+
+For each layer and head h of a model, G_h = {(i, j) : p_ij > 0} over the real tokens, with p the
+attention weights of that head. The model is observed through
+:func:`sparseattn.hf.capture_attention` (hooks only; nothing in the model's source is edited): a
+model sparsified with α-entmax gives sparse graphs; an unmodified (softmax) model gives complete
+ones.
+
+Batches are made by :func:`token_batches`: passages sorted by token length, grouped, and each group
+cut to its shortest member, so no batch holds padding — the predictors then see exactly the tokens
+of each sequence, as at inference time. Batches *with* padding are supported too (``valid``
+marks the real tokens, right padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .. import hf
+
+__all__ = ["GraphBatch", "LayerGraphs", "TokenBatch", "extract_graphs", "token_batches"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenBatch:
+    """Token ids of some passages: ``index`` (b,) their positions in the input list,
+    ``input_ids`` and ``attention_mask`` (b, n)."""
+
+    index: Tensor
+    input_ids: Tensor
+    attention_mask: Tensor
+
+    def inputs(self) -> dict[str, Tensor]:
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+
+
+def token_batches(
+    tokenizer, texts: Sequence[str], batch_size: int = 8, max_length: int = 128
+) -> list[TokenBatch]:
+    """Tokenise ``texts`` (truncated at ``max_length``), sort by length, group ``batch_size``
+    consecutive ones and cut each group to its shortest member (keeping its final [SEP]).
+
+    Neighbours in length order differ by about one token, so little text is lost; in return no
+    batch holds padding. Every text appears in exactly one batch (``TokenBatch.index``).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    ids = [tokenizer(t, truncation=True, max_length=max_length)["input_ids"] for t in texts]
+    order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
+    out = []
+    for start in range(0, len(order), batch_size):
+        group = order[start : start + batch_size]
+        n = min(len(ids[i]) for i in group)
+        rows = [ids[i][: n - 1] + ids[i][-1:] for i in group]  # keep the last token ([SEP])
+        input_ids = torch.tensor(rows, dtype=torch.long)
+        out.append(TokenBatch(torch.tensor(group), input_ids, torch.ones_like(input_ids)))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphBatch:
+    """One batch of one layer: q, k (b, H, n, d) as the attention saw them (before scaling),
+    ``gold`` (b, H, n, n) bool — the attention graph G_h among real tokens — and ``valid`` (b, n)
+    bool, True for real tokens."""
+
+    q: Tensor
+    k: Tensor
+    gold: Tensor
+    valid: Tensor
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[-2]
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.valid.sum(-1)
+
+    def pair_mask(self) -> Tensor:
+        """(b, 1, n, n) bool: pairs of real tokens (the pairs eq. 4–5 count)."""
+        return (self.valid[:, :, None] & self.valid[:, None, :])[:, None]
+
+
+@dataclasses.dataclass
+class LayerGraphs:
+    """All extracted batches of one layer."""
+
+    layer: int
+    batches: list[GraphBatch]
+
+    @property
+    def heads(self) -> int:
+        return self.batches[0].q.shape[1]
+
+    def gold_sparsity(self) -> Tensor:
+        """(H,) 1 − |G_h| / real pairs, pooled over all batches (Sparsefinder eq. 5)."""
+        edges = sum(b.gold.sum((0, 2, 3)).double() for b in self.batches)
+        pairs = sum(float(b.pair_mask().sum()) for b in self.batches)
+        return 1 - edges / pairs
+
+    def tokens(self) -> tuple[Tensor, Tensor]:
+        """Real-token queries and keys of every batch: (H, N, d) each."""
+        qs = [b.q.transpose(0, 1)[:, b.valid] for b in self.batches]
+        ks = [b.k.transpose(0, 1)[:, b.valid] for b in self.batches]
+        return torch.cat(qs, 1), torch.cat(ks, 1)
+
+
+@torch.no_grad()
+def extract_graphs(
+    model: nn.Module,
+    batches: Iterable[TokenBatch | dict[str, Tensor]],
+    layers: Iterable[int] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[LayerGraphs]:
+    """Run ``model`` on ``batches`` and keep, per layer, q, k and the gold graph of each head.
+
+    Args:
+        model: a Hugging Face encoder supported by :mod:`sparseattn.hf`; sparsify it with α-entmax
+            first (``hf.sparsify(model, dense(), "entmax15")``) to get sparse gold graphs.
+        batches: TokenBatch or tokenizer outputs (``input_ids``, ``attention_mask``, ...).
+        layers: the layers to keep (default all).
+        progress: called with 1 after each batch.
+    Returns:
+        One :class:`LayerGraphs` per kept layer, in layer order. Gold: p_ij > 0 with i and j real
+        tokens (Sparsefinder §4.1); q, k are the head's projected queries and keys, unscaled.
+    """
+    kept: dict[int, list[GraphBatch]] = {}
+
+    def keep(record: hf.AttentionRecord) -> None:
+        valid = record.key_padding_mask.cpu()
+        real = (valid[:, :, None] & valid[:, None, :])[:, None]
+        gold = (record.probs.cpu() > 0) & real
+        kept.setdefault(record.layer, []).append(
+            GraphBatch(record.q.cpu().contiguous(), record.k.cpu().contiguous(), gold, valid)
+        )
+
+    with hf.capture_attention(model, layers=layers, callback=keep):
+        for batch in batches:
+            inputs = batch.inputs() if isinstance(batch, TokenBatch) else batch
+            model(**inputs)
+            if progress is not None:
+                progress(1)
+    return [LayerGraphs(layer, kept[layer]) for layer in sorted(kept)]
