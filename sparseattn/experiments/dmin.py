@@ -18,7 +18,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ from ..analysis.expressivity import (
     theorem_d,
     theorem_slope,
 )
+from ..results import machine_facts, write_json
 
 #: The paper's grid: n from 512 to 3072 in steps of 256, 5 matrices per n.
 PAPER_NS = tuple(range(512, 3073, 256))
@@ -104,38 +104,6 @@ class _Cell:
 
     def __post_init__(self) -> None:
         self.key = f"q={self.q:g}/n={self.n}/draw={self.draw}"
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    """Atomic write: a temporary file in the same folder, then rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def machine_facts(threads: int) -> dict[str, Any]:
-    """CPU model, logical cores, torch version and threads, for the record."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "logical_cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": threads,
-        "python": platform.python_version(),
-    }
 
 
 def _fit(points: list[tuple[int, int]]) -> dict[str, float] | None:
@@ -291,7 +259,7 @@ def run(config: DminConfig) -> dict[str, Any]:
                 f"run folder {folder} holds a different config; choose another run name"
             )
     else:
-        _write_json(config_path, identity)
+        write_json(config_path, identity)
     cells: dict[str, dict[str, Any]] = {}
     if metrics_path.exists():
         cells = json.loads(metrics_path.read_text()).get("cells", {})
@@ -301,7 +269,7 @@ def run(config: DminConfig) -> dict[str, Any]:
     pending = [c for c in todo if c.key not in cells]
     threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
-    machine = machine_facts(config.threads)
+    machine = machine_facts()
 
     def metrics(complete: bool) -> dict[str, Any]:
         return {
@@ -323,12 +291,12 @@ def run(config: DminConfig) -> dict[str, Any]:
         for cell in bar:
             bar.set_postfix_str(cell.key)
             cells[cell.key] = _cell(config, cell)
-            _write_json(metrics_path, metrics(False))
+            write_json(metrics_path, metrics(False))
     finally:
         torch.set_num_threads(threads)
     result = metrics(True)
     result["total_seconds"] = sum(c["seconds"] for c in cells.values())
-    _write_json(metrics_path, result)
+    write_json(metrics_path, result)
     plot(config, result["summary"], folder / "dmin.png")
     result["folder"] = str(folder)
     return result

@@ -2,6 +2,7 @@
 
 from .base import Causal, Pattern
 from .compose import HeadSplit, PatternCycle, Union, as_cycle, cycle, split_heads, union
+from .diagonal import NoDiagonal, dense_no_diagonal, no_diagonal
 from .dynamic import TopK, topk
 from .fixed import (
     bigbird,
@@ -20,6 +21,7 @@ from .fixed import (
 #: The named patterns with an example of their parameters (``sparseattn patterns`` lists them).
 NAMED = {
     "dense": (dense, {}),
+    "dense_no_diagonal": (dense_no_diagonal, {}),
     "window": (window, {"w": 16}),
     "strided": (strided, {"w": 16}),
     "fixed": (fixed, {"w": 16}),
@@ -37,6 +39,7 @@ __all__ = [
     "NAMED",
     "Causal",
     "HeadSplit",
+    "NoDiagonal",
     "Pattern",
     "PatternCycle",
     "TopK",
@@ -46,9 +49,11 @@ __all__ = [
     "block_local",
     "cycle",
     "dense",
+    "dense_no_diagonal",
     "fixed",
     "global_tokens",
     "longformer",
+    "no_diagonal",
     "random",
     "random_blocks",
     "split_heads",

@@ -1,0 +1,5 @@
+"""Small models for experiments (DESIGN §4: ``models/``)."""
+
+from .encoder import Encoder, EncoderConfig
+
+__all__ = ["Encoder", "EncoderConfig"]
