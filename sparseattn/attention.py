@@ -85,15 +85,45 @@ def resolve_graph(pattern: Pattern | AttentionGraph, q: Tensor, k: Tensor) -> At
     return graph
 
 
-def choose_engine(graph: AttentionGraph, q: Tensor, k: Tensor) -> str:
-    """The ``auto`` rule: dense while the full score matrix is small (≤ DENSE_LIMIT entries,
-    16 MB in fp32) or the graph is more than half full; gather otherwise."""
+def choose_engine(
+    graph: AttentionGraph,
+    q: Tensor,
+    k: Tensor,
+    prob_map: ProbabilityMap | None = None,
+    dropout_p: float = 0.0,
+) -> str:
+    """The ``auto`` rule (docs/engines.md; constants measured in docs/benchmarks.md).
+
+    1. ``dense`` while the full score matrix is small (B·H·n_q·n_k ≤ DENSE_LIMIT entries).
+    2. Otherwise the block layout at the block size the block engine would choose scores
+       ``work`` = pairs·b² entries per graph, of which ``fill`` = E / work are edges. A scored
+       block entry costs ~3–7 ns, a gathered edge ~77 ns (fp32, d = 64), so ``block`` wins
+       unless ``fill`` < BLOCK_MIN_FILL = 1/15 (scattered graphs): then ``gather``.
+    3. ``flex`` only where it can compute the request (softmax map given, no dropout, no
+       input requiring grad on CPU, a dtype and a compiler it supports) *and* its estimated
+       cost, FLEX_ENTRY_COST × its work at block 128, is below the block engine's. On the
+       measured CPU it never is; an unknown map (``prob_map=None``) never picks flex.
+    """
+    from .engines.block import BLOCK_MIN_FILL, ENTRY_COST, choose_block, count_pairs
+    from .engines.flex import FLEX_BLOCK, FLEX_ENTRY_COST, flex_unsupported
+
     bsz, heads, n_q, _ = q.shape
-    cells = bsz * heads * n_q * k.shape[-2]
-    density = graph.col.numel() / (max(1, math.prod(graph.batch_shape)) * n_q * k.shape[-2])
-    if cells <= DENSE_LIMIT or (density > 0.5 and cells <= 16 * DENSE_LIMIT):
+    n_k = k.shape[-2]
+    if bsz * heads * n_q * n_k <= DENSE_LIMIT:
         return "dense"
-    return "gather"
+    cache = graph.__dict__.setdefault("_auto", {})
+    if "block_work" not in cache:
+        b = choose_block(graph)
+        cache["block_work"] = count_pairs(graph, b) * b * b * ENTRY_COST[b]
+        cache["fill"] = graph.col.numel() / (count_pairs(graph, b) * b * b)
+    if cache["fill"] < BLOCK_MIN_FILL:
+        return "gather"
+    if prob_map is not None and flex_unsupported(q, k, k, prob_map, dropout_p) is None:
+        if "flex_work" not in cache:
+            cache["flex_work"] = count_pairs(graph, FLEX_BLOCK) * FLEX_BLOCK**2 * FLEX_ENTRY_COST
+        if cache["flex_work"] < cache["block_work"]:
+            return "flex"
+    return "block"
 
 
 def sparse_attention(

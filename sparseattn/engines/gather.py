@@ -2,20 +2,27 @@
 
 Rows are sorted by degree and cut into chunks whose padded neighbour tables hold at most
 ``budget`` (row, key) pairs, so a few global rows with n keys do not pad the others to n.
-Per chunk: gather K and V at the neighbour indices, score, apply ρ on the padded rows, and
-reduce. Under autograd each chunk is checkpointed (recomputed in backward), so peak memory
-beyond the inputs stays O(budget · (d + d_v)) for training as well as inference.
+Per chunk: gather K and V at the neighbour indices (into buffers allocated once per call —
+a fresh multi-MB allocation costs ~10x refilling a buffer on CPU), score, apply ρ on the padded
+rows, and reduce.
+
+Backward is a custom autograd function that recomputes each chunk: it keeps only q, k, v and
+adds dK, dV into one buffer with ``index_add_``, so peak memory beyond the inputs stays
+O(budget · (d + d_v)) for training as well as inference, and the work stays linear in the
+number of chunks. Softmax uses its closed form dS = P ⊙ (dP − Σ P⊙dP); any other map is
+differentiated by autograd on the recomputed chunk. Dropout masks are replayed from the
+saved RNG state.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import FunctionCtx
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
+from .block import _masked_exp, _rng_state, _set_rng_state
 
 __all__ = ["gather_attention", "chunk_rows"]
 
@@ -46,16 +53,106 @@ def chunk_rows(degrees: Tensor, budget: int) -> list[Tensor]:
     return chunks
 
 
-def _chunk(q_rows, k_src, v_src, key_idx, valid, prob_map, scale, dropout_p, key_ok):
-    """q_rows (b, m, d); k_src (b, N, d); key_idx/valid (m, K) → out (b, m, d_v)."""
-    kk = k_src[:, key_idx]  # (b, m, K, d): batch-first keeps the products as plain bmm
-    vv = v_src[:, key_idx]
-    scores = torch.einsum("bmd,bmkd->bmk", q_rows, kk) * scale
-    mask = valid if key_ok is None else valid & key_ok[:, key_idx]  # key_ok: (b, N)
-    weights = prob_map(scores, mask)
-    if dropout_p:
-        weights = F.dropout(weights, dropout_p)
-    return torch.einsum("bmk,bmkd->bmd", weights, vv)
+class _Run:
+    """Chunks (rows, key index, valid) and what the per-chunk computation needs."""
+
+    def __init__(self, graph, static, n_q, n_k, b, budget, prob_map, scale, key_ok, dropout_p,
+                 device):
+        self.prob_map, self.scale, self.key_ok, self.dropout_p = prob_map, scale, key_ok, dropout_p
+        self.softmax = prob_map.name == "softmax" or (
+            prob_map.name == "entmax" and prob_map.params.get("alpha") == 1.0
+        )
+        self.chunks = []
+        for rows in chunk_rows(graph.degrees.reshape(-1), max(1, budget // b)):
+            idx, valid = graph.neighbours(rows)
+            if not static:  # flattened row r = (bh, i) reads keys bh·n_k + j
+                idx = idx + (rows // n_q * n_k)[:, None]
+            self.chunks.append((rows.to(device), idx.to(device), valid.to(device)))
+        self.most = max((i.numel() for _, i, _ in self.chunks), default=0)
+
+    def gather(self, src: Tensor, idx: Tensor, buf: Tensor) -> Tensor:
+        """src (b, N, e) at idx (m, K) → (b, m, K, e), written into the flat buffer ``buf``."""
+        (b, _, e), (m, kk) = src.shape, idx.shape
+        out = buf[: b * m * kk * e].view(b, m * kk, e)
+        torch.index_select(src, 1, idx.reshape(-1), out=out)
+        return out.view(b, m, kk, e)
+
+    def mask(self, idx: Tensor, valid: Tensor) -> Tensor:
+        """Valid (1, m, K) or (b, m, K) with key padding."""
+        if self.key_ok is None:
+            return valid.unsqueeze(0)
+        return valid & self.key_ok.index_select(1, idx.reshape(-1)).view(-1, *idx.shape)
+
+    def weights(self, s: Tensor, valid: Tensor) -> Tensor:
+        if self.softmax:
+            p, _, total = _masked_exp(s, [valid.to(s.dtype)], None)
+            return p.div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))
+        return self.prob_map(s, valid)
+
+    def keep(self, p: Tensor) -> Tensor | None:
+        if not self.dropout_p:
+            return None
+        return torch.empty_like(p).bernoulli_(1 - self.dropout_p).div_(1 - self.dropout_p)
+
+
+class _GatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, q_src: Tensor, k_src: Tensor, v_src: Tensor, run: _Run):
+        ctx.run = run
+        if run.dropout_p:
+            ctx.rng = _rng_state(q_src.device)
+        b, d, d_v = q_src.shape[0], q_src.shape[-1], v_src.shape[-1]
+        kbuf, vbuf = q_src.new_empty(b * run.most * d), q_src.new_empty(b * run.most * d_v)
+        out = q_src.new_empty(b, q_src.shape[1], d_v)
+        for rows, idx, valid in run.chunks:
+            qc = q_src.index_select(1, rows).mul_(run.scale).unsqueeze(-2)  # (b, m, 1, d)
+            s = torch.matmul(qc, run.gather(k_src, idx, kbuf).transpose(-1, -2)).squeeze(-2)
+            p = run.weights(s, run.mask(idx, valid))
+            keep = run.keep(p)
+            if keep is not None:
+                p = p * keep
+            o = torch.matmul(p.unsqueeze(-2), run.gather(v_src, idx, vbuf)).squeeze(-2)
+            out.index_copy_(1, rows, o)
+        ctx.save_for_backward(q_src, k_src, v_src)
+        return out
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad_out: Tensor):
+        run: _Run = ctx.run
+        q_src, k_src, v_src = ctx.saved_tensors
+        b, d, d_v = q_src.shape[0], q_src.shape[-1], v_src.shape[-1]
+        kbuf, vbuf = q_src.new_empty(b * run.most * d), q_src.new_empty(b * run.most * d_v)
+        dq, dk, dv = torch.zeros_like(q_src), torch.zeros_like(k_src), torch.zeros_like(v_src)
+        cuda = [q_src.device.index or 0] if q_src.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda, enabled=bool(run.dropout_p)):
+            if run.dropout_p:
+                _set_rng_state(q_src.device, ctx.rng)
+            for rows, idx, valid in run.chunks:
+                flat = idx.reshape(-1)
+                qc = q_src.index_select(1, rows).mul_(run.scale)  # (b, m, d)
+                kk = run.gather(k_src, idx, kbuf)
+                vv = run.gather(v_src, idx, vbuf)
+                s = torch.matmul(qc.unsqueeze(-2), kk.transpose(-1, -2)).squeeze(-2)
+                if not run.softmax:
+                    s.requires_grad_()
+                with torch.enable_grad():
+                    p = run.weights(s, run.mask(idx, valid))
+                keep = run.keep(p)
+                pd = p.detach() if keep is None else p.detach() * keep
+                go = grad_out.index_select(1, rows)  # (b, m, d_v)
+                dv.index_add_(1, flat, (pd.unsqueeze(-1) * go.unsqueeze(-2)).reshape(b, -1, d_v))
+                dp = torch.matmul(vv, go.unsqueeze(-1)).squeeze(-1)  # (b, m, K)
+                if keep is not None:
+                    dp.mul_(keep)
+                if run.softmax:
+                    pp = p.detach()
+                    ds = pp * (dp - (pp * dp).sum(-1, keepdim=True))
+                else:
+                    (ds,) = torch.autograd.grad(p, s, dp)
+                dq.index_copy_(1, rows, torch.matmul(ds.unsqueeze(-2), kk).squeeze(-2)
+                               .mul_(run.scale))
+                dk.index_add_(1, flat, (ds.unsqueeze(-1) * qc.unsqueeze(-2)).reshape(b, -1, d))
+        return dq, dk, dv, None
 
 
 def gather_attention(
@@ -67,14 +164,15 @@ def gather_attention(
     scale: float,
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
-    budget: int = 1 << 18,
+    budget: int = 1 << 15,
 ) -> Tensor:
     """Sparse attention over neighbour lists (same contract as ``dense_attention``).
 
     A static graph (``batch_shape == ()``) is shared by all (batch, head) pairs, which ride
     along as a leading axis of size B·H; a batched graph is expanded to (B, H) and every
     flattened row gathers from its own (batch, head) slice of the flattened keys.
-    ``budget`` bounds (B·H or 1) × rows × K per chunk.
+    ``budget`` bounds (B·H or 1) × rows × K per chunk; the default keeps the gathered keys
+    and values of a chunk in cache (2^14–2^16 measured best, ~77 ns per edge at d = 64).
     """
     bsz, heads, n_q, d = q.shape
     n_k, d_v = k.shape[-2], v.shape[-1]
@@ -82,24 +180,11 @@ def gather_attention(
     b = bsz * heads if static else 1
     if not static:
         graph = graph.expand((bsz, heads))
-    q_src = q.reshape(b, -1, d)  # (BH, n_q, d) or (1, BH·n_q, d)
-    k_src = k.reshape(b, -1, d)
-    v_src = v.reshape(b, -1, d_v)
     key_ok = None
     if key_padding_mask is not None:
-        key_ok = key_padding_mask.repeat_interleave(heads, 0).reshape(b, -1)
-    use_ckpt = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    outs, order = [], []
-    for rows in chunk_rows(graph.degrees.reshape(-1), max(1, budget // b)):
-        idx, valid = graph.neighbours(rows)
-        if not static:  # flattened row r = (bh, i) reads keys bh·n_k + j
-            idx = idx + (rows // n_q * n_k)[:, None]
-        rows_dev = rows.to(q.device)
-        args = (q_src[:, rows_dev], k_src, v_src, idx.to(q.device), valid.to(q.device),
-                prob_map, scale, dropout_p, key_ok)
-        outs.append(checkpoint(_chunk, *args, use_reentrant=False) if use_ckpt else _chunk(*args))
-        order.append(rows_dev)
-    order = torch.cat(order)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return torch.cat(outs, 1)[:, inverse].reshape(bsz, heads, n_q, d_v)
+        key_ok = key_padding_mask.to(q.device).repeat_interleave(heads, 0).reshape(b, -1)
+    run = _Run(graph, static, n_q, n_k, b, budget, prob_map, scale, key_ok, dropout_p,
+               q.device)
+    out = _GatherAttention.apply(q.reshape(b, -1, d), k.reshape(b, -1, d),
+                                 v.reshape(b, -1, d_v), run)
+    return out.reshape(bsz, heads, n_q, d_v)

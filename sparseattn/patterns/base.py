@@ -83,6 +83,19 @@ class Pattern(abc.ABC):
         """Causal variant: the same pattern restricted to keys j <= query i."""
         return Causal(self)
 
+    def to_block_mask(self, n: int, block: int = 128, **graph_kwargs):
+        """This pattern at length n as a FlexAttention ``BlockMask`` (batch 1, heads 1 or the
+        graph's heads), built from the graph's block layout in O(E); its ``mask_mod`` is
+        exactly :meth:`allows`. ``graph_kwargs`` go to :meth:`graph` (e.g. ``num_heads``
+        for a head split). Pass it to ``torch.nn.attention.flex_attention.flex_attention``.
+        """
+        from ..engines.flex import graph_block_mask
+
+        check_positive("block", block)
+        graph = self.graph(n, **graph_kwargs)
+        heads = graph.batch_shape[-1] if graph.batch_shape else 1
+        return graph_block_mask(graph, 1, heads, block)
+
     def __or__(self, other: Pattern) -> Pattern:
         from .compose import union
 

@@ -1,0 +1,1 @@
+"""Benchmarks of sparseattn's engines and maps (run them with ``sparseattn bench``)."""

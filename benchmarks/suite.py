@@ -1,0 +1,621 @@
+"""``sparseattn bench``: engines against dense SDPA, compiled FlexAttention and the entmax package.
+
+For each pattern and length n the suite times, on (batch, heads, n, d) fp32 inputs:
+
+* forward (no grad) and forward+backward of the engines (``block``, ``gather``);
+* dense ``scaled_dot_product_attention`` with the same mask as a boolean ``attn_mask``;
+* compiled FlexAttention on the same graph (forward only on CPU; compile time reported apart);
+* 1.5-entmax: the block engine against ``entmax.entmax15`` over the full masked score matrix
+  (one head at a time, so that its memory is that of one head), and the largest difference
+  of the outputs;
+
+plus the machine's dense matmul rate (measured at the start and the end of the run) and each
+engine's useful FLOP rate, 4·E·d·B·H / time for the forward (E edges per graph), and a table of
+the row maps on rows of K entries against the entmax package.
+
+Times are medians of ``repeats`` calls after a warm-up call (which builds and caches plans and
+compiles). Peak memory is the largest increase of the C heap in use (glibc ``mallinfo2``,
+sampled every 0.5 ms by a thread) during one extra call. Baselines that would exceed the memory
+cap (estimated before running) or whose previous length exceeded the time cap are reported as
+skipped with the reason, not dropped. Results go to ``results/bench/<run>/``: ``results.json``
+(written after every measurement; a re-run with the same run name and suite resumes),
+``results.md`` and ``bench.png``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["SUITES", "Suite", "run_suite"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """What one bench run measures."""
+
+    name: str
+    ns: tuple[int, ...]
+    patterns: tuple[str, ...]
+    engines: tuple[str, ...] = ("block", "gather")
+    heads: int = 8
+    d: int = 64
+    batch: int = 1
+    repeats: int = 3
+    flex: bool = True
+    entmax_ns: tuple[int, ...] = (1024, 2048, 4096, 8192)
+    time_cap_s: float = 60.0
+    mem_cap_gb: float = 8.0
+    map_rows: int = 1 << 16
+
+
+SUITES = {
+    "full": Suite(
+        "full",
+        ns=(1024, 2048, 4096, 8192, 16384, 32768, 65536),
+        patterns=("longformer", "bigbird", "strided", "random"),
+    ),
+    "quick": Suite(
+        "quick",
+        ns=(1024, 4096),
+        patterns=("longformer", "random"),
+        repeats=2,
+        flex=False,
+        entmax_ns=(1024,),
+        time_cap_s=10.0,
+        map_rows=1 << 13,
+    ),
+}
+
+
+def make_pattern(name: str):
+    """The suite's patterns: K stays about 530 (strided: 257 + n/256) as n grows."""
+    import sparseattn as sa
+
+    return {
+        "longformer": lambda: sa.longformer(512, 16),  # window ±256 + 16 global tokens
+        "bigbird": lambda: sa.bigbird(448, 16, random_blocks=1, block=64),
+        "strided": lambda: sa.strided(256),
+        "random": lambda: sa.random(k=512, seed=0),
+    }[name]()
+
+
+# ----------------------------------------------------------------------------- measuring
+class _Heap:
+    """Bytes of C heap in use (glibc mallinfo2), or resident set size where unavailable."""
+
+    def __init__(self) -> None:
+        self._mallinfo = None
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL("libc.so.6")
+
+            class MallInfo2(ctypes.Structure):
+                _fields_ = [(f, ctypes.c_size_t) for f in (
+                    "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                    "uordblks", "fordblks", "keepcost")]
+
+            libc.mallinfo2.restype = MallInfo2
+            libc.mallinfo2()
+            self._mallinfo = libc.mallinfo2
+        self.kind = "heap in use (mallinfo2)" if self._mallinfo else "resident set size"
+
+    def __call__(self) -> int:
+        if self._mallinfo is not None:
+            info = self._mallinfo()
+            return info.uordblks + info.hblkhd
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+_HEAP = _Heap()
+
+
+@contextlib.contextmanager
+def peak_memory():
+    """Yields a dict whose ``"mb"`` is, on exit, the peak heap increase in MiB."""
+    result = {"mb": 0.0}
+    base = _HEAP()
+    peak = [base]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _HEAP())
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join()
+        peak[0] = max(peak[0], _HEAP())
+        result["mb"] = (peak[0] - base) / 2**20
+
+
+def measure(fn: Callable[[], object], repeats: int, time_cap: float) -> dict:
+    """Warm-up call, one call under the memory sampler, then ``repeats`` timed calls (fewer
+    when a call is slow). Returns time (median, s), all times, peak MiB and warm-up seconds."""
+    start = time.perf_counter()
+    fn()
+    warm = time.perf_counter() - start
+    with peak_memory() as mem:
+        start = time.perf_counter()
+        fn()
+        first = time.perf_counter() - start
+    times = [first]
+    if first * repeats < time_cap:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return {"time_s": statistics.median(times), "times_s": times, "peak_mb": mem["mb"],
+            "warmup_s": warm}
+
+
+def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """Dense fp32 matmul rate of this machine (median of ``repeats``), GFLOP/s."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e9
+
+
+def machine() -> dict:
+    """CPU model, threads, torch version, memory and load."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_gb = None
+    with contextlib.suppress(OSError, ValueError):
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "memory_gb": mem_gb,
+        "memory_measure": _HEAP.kind,
+    }
+
+
+# ----------------------------------------------------------------------------- the suite
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+class _Recorder:
+    """Rows of results keyed by (section, pattern, n, engine, mode); resumable."""
+
+    def __init__(self, path: Path, header: dict) -> None:
+        self.path = path
+        self.data = {**header, "rows": []}
+        if path.exists():
+            old = json.loads(path.read_text())
+            if old.get("suite") == header["suite"]:
+                self.data["rows"] = old.get("rows", [])
+        self.skip_from: dict[tuple, int] = {}
+
+    def key(self, row: dict) -> tuple:
+        return (row["section"], row.get("pattern"), row.get("n"), row.get("engine"),
+                row.get("mode"))
+
+    def done(self, **key) -> dict | None:
+        k = self.key(key)
+        return next((r for r in self.data["rows"] if self.key(r) == k), None)
+
+    def add(self, row: dict) -> None:
+        self.data["rows"].append(row)
+        self.save()
+
+    def save(self) -> None:
+        _write_atomic(self.path, json.dumps(self.data, indent=1))
+
+
+def run_suite(
+    suite: Suite,
+    out_dir: Path,
+    log: Callable[[str], None] = print,
+    ns: tuple[int, ...] | None = None,
+    patterns: tuple[str, ...] | None = None,
+) -> dict:
+    """Run ``suite`` (optionally restricted to ``ns``/``patterns``), write JSON, markdown and
+    PNG into ``out_dir``; return the results dict."""
+    if ns or patterns:
+        suite = dataclasses.replace(suite, ns=tuple(ns or suite.ns),
+                                    patterns=tuple(patterns or suite.patterns))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    header = {"suite": dataclasses.asdict(suite), "machine": machine(),
+              "load_start": os.getloadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    rec = _Recorder(out_dir / "results.json", header)
+    rec.data["matmul_gflops_start"] = matmul_gflops()
+    log(f"machine: {header['machine']}; matmul {rec.data['matmul_gflops_start']:.0f} GFLOP/s; "
+        f"load {header['load_start']}")
+    _maps_section(suite, rec, log)
+    for name in suite.patterns:
+        _pattern_section(suite, name, rec, log)
+    rec.data["matmul_gflops_end"] = matmul_gflops()
+    rec.data["load_end"] = os.getloadavg()
+    rec.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    rec.save()
+    _write_atomic(out_dir / "results.md", markdown(rec.data))
+    _plot(rec.data, out_dir / "bench.png")
+    return rec.data
+
+
+def _maps_section(suite: Suite, rec: _Recorder, log) -> None:
+    """Row maps on ``map_rows`` rows of K = 576 random scores: package vs ours vs softmax."""
+    import entmax as package
+
+    from sparseattn import fastmaps
+    from sparseattn.maps import entmax
+
+    rows = suite.map_rows
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(0))
+    cases = {
+        "softmax (torch)": lambda: torch.softmax(x, -1),
+        "entmax15 (entmax 1.3)": lambda: package.entmax15(x, -1),
+        "entmax15 (fastmaps)": lambda: fastmaps.entmax15_rows(x),
+        "entmax15 (maps, autograd map)": lambda: entmax(1.5)(x),
+        "sparsemax (entmax 1.3)": lambda: package.sparsemax(x, -1),
+        "sparsemax (fastmaps)": lambda: fastmaps.sparsemax_rows(x),
+        "entmax α=1.3 (entmax 1.3 bisect)": lambda: package.entmax_bisect(x, 1.3, -1),
+        "entmax α=1.3 (fastmaps)": lambda: fastmaps.entmax_rows(x, None, 1.3),
+    }
+    for label, fn in cases.items():
+        if rec.done(section="maps", engine=label):
+            continue
+        res = measure(fn, suite.repeats, suite.time_cap_s)
+        rec.add({"section": "maps", "engine": label, "rows": rows, "K": 576, **res})
+        log(f"maps  {label:34s} {res['time_s'] * 1e3:9.1f} ms")
+    checks = {
+        "entmax15": (fastmaps.entmax15_rows(x), package.entmax15(x.double(), -1)),
+        "sparsemax": (fastmaps.sparsemax_rows(x), package.sparsemax(x.double(), -1)),
+        "entmax α=1.3": (fastmaps.entmax_rows(x, None, 1.3),
+                         package.entmax_bisect(x.double(), 1.3, -1, n_iter=100)),
+    }
+    rec.data["maps_max_abs_diff"] = {
+        k: float((a.double() - b).abs().max()) for k, (a, b) in checks.items()
+    }
+
+
+def _qkv(suite: Suite, n: int, grad: bool):
+    gen = torch.Generator().manual_seed(n)
+    shape = (suite.batch, suite.heads, n, suite.d)
+    return [torch.randn(shape, generator=gen).requires_grad_(grad) for _ in range(3)]
+
+
+def _pattern_section(suite: Suite, name: str, rec: _Recorder, log) -> None:
+    pattern = make_pattern(name)
+    stopped: dict[tuple[str, str], int] = {}  # (engine, mode) -> n where the time cap hit
+    for n in suite.ns:
+        start = time.perf_counter()
+        graph = pattern.graph(n)
+        setup = time.perf_counter() - start
+        log(f"{name} n={n}: K={graph.col.numel() / n:.0f}, graph built in {setup:.1f} s")
+        _one_length(suite, name, n, graph, rec, log, stopped)
+        graph.__dict__.pop("_block_plans", None)
+        graph.__dict__.pop("_flex_masks", None)
+
+
+def _one_length(suite, name, n, graph, rec, log, stopped) -> None:
+    from sparseattn.engines import ENGINES
+    from sparseattn.engines.flex import flex_available
+    from sparseattn.maps import entmax, softmax
+
+    rho = softmax()
+    scale = 1 / math.sqrt(suite.d)
+    bh = suite.batch * suite.heads
+    edges = int(graph.col.numel())
+    useful = 4 * edges * suite.d * bh
+    base = {"section": "attention", "pattern": name, "n": n, "K": edges / n, "edges": edges}
+
+    def record(engine: str, mode: str, fn=None, skip: str | None = None) -> None:
+        if rec.done(section="attention", pattern=name, n=n, engine=engine, mode=mode):
+            return
+        row = {**base, "engine": engine, "mode": mode}
+        capped = stopped.get((engine, mode))
+        if skip is None and capped is not None:
+            skip = f"time cap: a call took > {suite.time_cap_s:.0f} s at n={capped}"
+        if skip is not None:
+            rec.add({**row, "status": "skipped", "reason": skip})
+            log(f"  {engine:8s} {mode:16s} skipped: {skip}")
+            return
+        try:
+            res = measure(fn, suite.repeats, suite.time_cap_s)
+        except (RuntimeError, MemoryError, ValueError) as err:
+            rec.add({**row, "status": "failed", "reason": f"{type(err).__name__}: {err}"[:300]})
+            log(f"  {engine:8s} {mode:16s} failed: {err}")
+            return
+        flops = useful * (3 if mode.endswith("fwd+bwd") else 1)
+        res["useful_gflops"] = flops / res["time_s"] / 1e9
+        if res["time_s"] > suite.time_cap_s:
+            stopped[(engine, mode)] = n
+        rec.add({**row, "status": "ok", **res})
+        log(f"  {engine:8s} {mode:16s} {res['time_s'] * 1e3:10.1f} ms  "
+            f"{res['peak_mb']:8.0f} MiB  {res['useful_gflops']:6.1f} GF/s")
+
+    q, k, v = _qkv(suite, n, grad=False)
+    qg, kg, vg = _qkv(suite, n, grad=True)
+    grad_out = torch.randn_like(q)
+
+    def backward(out: torch.Tensor) -> None:
+        out.backward(grad_out)
+        for t in (qg, kg, vg):
+            t.grad = None
+
+    for engine in suite.engines:
+        fn = ENGINES[engine]
+        record(engine, "fwd", lambda fn=fn: _no_grad(fn, q, k, v, graph, rho, scale))
+        record(engine, "fwd+bwd", lambda fn=fn: backward(fn(qg, kg, vg, graph, rho, scale)))
+
+    # dense SDPA with the same boolean mask
+    est_fwd = n * n / 2**30 * (1 + 4 + 4 * bh)  # bool mask, float mask, weights (math path)
+    if est_fwd > suite.mem_cap_gb:
+        why = f"memory cap: ~{est_fwd:.0f} GB estimated > {suite.mem_cap_gb:.0f} GB"
+        record("sdpa", "fwd", skip=why)
+        record("sdpa", "fwd+bwd", skip=why)
+    else:
+        dense_mask = graph.to_dense()
+
+        def sdpa(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask, scale=scale)
+
+        record("sdpa", "fwd", lambda: _no_grad(sdpa, q, k, v))
+        if 2 * est_fwd > suite.mem_cap_gb:
+            record("sdpa", "fwd+bwd", skip=f"memory cap: ~{2 * est_fwd:.0f} GB estimated")
+        else:
+            record("sdpa", "fwd+bwd", lambda: backward(sdpa(qg, kg, vg)))
+
+    # compiled FlexAttention on the same graph
+    if suite.flex:
+        flex = ENGINES["flex"]
+        record("flex", "fwd", lambda: _no_grad(flex, q, k, v, graph, rho, scale),
+               skip=flex_available())
+        record("flex", "fwd+bwd", skip="FlexAttention has no backward on CPU")
+
+    # 1.5-entmax: block engine vs the entmax package on full score matrices
+    if n in suite.entmax_ns:
+        block = ENGINES["block"]
+        rho15 = entmax(1.5)
+        record("block", "entmax15 fwd", lambda: _no_grad(block, q, k, v, graph, rho15, scale))
+        record("block", "entmax15 fwd+bwd",
+               lambda: backward(block(qg, kg, vg, graph, rho15, scale)))
+        _entmax_full(suite, rec, log, base, graph, q, k, v, scale)
+
+
+def _no_grad(fn, *args):
+    with torch.no_grad():
+        return fn(*args)
+
+
+def _entmax_full(suite, rec, log, base, graph, q, k, v, scale) -> None:
+    """entmax 1.3's entmax15 over each head's full n×n masked scores, and its difference to
+    the block engine's output."""
+    import entmax as package
+
+    from sparseattn.engines import block_attention
+    from sparseattn.maps import entmax
+
+    row = {**base, "engine": "entmax 1.3 full", "mode": "entmax15 fwd"}
+    if rec.done(section="attention", pattern=row["pattern"], n=row["n"], engine=row["engine"],
+                mode=row["mode"]):
+        return
+    per_head_gb = row["n"] ** 2 * 4 * 10 / 2**30  # scores, sorted copy, cumsums, indices
+    if per_head_gb > suite.mem_cap_gb:
+        rec.add({**row, "status": "skipped",
+                 "reason": f"memory cap: ~{per_head_gb:.0f} GB per head estimated"})
+        log(f"  entmax 1.3 full skipped: ~{per_head_gb:.0f} GB per head")
+        return
+    mask = graph.to_dense()
+
+    def full_entmax() -> torch.Tensor:
+        outs = []
+        for h in range(q.shape[1]):  # one head at a time: the memory of one n×n chain
+            s = (q[:, h] @ k[:, h].transpose(-1, -2)) * scale
+            p = package.entmax15(s.masked_fill_(~mask, -math.inf), dim=-1)
+            outs.append(p @ v[:, h])
+        return torch.stack(outs, 1)
+
+    with torch.no_grad():
+        start = time.perf_counter()
+        with peak_memory() as mem:
+            full = full_entmax()
+        took = time.perf_counter() - start
+        ours = block_attention(q, k, v, graph, entmax(1.5), scale)
+    diff = float((full - ours).abs().max())
+    rec.add({**row, "status": "ok", "time_s": took, "times_s": [took], "peak_mb": mem["mb"],
+             "max_abs_diff_vs_block": diff})
+    log(f"  entmax 1.3 full  {took * 1e3:10.1f} ms  {mem['mb']:8.0f} MiB  "
+        f"(max |diff| to block {diff:.1e})")
+
+
+# ----------------------------------------------------------------------------- reporting
+def _rows(data: dict, **match) -> list[dict]:
+    return [r for r in data["rows"] if all(r.get(k) == v for k, v in match.items())]
+
+
+def _cell(data: dict, pattern: str, n: int, engine: str, mode: str, what: str = "ms") -> str:
+    rows = _rows(data, section="attention", pattern=pattern, n=n, engine=engine, mode=mode)
+    if not rows:
+        return "—"
+    row = rows[0]
+    if row["status"] != "ok":
+        return "skip" if row["status"] == "skipped" else "fail"
+    if what == "ms":
+        return f"{row['time_s'] * 1e3:.0f}"
+    if what == "mb":
+        return f"{row['peak_mb']:.0f}"
+    return f"{row['useful_gflops']:.0f}"
+
+
+def _ratio(data: dict, pattern: str, n: int, num: tuple, den: tuple) -> str:
+    a = _rows(data, section="attention", pattern=pattern, n=n, engine=num[0], mode=num[1])
+    b = _rows(data, section="attention", pattern=pattern, n=n, engine=den[0], mode=den[1])
+    if not a or not b or a[0]["status"] != "ok" or b[0]["status"] != "ok":
+        return "—"
+    return f"{a[0]['time_s'] / b[0]['time_s']:.1f}×"
+
+
+def markdown(data: dict) -> str:
+    """The results as markdown tables."""
+    m = data["machine"]
+    suite = data["suite"]
+    mm = data.get("matmul_gflops_start", float("nan"))
+    lines = [
+        f"# sparseattn bench — suite `{suite['name']}`",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} with "
+        f"{m['torch_threads']} threads, {m['memory_gb'] or 0:.0f} GiB. Started "
+        f"{data.get('started')}, load average at start {data.get('load_start')}, at end "
+        f"{data.get('load_end')}. Dense fp32 matmul: {mm:.0f} GFLOP/s at the start, "
+        f"{data.get('matmul_gflops_end', float('nan')):.0f} at the end.",
+        f"Inputs (B, H, n, d) = ({suite['batch']}, {suite['heads']}, n, {suite['d']}), fp32; "
+        f"times are medians of {suite['repeats']} calls in ms; memory is the peak "
+        f"{m['memory_measure']} increase in MiB; GF/s is the useful rate 4·E·d·B·H/time "
+        "(×3 for fwd+bwd).",
+        "",
+    ]
+    for pattern in suite["patterns"]:
+        ns = sorted({r["n"] for r in _rows(data, section="attention", pattern=pattern)})
+        if not ns:
+            continue
+        lines += [
+            f"## {pattern}",
+            "",
+            "| n | K | block fwd | gather fwd | flex fwd | SDPA fwd | block f+b | gather f+b "
+            "| SDPA f+b | SDPA/block fwd | flex/block fwd | SDPA/block f+b | block MiB fwd "
+            "| block MiB f+b | block GF/s (% matmul) |",
+            "|" + "---|" * 15,
+        ]
+        for n in ns:
+            k = _rows(data, section="attention", pattern=pattern, n=n)[0]["K"]
+            gf = _cell(data, pattern, n, "block", "fwd", "gf")
+            pct = f"{float(gf) / mm:.0%}" if gf.replace(".", "").isdigit() else "—"
+            lines.append(
+                f"| {n} | {k:.0f} | {_cell(data, pattern, n, 'block', 'fwd')} "
+                f"| {_cell(data, pattern, n, 'gather', 'fwd')} "
+                f"| {_cell(data, pattern, n, 'flex', 'fwd')} "
+                f"| {_cell(data, pattern, n, 'sdpa', 'fwd')} "
+                f"| {_cell(data, pattern, n, 'block', 'fwd+bwd')} "
+                f"| {_cell(data, pattern, n, 'gather', 'fwd+bwd')} "
+                f"| {_cell(data, pattern, n, 'sdpa', 'fwd+bwd')} "
+                f"| {_ratio(data, pattern, n, ('sdpa', 'fwd'), ('block', 'fwd'))} "
+                f"| {_ratio(data, pattern, n, ('flex', 'fwd'), ('block', 'fwd'))} "
+                f"| {_ratio(data, pattern, n, ('sdpa', 'fwd+bwd'), ('block', 'fwd+bwd'))} "
+                f"| {_cell(data, pattern, n, 'block', 'fwd', 'mb')} "
+                f"| {_cell(data, pattern, n, 'block', 'fwd+bwd', 'mb')} "
+                f"| {gf} ({pct}) |"
+            )
+        block = {r["n"]: r["time_s"] for r in _rows(data, section="attention", pattern=pattern,
+                                                     engine="block", mode="fwd")
+                 if r["status"] == "ok"}
+        if 4096 in block and max(block) > 4096:
+            top = max(block)
+            lines += ["", f"Block forward time, n = {top} over n = 4096: "
+                      f"{block[top] / block[4096]:.1f}× for {top // 4096}× the length."]
+        lines.append("")
+        reasons = {r["reason"] for r in _rows(data, section="attention", pattern=pattern)
+                   if r["status"] != "ok"}
+        if reasons:
+            lines += ["Skipped/failed: " + "; ".join(sorted(reasons)), ""]
+    ent = [r for r in _rows(data, section="attention") if r["mode"] == "entmax15 fwd"]
+    if ent:
+        lines += [
+            "## 1.5-entmax: block engine vs entmax 1.3 `entmax15` on the full masked scores",
+            "",
+            "| pattern | n | block entmax15 fwd ms | block entmax15 f+b ms | entmax 1.3 full ms "
+            "| speed-up | full MiB | max abs diff |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for pattern, n in sorted({(r["pattern"], r["n"]) for r in ent}):
+            found = _rows(data, section="attention", pattern=pattern, n=n,
+                          engine="entmax 1.3 full")
+            full = found[0] if found else {"status": "missing", "reason": "—"}
+            ok = full["status"] == "ok"
+            full_ms = f"{full['time_s'] * 1e3:.0f}" if ok else full.get("reason", "—")
+            full_mb = f"{full['peak_mb']:.0f}" if ok else "—"
+            diff = f"{full['max_abs_diff_vs_block']:.1e}" if ok else "—"
+            speed = _ratio(data, pattern, n, ("entmax 1.3 full", "entmax15 fwd"),
+                           ("block", "entmax15 fwd"))
+            lines.append(
+                f"| {pattern} | {n} | {_cell(data, pattern, n, 'block', 'entmax15 fwd')} "
+                f"| {_cell(data, pattern, n, 'block', 'entmax15 fwd+bwd')} "
+                f"| {full_ms} | {speed} | {full_mb} | {diff} |"
+            )
+        lines.append("")
+    maps = _rows(data, section="maps")
+    if maps:
+        soft = next((r["time_s"] for r in maps if r["engine"].startswith("softmax")), None)
+        lines += [f"## Row maps on {maps[0]['rows']} rows of K = {maps[0]['K']}", "",
+                  "| map | ms | × softmax |", "|---|---|---|"]
+        for r in maps:
+            rel = f"{r['time_s'] / soft:.1f}" if soft else "—"
+            lines.append(f"| {r['engine']} | {r['time_s'] * 1e3:.1f} | {rel} |")
+        diffs = data.get("maps_max_abs_diff", {})
+        if diffs:
+            lines += ["", "Largest |fastmaps − entmax package (float64)|: " + ", ".join(
+                f"{k} {v:.1e}" for k, v in diffs.items())]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    patterns = data["suite"]["patterns"]
+    fig, axes = plt.subplots(2, len(patterns), figsize=(4.5 * len(patterns), 7), squeeze=False)
+    styles = {"fwd": "-", "fwd+bwd": "--"}
+    for col, pattern in enumerate(patterns):
+        for engine in ("block", "gather", "flex", "sdpa"):
+            for mode, style in styles.items():
+                rows = [r for r in _rows(data, section="attention", pattern=pattern,
+                                         engine=engine, mode=mode) if r["status"] == "ok"]
+                if not rows:
+                    continue
+                ns = [r["n"] for r in rows]
+                axes[0][col].loglog(ns, [r["time_s"] for r in rows], style, marker="o",
+                                    label=f"{engine} {mode}")
+                axes[1][col].loglog(ns, [max(r["peak_mb"], 0.1) for r in rows], style,
+                                    marker="o", label=f"{engine} {mode}")
+        axes[0][col].set_title(pattern)
+        axes[0][col].set_ylabel("time (s)")
+        axes[1][col].set_ylabel("peak memory (MiB)")
+        axes[1][col].set_xlabel("n")
+        axes[0][col].legend(fontsize=7)
+    fig.suptitle(f"sparseattn bench ({data['machine']['cpu']}, "
+                 f"{data['machine']['torch_threads']} threads)", fontsize=9)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)

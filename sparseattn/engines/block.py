@@ -1,0 +1,570 @@
+"""Block engine: block-sparse attention as batched matrix products over non-empty blocks.
+
+The graph is laid out in square blocks of ``block`` tokens. A *row block* (``block``
+consecutive queries of one graph) attends to the key blocks that hold at least one of its
+edges. Its key blocks are *full* (every (query, key) pair of the block is an edge) or
+*partial* (an element mask is needed). Each query's map ρ sees its whole row of selected
+blocks, with the element mask of the partial blocks as ``valid`` (Yun et al. eq. 3 computed
+on a superset of A_i and masked back to it).
+
+Row blocks are grouped by their (number of full, number of partial) key blocks — as the gather
+engine groups rows by degree — so a few dense rows (global tokens) form their own small group
+instead of padding every row block to n keys. Each group is cut into chunks of at most
+``budget`` score entries; peak memory beyond q, k, v and the output is O(budget).
+
+Two ways to compute a chunk:
+
+* **split softmax** (softmax, no key padding, no dropout, d_v = d): the full blocks go through
+  torch's fused CPU flash-attention kernel, which returns the log-sum-exp of each row; the
+  partial blocks are scored, masked and exponentiated here; the two halves are merged by their
+  log-sum-exps. Backward uses the same split: the flash backward kernel given the *merged*
+  output and log-sum-exp yields exactly the full blocks' share of dQ, dK, dV
+  (dS = P ⊙ (dP − rowsum(dO ⊙ O)) decomposes over any split of the keys).
+* **general** (any map, key padding, dropout): scores of all blocks side by side, ρ on the
+  masked row, weights · V. Backward recomputes each chunk; softmax uses its closed form
+  dS = P ⊙ (dP − Σ P⊙dP), any other map autograd on the recomputed chunk; dropout masks are
+  replayed from the saved RNG state.
+
+Both backward passes keep only q, k, v, the output and (split) the row log-sum-exps, and add
+dK, dV into one buffer with ``index_add_``: O(n·d + budget) memory for training too.
+
+The plan (block pairs, groups, element masks of partial blocks) is built once per
+(graph, block) in O(E + partial pairs · block²) and cached on the graph object.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import FunctionCtx
+
+from ..graph import AttentionGraph
+from ..maps import ProbabilityMap
+
+__all__ = ["BlockPlan", "block_attention", "block_plan", "choose_block", "count_pairs"]
+
+#: Block sizes the engine chooses from when ``block=None``.
+BLOCK_SIZES = (16, 32, 64, 128)
+#: Relative cost of one scored entry at each block size (matrix-product efficiency and
+#: per-chunk overhead, measured on this machine; docs/benchmarks.md, "block size").
+ENTRY_COST = {16: 2.2, 32: 1.3, 64: 1.0, 128: 0.95}
+
+#: Below this fraction of useful entries in the block layout ``engine="auto"`` gathers instead:
+#: ~77 ns per gathered edge against ~3–7 ns per scored block entry (1-thread CPU time, fp32,
+#: d = 64, softmax; docs/engines.md, "auto rule"), break-even near 1/15.
+BLOCK_MIN_FILL = 1 / 15
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+@dataclass
+class _Group:
+    rows: Tensor  # LongTensor[m]: row-block ids g·nbq + i
+    full: Tensor  # LongTensor[m, Cf]: key-block ids g·nbk + j of the full blocks
+    part: Tensor  # LongTensor[m, Cp]: key-block ids of the partial blocks
+    keep: Tensor | None  # uint8[m, b, Cp·b]: 1 where a partial block has an edge
+
+
+@dataclass
+class _Chunk:
+    rows: Tensor  # LongTensor[m]
+    full: Tensor  # LongTensor[m, Cf]
+    part: Tensor  # LongTensor[m, Cp]
+    keep: Tensor | None  # uint8[m, b, Cp·b]
+    run: tuple[int, int] | None  # full[r, j] = start + r·step + j, or None
+
+
+def _segments(full: Tensor) -> list[tuple[int, int, tuple[int, int] | None]]:
+    """Cut a group's rows into [start, end) segments whose full key blocks form one run of
+    consecutive blocks moving by a fixed step per row (``(first, step)``), or None."""
+    m, cf = full.shape
+    if cf == 0 or m == 0:
+        return [(0, m, None)]
+    contig = (full[:, 1:] - full[:, :-1] == 1).all(1) if cf > 1 else torch.ones(m, dtype=bool)
+    first = full[:, 0]
+    delta = first[1:] - first[:-1]
+    cut = ~(contig[1:] & contig[:-1])
+    cut[1:] |= delta[1:] != delta[:-1]
+    bounds = [0, *(cut.nonzero().squeeze(1) + 1).tolist(), m]
+    out: list[tuple[int, int, tuple[int, int] | None]] = []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        run = None
+        if bool(contig[lo]) and hi - lo >= 4:  # short runs go with the gathered rows
+            run = (int(first[lo]), int(delta[lo]) if hi - lo > 1 else 0)
+        if run is None and out and out[-1][2] is None and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi, None)
+        else:
+            out.append((lo, hi, run))
+    return out
+
+
+@dataclass
+class BlockPlan:
+    """The block layout of a graph with G = prod(batch_shape) graphs, as the engine runs it.
+
+    Attributes:
+        block: block size b.
+        graphs: G (1 for a static graph).
+        nbq, nbk: query and key blocks per graph, ceil(n / b).
+        groups: row blocks grouped by (full, partial) key-block counts.
+        pairs: non-empty (row block, key block) pairs; ``pairs · b²`` entries are scored.
+        partial: how many of those pairs need an element mask.
+        edges: edges of the graph (the useful entries).
+    """
+
+    block: int
+    graphs: int
+    nbq: int
+    nbk: int
+    groups: list[_Group]
+    pairs: int
+    partial: int
+    edges: int
+
+    @property
+    def fill(self) -> float:
+        """Useful fraction of the scored entries, edges / (pairs · b²)."""
+        return self.edges / max(1, self.pairs * self.block * self.block)
+
+    def chunks(self, lead: int, budget: int, split: bool = False) -> list[_Chunk]:
+        """Chunks of at most ``budget`` materialised score entries for L = ``lead`` riding
+        (batch, head) pairs, never straddling a run of consecutive full key blocks (cached).
+
+        With ``split`` (the split-softmax path) full blocks are streamed by the flash kernel
+        and only their gathered keys and values are materialised: they count a quarter.
+        """
+        cache = self.__dict__.setdefault("_chunks", {})
+        if (lead, budget, split) not in cache:
+            out, b = [], self.block
+            for grp in self.groups:
+                cf, cp = grp.full.shape[1], grp.part.shape[1]
+                weight = cp + (cf + 3) // 4 if split else cf + cp
+                step = max(1, budget // (lead * b * b * max(1, weight)))
+                for lo, hi, run in _segments(grp.full):
+                    for s in range(lo, hi, step):
+                        e = min(s + step, hi)
+                        blk = None if grp.keep is None else grp.keep[s:e]
+                        at = None if run is None else (run[0] + (s - lo) * run[1], run[1])
+                        out.append(_Chunk(grp.rows[s:e], grp.full[s:e], grp.part[s:e], blk, at))
+            cache[(lead, budget, split)] = out
+        return cache[(lead, budget, split)]
+
+    def to(self, device: torch.device) -> BlockPlan:
+        """The plan with its index tensors on ``device``."""
+        if not self.groups or self.groups[0].rows.device == device:
+            return self
+        groups = [
+            _Group(g.rows.to(device), g.full.to(device), g.part.to(device),
+                   None if g.keep is None else g.keep.to(device))
+            for g in self.groups
+        ]
+        return BlockPlan(self.block, self.graphs, self.nbq, self.nbk, groups, self.pairs,
+                         self.partial, self.edges)
+
+
+def _pair_keys(graph: AttentionGraph, block: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Sorted unique (row block, key block) keys, the pair of every edge, edges per pair."""
+    n_q, n_k = graph.n_q, graph.n_k
+    nbq, nbk = -(-n_q // block), -(-n_k // block)
+    rows = graph.row_indices()
+    key = ((rows // n_q) * nbq + (rows % n_q) // block) * nbk + graph.col // block
+    bins = max(1, math.prod(graph.batch_shape)) * nbq * nbk
+    if bins <= 1 << 25:  # counting sort, O(E + bins)
+        counts = torch.bincount(key, minlength=bins)
+        pair_keys = counts.nonzero().squeeze(1)
+        lookup = torch.empty(bins, dtype=torch.long)
+        lookup[pair_keys] = torch.arange(pair_keys.numel())
+        return pair_keys, lookup[key], counts[pair_keys]
+    return torch.unique(key, return_inverse=True, return_counts=True)
+
+
+def count_pairs(graph: AttentionGraph, block: int) -> int:
+    """Number of non-empty (row block, key block) pairs of ``graph`` at this block size."""
+    n_q, n_k = graph.n_q, graph.n_k
+    nbq, nbk = -(-n_q // block), -(-n_k // block)
+    rows = graph.row_indices()
+    key = ((rows // n_q) * nbq + (rows % n_q) // block) * nbk + graph.col // block
+    bins = max(1, math.prod(graph.batch_shape)) * nbq * nbk
+    if bins <= 1 << 25:
+        return int(torch.count_nonzero(torch.bincount(key, minlength=bins)))
+    return int(torch.unique(key).numel())
+
+
+def choose_block(graph: AttentionGraph) -> int:
+    """The block size of ``BLOCK_SIZES`` with the least estimated work pairs·b²·ENTRY_COST[b].
+
+    Block sizes above half the sequence length are not considered. Cached on the graph.
+    """
+    cache = graph.__dict__.setdefault("_block_plans", {})
+    if "choice" not in cache:
+        n = max(graph.n_q, graph.n_k)
+        sizes = [b for b in BLOCK_SIZES if b == BLOCK_SIZES[0] or 2 * b <= n]
+        cost = {b: count_pairs(graph, b) * b * b * ENTRY_COST[b] for b in sizes}
+        cache["choice"] = min(cost, key=cost.get)
+    return cache["choice"]
+
+
+def block_plan(graph: AttentionGraph, block: int) -> BlockPlan:
+    """The block plan of ``graph`` at ``block`` (built once, cached on the graph)."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    cache = graph.__dict__.setdefault("_block_plans", {})
+    if block not in cache:
+        cache[block] = _build_plan(graph, block)
+    return cache[block]
+
+
+def _build_plan(graph: AttentionGraph, block: int) -> BlockPlan:
+    n_q, n_k = graph.n_q, graph.n_k
+    nbq, nbk = -(-n_q // block), -(-n_k // block)
+    g_count = max(1, math.prod(graph.batch_shape))
+    pair_keys, edge_pair, counts = _pair_keys(graph, block)
+    pair_rb, pair_kb = pair_keys // nbk, pair_keys % nbk
+    real_rows = (n_q - (pair_rb % nbq) * block).clamp(max=block)
+    full = counts == real_rows * block  # count <= rows · keys, so the key block is whole too
+    # order pairs by row block, full ones first, then by key block (stable)
+    order = torch.argsort(pair_rb * 2 + (~full).long(), stable=True)
+    per_rb = torch.bincount(pair_rb, minlength=g_count * nbq)
+    n_full = torch.bincount(pair_rb[full], minlength=g_count * nbq)
+    first = torch.cumsum(per_rb, 0) - per_rb
+    key_ids = ((pair_rb // nbq) * nbk + pair_kb)[order]
+    slot_of_pair = torch.empty_like(order)
+    slot_of_pair[order] = torch.arange(order.numel()) - first[pair_rb[order]]
+
+    rows = graph.row_indices()
+    partial_edge = ~full[edge_pair]
+    e_pair = edge_pair[partial_edge]
+    e_rb = pair_rb[e_pair]
+    e_q = (rows[partial_edge] % n_q) % block
+    e_k = graph.col[partial_edge] % block
+    e_slot = slot_of_pair[e_pair] - n_full[e_rb]  # slot among the row block's partial pairs
+
+    groups = []
+    combo = n_full * (nbk + 1) + (per_rb - n_full)
+    for key in torch.unique(combo).tolist():
+        cf, cp = divmod(key, nbk + 1)
+        rbs = (combo == key).nonzero().squeeze(1)
+        pids = first[rbs][:, None] + torch.arange(cf + cp)
+        ids = key_ids[pids]
+        keep = None
+        if cp:
+            m = rbs.numel()
+            pos = torch.full((g_count * nbq,), -1, dtype=torch.long)
+            pos[rbs] = torch.arange(m)
+            allowed = torch.zeros(m, block, cp, block, dtype=torch.bool)
+            sel = pos[e_rb] >= 0
+            allowed[pos[e_rb[sel]], e_q[sel], e_slot[sel], e_k[sel]] = True
+            extra = nbq * block - n_q
+            short = ((rbs % nbq) == nbq - 1).nonzero().squeeze(1)
+            if extra and short.numel():  # queries past n_q see every slot (finite, discarded)
+                allowed[short, block - extra :] = True
+            keep = allowed.view(m, block, cp * block).to(torch.uint8)
+        groups.append(_Group(rbs, ids[:, :cf].contiguous(), ids[:, cf:].contiguous(), keep))
+    return BlockPlan(block, g_count, nbq, nbk, groups, pair_keys.numel(),
+                     int((~full).sum()), graph.col.numel())
+
+
+class _Runner:
+    """What the per-chunk computations need, shared by forward and backward."""
+
+    def __init__(self, plan, prob_map, scale, key_ok, dropout_p, budget, lead, cpu, same_d):
+        self.plan, self.prob_map, self.scale = plan, prob_map, scale
+        self.key_ok, self.dropout_p, self.lead = key_ok, dropout_p, lead
+        self.softmax = prob_map.name == "softmax" or (
+            prob_map.name == "entmax" and prob_map.params.get("alpha") == 1.0
+        )
+        self.split = self.softmax and key_ok is None and not dropout_p and cpu and same_d
+        self.chunks = plan.chunks(lead, budget, self.split)
+
+    # -- helpers ------------------------------------------------------------------------
+    def gather(self, x: Tensor, keys: Tensor) -> Tensor:
+        """Key blocks (L, m, C·b, e) of the blocked tensor x (L, G·nbk, b, e)."""
+        m, c = keys.shape
+        return x.index_select(1, keys.reshape(-1)).view(x.shape[0], m, c * self.plan.block, -1)
+
+    def full_blocks(self, x: Tensor, chunk: _Chunk) -> Tensor:
+        """The chunk's full key blocks of x (L, G·nbk, b, e): a strided view (no copy) when
+        they are one run of consecutive blocks moving by a fixed step per row block."""
+        if chunk.run is None or not x.is_contiguous():
+            return self.gather(x, chunk.full)
+        b, e = self.plan.block, x.shape[-1]
+        (m, cf), (start, step) = chunk.full.shape, chunk.run
+        return x.as_strided((x.shape[0], m, cf * b, e), (x.stride(0), step * b * e, e, 1),
+                            x.storage_offset() + start * b * e)
+
+    def keep(self, p: Tensor) -> Tensor | None:
+        """Dropout keep-mask scaled by 1/(1 − p), drawn from the global RNG (replayed)."""
+        if not self.dropout_p:
+            return None
+        return torch.empty_like(p).bernoulli_(1 - self.dropout_p).div_(1 - self.dropout_p)
+
+    # -- general path -------------------------------------------------------------------
+    def general_inputs(self, full: Tensor, part: Tensor, keep: Tensor | None):
+        """All key blocks of a chunk side by side, the row's edge mask (uint8 (m, b, C·b) or
+        None) and the key-padding mask (bool (L, m, 1, C·b) or None)."""
+        keys = torch.cat([full, part], 1)
+        if keep is not None and full.shape[1]:
+            m, b = keep.shape[:2]
+            ones = keep.new_ones(m, b, full.shape[1] * self.plan.block)
+            keep = torch.cat([ones, keep], -1)
+        ok = None
+        if self.key_ok is not None:
+            ok = self.gather(self.key_ok.unsqueeze(-1), keys).transpose(-1, -2)
+        return keys, keep, ok
+
+    def weights(self, s: Tensor, keep: Tensor | None, ok: Tensor | None) -> Tensor:
+        """ρ on the chunk's rows; ``s`` is consumed (the softmax path works in place)."""
+        if self.softmax:
+            masks = [m.to(s.dtype) for m in (keep, ok) if m is not None]
+            p, _, total = _masked_exp(s, masks, None)
+            return p.div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))  # empty rows → 0
+        valid = None if keep is None else keep.bool()
+        if ok is not None:
+            valid = ok if valid is None else valid & ok
+        return self.prob_map(s) if valid is None else self.prob_map(s, valid)
+
+    # -- split softmax path -------------------------------------------------------------
+    def partial_exp(self, qs: Tensor, kc: Tensor, keep: Tensor, lse: Tensor | None):
+        """exp(scores − shift) on the partial blocks, exactly 0 where there is no edge.
+
+        Forward (``lse`` None): shift is the row max; returns (p, row max, row sum).
+        Backward: shift is the merged log-sum-exp; returns (p, None, None).
+        """
+        s = torch.matmul(qs, kc.transpose(-1, -2))
+        return _masked_exp(s, [keep.to(s.dtype)], lse)
+
+
+#: exp(x) for x below this is replaced by exp(_FLOOR) (< 1e-34 of the row max's weight):
+#: torch's exp is 10-100x slower on −inf and on arguments whose result underflows.
+_FLOOR = -80.0
+
+
+def _masked_exp(s: Tensor, masks: list[Tensor], lse: Tensor | None):
+    """exp(s − shift) ⊙ masks (0/1 floats broadcasting to s), in place on s.
+
+    Masked entries are pushed far down by an additive bias (so that the row max ignores them)
+    and zeroed by the product; no −inf and no underflowing exp is ever evaluated, and bool
+    ops (several times slower than float ops in torch on CPU) are avoided. With ``lse`` the
+    shift is ``lse``; else the row max, returned with the row sum (a row without any entry
+    gets max −big and sum 0).
+    """
+    big = torch.finfo(s.dtype).max / 4
+    for m in masks:
+        s.add_(m.sub(1.0).mul_(big))
+    if lse is not None:
+        s.sub_(lse.unsqueeze(-1))
+        mx = None
+    else:
+        mx = s.amax(-1, keepdim=True)
+        s.sub_(mx)
+    p = s.clamp_min_(_FLOOR).exp_()
+    for m in masks:
+        p.mul_(m)
+    if mx is None:
+        return p, None, None
+    return p, mx.squeeze(-1), p.sum(-1)
+
+
+class _BlockAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, run: _Runner) -> Tensor:
+        ctx.run = run
+        qp, kp, vp = (_blocked(t, run) for t in (q, k, v))
+        out = qp.new_empty(*qp.shape[:-1], v.shape[-1])
+        if run.split:
+            lse_all = qp.new_empty(qp.shape[:-1])
+            for ch in run.chunks:
+                o, lse = _split_forward(run, qp.index_select(1, ch.rows), kp, vp, ch)
+                out.index_copy_(1, ch.rows, o)
+                lse_all.index_copy_(1, ch.rows, lse)
+            ctx.save_for_backward(q, k, v, out, lse_all)
+            return _unblock(out, q.shape)
+        if run.dropout_p:
+            ctx.rng = _rng_state(q.device)
+        for ch in run.chunks:
+            rows = ch.rows
+            keys, blk, ok = run.general_inputs(ch.full, ch.part, ch.keep)
+            qs = qp.index_select(1, rows).mul_(run.scale)
+            p = run.weights(torch.matmul(qs, run.gather(kp, keys).transpose(-1, -2)), blk, ok)
+            keep = run.keep(p)
+            if keep is not None:
+                p = p * keep
+            out.index_copy_(1, rows, torch.matmul(p, run.gather(vp, keys)))
+        ctx.save_for_backward(q, k, v)
+        return _unblock(out, q.shape)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad_out: Tensor):
+        run: _Runner = ctx.run
+        q, k, v = ctx.saved_tensors[:3]
+        qp, kp, vp = (_blocked(t, run) for t in (q, k, v))
+        gp = _blocked(grad_out.contiguous(), run)
+        dq, dk, dv = torch.zeros_like(qp), torch.zeros_like(kp), torch.zeros_like(vp)
+        b = run.plan.block
+        if run.split:
+            out, lse_all = ctx.saved_tensors[3:]
+            for ch in run.chunks:
+                _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch)
+            return _unblock(dq, q.shape), _unblock(dk, k.shape), _unblock(dv, v.shape), None
+        cuda = [q.device.index or 0] if q.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda, enabled=bool(run.dropout_p)):
+            if run.dropout_p:
+                _set_rng_state(q.device, ctx.rng)
+            for ch in run.chunks:
+                rows = ch.rows
+                keys, blk, ok = run.general_inputs(ch.full, ch.part, ch.keep)
+                flat = keys.reshape(-1)
+                qs = qp.index_select(1, rows).mul_(run.scale)
+                kc, vc = run.gather(kp, keys), run.gather(vp, keys)
+                s = torch.matmul(qs, kc.transpose(-1, -2))
+                if not run.softmax:
+                    s.requires_grad_()
+                with torch.enable_grad():
+                    p = run.weights(s, blk, ok)
+                keep = run.keep(p)
+                pd = p.detach() if keep is None else p.detach() * keep
+                go = gp.index_select(1, rows)
+                dv.index_add_(1, flat, _per_block(torch.matmul(pd.transpose(-1, -2), go), b))
+                dp = torch.matmul(go, vc.transpose(-1, -2))
+                if keep is not None:
+                    dp.mul_(keep)
+                if run.softmax:
+                    pp = p.detach()
+                    ds = pp * (dp - (pp * dp).sum(-1, keepdim=True))
+                else:
+                    (ds,) = torch.autograd.grad(p, s, dp)
+                dq.index_copy_(1, rows, torch.matmul(ds, kc).mul_(run.scale))
+                dk.index_add_(1, flat, _per_block(torch.matmul(ds.transpose(-1, -2), qs), b))
+        return _unblock(dq, q.shape), _unblock(dk, k.shape), _unblock(dv, v.shape), None
+
+
+def _per_block(x: Tensor, b: int) -> Tensor:
+    """(L, m, C·b, e) → (L, m·C, b, e) for ``index_add_`` over key blocks."""
+    return x.reshape(x.shape[0], -1, b, x.shape[-1])
+
+
+def _split_forward(run, qc, kp, vp, ch):
+    """Split-softmax forward of one chunk: (output (L, m, b, d), row log-sum-exp (L, m, b))."""
+    o1 = lse1 = o2 = lse2 = None
+    if ch.full.shape[1]:
+        o1, lse1 = _flash(qc, run.full_blocks(kp, ch), run.full_blocks(vp, ch), 0.0, False,
+                          attn_mask=None, scale=run.scale)
+    if ch.part.shape[1]:
+        vc = run.gather(vp, ch.part)
+        p, mx, total = run.partial_exp(qc * run.scale, run.gather(kp, ch.part), ch.keep, None)
+        o2 = torch.matmul(p, vc).div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))
+        lse2 = mx + total.log()
+    if o2 is None:
+        return o1, lse1
+    if o1 is None:
+        return o2, lse2
+    lse = torch.logaddexp(lse1, lse2)
+    o1.mul_((lse1 - lse).exp_().unsqueeze(-1))
+    return o1.add_(o2.mul_((lse2 - lse).exp_().unsqueeze(-1))), lse
+
+
+def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
+    b, rows, full, part, keep = run.plan.block, ch.rows, ch.full, ch.part, ch.keep
+    qc, go = qp.index_select(1, rows), gp.index_select(1, rows)
+    oc, lse = out.index_select(1, rows), lse_all.index_select(1, rows)
+    dqc = None
+    if full.shape[1]:
+        dqc, dk1, dv1 = _flash_backward(go, qc, run.full_blocks(kp, ch), run.full_blocks(vp, ch),
+                                        oc, lse, 0.0, False, attn_mask=None, scale=run.scale)
+        dk.index_add_(1, full.reshape(-1), _per_block(dk1, b))
+        dv.index_add_(1, full.reshape(-1), _per_block(dv1, b))
+    if part.shape[1]:
+        flat = part.reshape(-1)
+        kc, vc = run.gather(kp, part), run.gather(vp, part)
+        qs = qc * run.scale
+        p, _, _ = run.partial_exp(qs, kc, keep, lse)
+        dv.index_add_(1, flat, _per_block(torch.matmul(p.transpose(-1, -2), go), b))
+        delta = (go * oc).sum(-1, keepdim=True)
+        ds = p.mul_(torch.matmul(go, vc.transpose(-1, -2)).sub_(delta))
+        dq2 = torch.matmul(ds, kc).mul_(run.scale)
+        dqc = dq2 if dqc is None else dqc.add_(dq2)
+        dk.index_add_(1, flat, _per_block(torch.matmul(ds.transpose(-1, -2), qs), b))
+    dq.index_copy_(1, rows, dqc)
+
+
+def _rng_state(device: torch.device) -> Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _blocked(x: Tensor, run: _Runner) -> Tensor:
+    """(B, H, n, e) → (L, G·nb, b, e), zero-padded to a multiple of the block size."""
+    b = run.plan.block
+    pad = -x.shape[-2] % b
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    return x.reshape(run.lead, -1, b, x.shape[-1])
+
+
+def _unblock(x: Tensor, shape: torch.Size) -> Tensor:
+    return x.reshape(shape[0], shape[1], -1, x.shape[-1])[:, :, : shape[2]]
+
+
+def _lead_and_graph(graph: AttentionGraph, bsz: int, heads: int) -> tuple[int, AttentionGraph]:
+    """How the (B, H) pairs ride along: L = B·H / G, with G the graphs the plan covers."""
+    shape = graph.batch_shape
+    if math.prod(shape) == 1:
+        return bsz * heads, graph[(0,) * len(shape)] if shape else graph
+    if all(s == 1 for s in shape[:-1]) and shape[-1] == heads:
+        return bsz, graph[(0,) * (len(shape) - 1)] if len(shape) > 1 else graph
+    return 1, graph.expand((bsz, heads))
+
+
+def block_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    graph: AttentionGraph,
+    prob_map: ProbabilityMap,
+    scale: float,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    block: int | None = None,
+    budget: int = 1 << 18,
+) -> Tensor:
+    """Block-sparse attention, Yun eq. (3) (same contract as ``dense_attention``).
+
+    Args:
+        q: (B, H, n_q, d); k: (B, H, n_k, d); v: (B, H, n_k, d_v).
+        graph: static (batch_shape ()) or batched ((H,), (B, H), ...) AttentionGraph.
+        prob_map: any ProbabilityMap; it sees each query's row of all its selected blocks,
+            with the element mask as ``valid``.
+        scale: score scale.
+        key_padding_mask: (B, n_k) bool, True for real keys.
+        dropout_p: dropout on the attention weights.
+        block: block size (16–128 are sensible); None picks one by :func:`choose_block`.
+        budget: most score entries per chunk (a single row block may exceed it).
+    Returns:
+        (B, H, n_q, d_v).
+    """
+    bsz, heads = q.shape[:2]
+    lead, graph = _lead_and_graph(graph, bsz, heads)
+    plan = block_plan(graph, choose_block(graph) if block is None else block).to(q.device)
+    key_ok = None
+    if key_padding_mask is not None:
+        kpm = key_padding_mask.to(q.device)
+        pad = -kpm.shape[-1] % plan.block
+        if pad:
+            kpm = F.pad(kpm, (0, pad), value=False)
+        key_ok = kpm[:, None, :].expand(bsz, heads, -1).reshape(lead, -1, plan.block)
+    run = _Runner(plan, prob_map, scale, key_ok, dropout_p, budget, lead,
+                  q.device.type == "cpu", q.shape[-1] == v.shape[-1])
+    return _BlockAttention.apply(q, k, v, run)

@@ -1,0 +1,213 @@
+"""Flex engine: a graph handed to torch's FlexAttention as a BlockMask.
+
+FlexAttention (``torch.nn.attention.flex_attention``) skips empty blocks of a ``BlockMask``,
+runs full blocks without a mask and calls a ``mask_mod(b, h, q_idx, kv_idx)`` predicate inside
+partial blocks. The BlockMask is built here from the graph's block layout in O(E) (no n² scan
+of a predicate, unlike ``create_block_mask``): full and partial block lists per row block, and
+a ``mask_mod`` that looks the element mask of a partial block up in a table. The predicate is
+exactly the graph's edge set (for a Pattern: ``pattern.allows``).
+
+What torch supports, and so what this engine accepts:
+
+* softmax only (FlexAttention normalises with a softmax; other maps raise ``ValueError``);
+* on CPU: float32/bfloat16/float16 only, forward only (inputs must not require grad while
+  grad is enabled), compiled with ``torch.compile`` (a C++ compiler is needed; the first call
+  per shape compiles for seconds, later calls reuse the cached kernel); no dropout.
+
+``engine="auto"`` never picks this engine where it cannot compute the request
+(:func:`flex_unsupported` says why).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import shutil
+
+import torch
+from torch import Tensor
+
+from ..graph import AttentionGraph
+from ..maps import ProbabilityMap
+from .block import _pair_keys
+
+__all__ = ["flex_attention_engine", "flex_available", "flex_unsupported", "graph_block_mask"]
+
+#: FlexAttention's default (and on CPU, fastest) block size.
+FLEX_BLOCK = 128
+#: Cost of one scored entry of compiled FlexAttention at block 128 relative to one entry of
+#: the block engine at block 64 (ENTRY_COST[64] = 1), measured on CPU (docs/benchmarks.md).
+FLEX_ENTRY_COST = 5.0
+
+
+@functools.cache
+def flex_available() -> str | None:
+    """None if FlexAttention can be compiled here, else the reason it cannot (cached)."""
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError as err:  # pragma: no cover - torch < 2.5
+        return f"this torch ({torch.__version__}) has no FlexAttention: {err}"
+    from torch._inductor import config as inductor_config
+
+    cxx = inductor_config.cpp.cxx
+    names = [c for c in (cxx if isinstance(cxx, tuple) else (cxx,)) if c] or ["g++"]
+    if not any(shutil.which(c) for c in names):
+        return f"torch.compile needs a C++ compiler on CPU; none of {names} was found"
+    return None
+
+
+def flex_unsupported(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    prob_map: ProbabilityMap | None,
+    dropout_p: float = 0.0,
+) -> str | None:
+    """None if the flex engine can compute this request, else why not (one sentence)."""
+    if prob_map is None:
+        return "the probability map is unknown (FlexAttention computes softmax only)"
+    if not _is_softmax(prob_map):
+        return f"FlexAttention computes softmax only, not {prob_map!r}"
+    if dropout_p:
+        return "FlexAttention has no attention dropout"
+    if q.device.type == "cpu":
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return "FlexAttention has no backward on CPU (inputs require grad)"
+        if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"FlexAttention on CPU takes float32/bfloat16/float16, not {q.dtype}"
+    return flex_available()
+
+
+def _is_softmax(prob_map: ProbabilityMap) -> bool:
+    return prob_map.name == "softmax" or (
+        prob_map.name == "entmax" and prob_map.params.get("alpha") == 1.0
+    )
+
+
+def _bucket(x: int) -> int:
+    """Table size: the next power of two, at least 64 (1 MB at block 128). The compiled kernel
+    is specialised to the table's shape, so bucketing keeps recompiles rare."""
+    return 1 << max(6, math.ceil(math.log2(max(1, x))))
+
+
+def graph_block_mask(
+    graph: AttentionGraph,
+    batch: int = 1,
+    heads: int = 1,
+    block: int = FLEX_BLOCK,
+    key_padding_mask: Tensor | None = None,
+    device: torch.device | str = "cpu",
+):
+    """A FlexAttention ``BlockMask`` for ``graph`` (built from its block layout in O(E)).
+
+    Args:
+        graph: AttentionGraph whose batch_shape broadcasts to (batch, heads).
+        batch, heads: the BlockMask's leading sizes (1, 1 broadcasts over any q).
+        block: the BlockMask's block size.
+        key_padding_mask: optional (batch, n_k) bool, True for real keys; then every block is
+            treated as partial so that the padding is applied everywhere.
+    Returns:
+        ``torch.nn.attention.flex_attention.BlockMask`` of shape (batch, heads, n_q, n_k).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    shape = graph.batch_shape
+    if len(shape) > 2 or tuple(torch.broadcast_shapes(shape, (batch, heads))) != (batch, heads):
+        raise ValueError(f"graph batch_shape {shape} does not broadcast to {(batch, heads)}")
+    n_graphs = max(1, math.prod(shape))
+    graph_of = torch.arange(n_graphs).view((1,) * (2 - len(shape)) + shape).expand(batch, heads)
+    n_q, n_k = graph.n_q, graph.n_k
+    nbq, nbk = -(-n_q // block), -(-n_k // block)
+    pair_keys, edge_pair, counts = _pair_keys(graph, block)
+    rb, kb = pair_keys // nbk, pair_keys % nbk  # rb = g·nbq + i
+    real_rows = (n_q - (rb % nbq) * block).clamp(max=block)
+    full = counts == real_rows * block
+    if key_padding_mask is not None:  # full blocks skip mask_mod: the padding needs it
+        full = torch.zeros_like(full)
+    # element masks: table[0] all False, table[1] all True, then one per partial block pair
+    partial = (~full).nonzero().squeeze(1)
+    table = torch.zeros(_bucket(partial.numel() + 2), block, block, dtype=torch.bool)
+    table[1] = True
+    slot = torch.ones_like(pair_keys)
+    slot[partial] = torch.arange(partial.numel()) + 2
+    rows = graph.row_indices()
+    e_part = ~full[edge_pair]
+    table[slot[edge_pair[e_part]], (rows[e_part] % n_q) % block, graph.col[e_part] % block] = True
+    pair_index = torch.zeros(n_graphs * nbq * nbk, dtype=torch.int32)
+    pair_index[pair_keys] = slot.to(torch.int32)
+    pair_index = pair_index.view(n_graphs, nbq, nbk)[graph_of]
+
+    def lists(select: Tensor) -> tuple[Tensor, Tensor]:
+        """Per (b, h, row block): how many key blocks, and which (padded with 0)."""
+        sel_rb = rb[select]
+        num = torch.bincount(sel_rb, minlength=n_graphs * nbq)
+        pos = torch.arange(sel_rb.numel()) - (torch.cumsum(num, 0) - num)[sel_rb]
+        idx = torch.zeros(n_graphs * nbq, nbk, dtype=torch.int32)
+        idx[sel_rb, pos] = kb[select].to(torch.int32)
+        num = num.to(torch.int32).view(n_graphs, nbq)[graph_of]
+        return num, idx.view(n_graphs, nbq, nbk)[graph_of]
+
+    kv_num, kv_idx = lists(~full)
+    full_num, full_idx = lists(full)
+    key_ok = torch.ones(batch, n_k, dtype=torch.bool)
+    if key_padding_mask is not None:
+        key_ok &= key_padding_mask.cpu().expand(batch, n_k)
+    dev = torch.device(device)
+    mask_mod = _table_mask_mod(pair_index.to(dev), table.to(dev), key_ok.to(dev), block)
+    return BlockMask.from_kv_blocks(
+        kv_num.to(dev), kv_idx.to(dev), full_num.to(dev), full_idx.to(dev),
+        BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(n_q, n_k),
+    )
+
+
+def _table_mask_mod(pair_index: Tensor, table: Tensor, key_ok: Tensor, block: int):
+    """mask_mod(b, h, q, kv): the element mask of the (q, kv) block, looked up in ``table``."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        pid = pair_index[b, h, q_idx // block, kv_idx // block]
+        return table[pid, q_idx % block, kv_idx % block] & key_ok[b, kv_idx]
+
+    return mask_mod
+
+
+@functools.cache
+def _compiled():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attention_engine(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    graph: AttentionGraph,
+    prob_map: ProbabilityMap,
+    scale: float,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    block: int = FLEX_BLOCK,
+) -> Tensor:
+    """Softmax attention on the graph with compiled FlexAttention (same contract as
+    ``dense_attention``; Yun eq. 3 with ρ = softmax).
+
+    The BlockMask of a graph without key padding is cached on the graph per (B, H, block).
+    Raises:
+        ValueError: when FlexAttention cannot compute the request (see ``flex_unsupported``).
+    """
+    reason = flex_unsupported(q, k, v, prob_map, dropout_p)
+    if reason is not None:
+        raise ValueError(f"engine='flex' cannot run this call: {reason}; use engine='block'")
+    bsz, heads = q.shape[:2]
+    if key_padding_mask is None:
+        cache = graph.__dict__.setdefault("_flex_masks", {})
+        key = (bsz, heads, block, str(q.device))
+        if key not in cache:
+            cache[key] = graph_block_mask(graph, bsz, heads, block, None, q.device)
+        block_mask = cache[key]
+    else:
+        block_mask = graph_block_mask(graph, bsz, heads, block, key_padding_mask, q.device)
+    out = _compiled()(q, k, v, block_mask=block_mask, scale=scale)
+    if key_padding_mask is not None:  # rows whose keys are all padding: zeros (maps' rule)
+        out = out.nan_to_num(0.0)
+    return out
