@@ -66,7 +66,7 @@ def demo(n: int = typer.Option(2048, help="sequence length of the attention comp
         table.add_column(col)
     table.add_row("full attention (SDPA, no mask)", f"{t_sdpa:.0f} ms", "—")
     table.add_row("masked dense reference (engine='dense')", f"{t_dense:.0f} ms", "0")
-    for engine in ("gather",):
+    for engine in ("gather", "block"):
         out, ms = timed(lambda engine=engine: sparse_attention(q, k, v, graph, engine=engine))
         table.add_row(
             f"sparse (engine='{engine}')", f"{ms:.0f} ms", f"{(out - ref).abs().max():.1e}"
