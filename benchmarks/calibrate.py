@@ -1,0 +1,81 @@
+"""Evidence for ``engine="auto"``: which engine is fastest as the graph's block fill varies.
+
+Runs each engine forward (softmax, fp32, B = 1, H = 8, d = 64) on graphs from dense-in-blocks
+to scattered, in *one thread* and timed by process CPU time, so that the ratios hold on a
+loaded, shared machine, and prints a markdown table: the block fill (edges / scored entries at
+the block size the engine picks), per-entry and per-edge costs, the fastest engine, and what
+``choose_engine`` picks. ``python -m benchmarks.calibrate [n ...]`` from the repository root.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+
+import sparseattn as sa
+from sparseattn.attention import choose_engine
+from sparseattn.engines import ENGINES
+from sparseattn.engines.block import choose_block, count_pairs
+from sparseattn.maps import softmax
+
+
+def cpu_time(fn, repeats: int = 3) -> float:
+    """Least process CPU time of ``repeats`` calls after a warm-up call."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        best = min(best, time.process_time() - start)
+    return best
+
+
+def _call(engine, q, k, v, graph, rho):
+    def run():
+        with torch.no_grad():
+            return engine(q, k, v, graph, rho, 1 / math.sqrt(q.shape[-1]))
+
+    return run
+
+
+def main(ns: list[int]) -> None:
+    torch.set_num_threads(1)
+    patterns = {
+        "window(64)": sa.window(64),
+        "longformer(512, 16)": sa.longformer(512, 16),
+        "bigbird(448, 16, 1, 64)": sa.bigbird(448, 16, 1, 64),
+        "strided(256)": sa.strided(256),
+        "random(k=512)": sa.random(k=512),
+        "random(k=64)": sa.random(k=64),
+        "random(k=16)": sa.random(k=16),
+    }
+    print("| n | pattern | K | block b | fill | block ms | gather ms | dense ms | block ns/entry "
+          "| gather ns/edge | fastest | auto |")
+    print("|" + "---|" * 12)
+    rho, heads, d = softmax(), 8, 64
+    for n in ns:
+        q, k, v = (torch.randn(1, heads, n, d) for _ in range(3))
+        for name, pattern in patterns.items():
+            graph = pattern.graph(n)
+            edges = graph.col.numel()
+            b = choose_block(graph)
+            work = count_pairs(graph, b) * b * b
+            times = {}
+            for engine in ("block", "gather", "dense"):
+                if engine != "dense" or heads * n * n <= 1 << 27:
+                    times[engine] = cpu_time(_call(ENGINES[engine], q, k, v, graph, rho))
+            auto = choose_engine(graph, q, k, rho)
+            fastest = min(times, key=times.get)
+            dense_ms = f"{times['dense'] * 1e3:.0f}" if "dense" in times else "—"
+            print(f"| {n} | {name} | {edges / n:.0f} | {b} | {edges / work:.3f} "
+                  f"| {times['block'] * 1e3:.0f} | {times['gather'] * 1e3:.0f} | {dense_ms} "
+                  f"| {times['block'] / (work * heads) * 1e9:.1f} "
+                  f"| {times['gather'] / (edges * heads) * 1e9:.0f} | {fastest} | {auto} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main([int(x) for x in sys.argv[1:]] or [1024, 4096])
