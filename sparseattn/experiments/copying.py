@@ -46,8 +46,6 @@ import hashlib
 import json
 import math
 import os
-import platform
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -75,6 +73,7 @@ from ..patterns import (
     strided,
     union,
 )
+from ..results import atomic_write, machine_facts, write_json
 
 #: The columns of Tables 1 and 2 (plus dense attention as a reference), in table order.
 COLUMNS = (
@@ -577,40 +576,7 @@ def cell_name(column: str, depth: int) -> str:
 
 
 def _write_text(path: Path, text: str) -> None:
-    """Atomic write: a temporary file in the same folder, then rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    _write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def machine_facts(threads: int) -> dict[str, Any]:
-    """CPU model, logical cores, torch version and threads, for the record."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return {
-        "cpu": cpu,
-        "gpu": gpu,
-        "logical_cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": threads,
-        "python": platform.python_version(),
-    }
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def load_cells(folder: Path) -> dict[str, dict[str, Any]]:
@@ -670,7 +636,7 @@ def _folder(config: CopyConfig) -> Path:
                 f"run folder {folder} holds a different config; choose another run name"
             )
     else:
-        _write_json(config_path, identity)
+        write_json(config_path, identity)
     return folder
 
 
@@ -700,7 +666,7 @@ def run(config: CopyConfig, dist: Dist | None = None) -> dict[str, Any]:
         mine, worker = pending, dist
     threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
-    machine = machine_facts(config.threads)
+    machine = machine_facts()
     data = _datasets(config)
     try:
         bar = tqdm(
@@ -715,7 +681,7 @@ def run(config: CopyConfig, dist: Dist | None = None) -> dict[str, Any]:
             metrics["rank"] = dist.rank
             metrics["config"] = config.identity()
             if dist.rank == 0 or config.parallel == "cells":  # one writer per cell
-                _write_json(folder / "cells" / f"{key}.json", metrics)
+                write_json(folder / "cells" / f"{key}.json", metrics)
                 bar.write(
                     f"{key}: accuracy {metrics['accuracy']:.2%} ({metrics['train_seconds']:.0f} s)"
                 )
@@ -738,7 +704,7 @@ def run(config: CopyConfig, dist: Dist | None = None) -> dict[str, Any]:
     result["table"] = table_markdown(config, cells)
     if dist.rank == 0:
         _write_text(folder / "table.md", result["table"])
-        _write_json(folder / "metrics.json", result)
+        write_json(folder / "metrics.json", result)
     if owns_group and dist.world > 1:
         tdist.destroy_process_group()
     return result
