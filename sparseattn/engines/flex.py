@@ -207,7 +207,10 @@ def flex_attention_engine(
         block_mask = cache[key]
     else:
         block_mask = graph_block_mask(graph, bsz, heads, block, key_padding_mask, q.device)
-    out = _compiled()(q, k, v, block_mask=block_mask, scale=scale)
+    # one kernel per (shape, table bucket): allow more than dynamo's default 8 recompiles of
+    # flex_attention, past which torch silently runs an unfused O(n²) implementation
+    with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+        out = _compiled()(q, k, v, block_mask=block_mask, scale=scale)
     if key_padding_mask is not None:  # rows whose keys are all padding: zeros (maps' rule)
         out = out.nan_to_num(0.0)
     return out
