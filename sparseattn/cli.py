@@ -596,5 +596,33 @@ def mca(
                   f"results in results/mca/{run}/")
 
 
+
+@app.command()
+def tour(
+    out: str = typer.Option("results/tour", help="folder of index.html, tour.json and the PNGs"),
+    quick: bool = typer.Option(False, help="a toy-size version (about a minute), for the tests"),
+    threads: int = typer.Option(1, help="torch threads"),
+) -> None:
+    """The main job (`make demo`): a scaled-down run of every part of the library in one
+    self-contained HTML report, OUT/index.html (about 5 minutes on one thread).
+
+    Sections: pattern gallery with Assumption 1, speed and memory against dense attention,
+    a copying-task table, and one figure each for Sparsefinder, MCA, SparseBERT and d_min.
+    Exits with status 1 when a section failed (the report shows the error)."""
+    from .tour import TourConfig, quick_config
+    from .tour import run as run_tour
+
+    try:
+        make = quick_config if quick else TourConfig
+        config = make(out=out, threads=threads).validate()
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    result = run_tour(config, log=lambda m: console.print(escape(m)))
+    failed = [k for k, r in result["sections"].items() if r["status"] != "ok"]
+    if failed:
+        console.print(f"[red]sections failed: {', '.join(failed)} (see {result['index']})")
+        raise typer.Exit(1)
+
+
 if __name__ == "__main__":
     app()

