@@ -389,6 +389,56 @@ def _ratio(data: dict, pattern: str, n: int, num: tuple, den: tuple) -> str:
     return f"{a[0]['time_s'] / b[0]['time_s']:.1f}×"
 
 
+def _time(data: dict, pattern: str, n: int, engine: str, mode: str) -> float | None:
+    rows = _rows(data, section="attention", pattern=pattern, n=n, engine=engine, mode=mode)
+    return rows[0]["time_s"] if rows and rows[0]["status"] == "ok" else None
+
+
+def _targets(data: dict, pattern: str = "longformer", n: int = 8192) -> list[str]:
+    """The issue's targets (window ±256 + 16 globals, 8 heads, d = 64) as measured ratios."""
+    t = {(e, m): _time(data, pattern, n, e, m) for e, m in (
+        ("block", "fwd"), ("flex", "fwd"), ("sdpa", "fwd"), ("block", "fwd+bwd"),
+        ("sdpa", "fwd+bwd"), ("block", "entmax15 fwd"), ("entmax 1.3 full", "entmax15 fwd"))}
+    if t[("block", "fwd")] is None:
+        return []
+
+    def ratio(num, den):
+        a, b = t[num], t[den]
+        return None if a is None or b is None else a / b
+
+    small, big = _time(data, pattern, 4096, "block", "fwd"), None
+    top = max((r["n"] for r in _rows(data, section="attention", pattern=pattern, engine="block",
+                                     mode="fwd") if r["status"] == "ok"), default=None)
+    if top and top > 4096:
+        big = _time(data, pattern, top, "block", "fwd")
+    rate = [r["useful_gflops"] for r in _rows(data, section="attention", pattern=pattern, n=n,
+                                                  engine="block", mode="fwd")]
+    mm = data.get("matmul_gflops_start")
+    checks = [
+        (f"fwd: compiled Flex / block at n = {n}", ratio(("flex", "fwd"), ("block", "fwd")),
+         1.5, "≥"),
+        (f"fwd: SDPA (same mask) / block at n = {n}", ratio(("sdpa", "fwd"), ("block", "fwd")),
+         10.0, "≥"),
+        (f"fwd+bwd: SDPA / block at n = {n}", ratio(("sdpa", "fwd+bwd"), ("block", "fwd+bwd")),
+         8.0, "≥"),
+        (f"block fwd time n = {top} / n = 4096", big / small if big and small else None,
+         18.0 * (top or 0) / 65536, "≤"),
+        (f"useful FLOP rate / matmul rate at n = {n}",
+         rate[0] / mm if rate and mm else None, 0.4, "≥"),
+        (f"1.5-entmax: entmax 1.3 full / block at n = {n}",
+         ratio(("entmax 1.3 full", "entmax15 fwd"), ("block", "entmax15 fwd")), 20.0, "≥"),
+    ]
+    lines = [f"## Targets ({pattern}, n = {n})", "", "| target | measured | goal | met |",
+             "|---|---|---|---|"]
+    for name, value, goal, op in checks:
+        if value is None:
+            lines.append(f"| {name} | not measured | {op} {goal:g} | — |")
+            continue
+        met = value >= goal if op == "≥" else value <= goal
+        lines.append(f"| {name} | {value:.2f} | {op} {goal:g} | {'yes' if met else 'NO'} |")
+    return [*lines, ""]
+
+
 def markdown(data: dict) -> str:
     """The results as markdown tables."""
     m = data["machine"]
@@ -408,6 +458,7 @@ def markdown(data: dict) -> str:
         "(×3 for fwd+bwd).",
         "",
     ]
+    lines += _targets(data)
     for pattern in suite["patterns"]:
         ns = sorted({r["n"] for r in _rows(data, section="attention", pattern=pattern)})
         if not ns:

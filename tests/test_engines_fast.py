@@ -129,6 +129,25 @@ def test_block_runs_of_full_blocks_are_views_and_exact():
             q, k, v, predicate_mask(pattern, n), rho, 0.3, 1e-9)
 
 
+@pytest.mark.parametrize("n", [96, 101])
+def test_block_band_edges_and_shared_global_blocks_join_the_flash_call(n):
+    # window ±12 at block 4: every row block has full blocks flanked by partial band edges,
+    # and the 3 global keys sit in one partial block shared by all row blocks
+    pattern = sa.longformer(24, 3)
+    plan = block_plan(pattern.graph(n), 4)
+    chunks = plan.chunks(6, 4000, split=True)
+    band = [c for c in chunks if c.bias is not None]
+    assert band, "band edges should join the run of full blocks"
+    assert all(c.bias.shape == (4, c.full.shape[1] * 4) for c in band)
+    assert any(c.shared for c in chunks), "the global block should be shared by row blocks"
+    assert not any(c.bias is not None for c in plan.chunks(6, 4000, split=False))
+    q, k, v = qkv(n=n, grad=True)
+    check_forward_backward(
+        lambda q, k, v: block_attention(q, k, v, pattern.graph(n), softmax(), 0.3, block=4,
+                                        budget=4000),
+        q, k, v, predicate_mask(pattern, n), softmax(), 0.3, 1e-9)
+
+
 def test_block_chunks_cover_every_row_block_once():
     graph = sa.bigbird(16, 3, 2, 8).graph(200)
     plan = block_plan(graph, 8)

@@ -52,6 +52,9 @@ BLOCK_SIZES = (16, 32, 64, 128)
 #: Relative cost of one scored entry at each block size (matrix-product efficiency and
 #: per-chunk overhead, measured on this machine; docs/benchmarks.md, "block size").
 ENTRY_COST = {16: 1.6, 32: 1.1, 64: 1.0, 128: 0.92}
+#: The same for forward + backward: torch's flash backward kernel copies and zero-fills its
+#: key-side gradients per row block, so small blocks cost relatively more when training.
+ENTRY_COST_TRAIN = {16: 2.6, 32: 1.45, 64: 1.0, 128: 0.85}
 
 #: Below this fraction of useful entries in the block layout ``engine="auto"`` gathers instead:
 #: ~77 ns per gathered edge against ~3–7 ns per scored block entry (1-thread CPU time, fp32,
@@ -81,9 +84,14 @@ class _Chunk:
     shared: bool = False  # every row block has the same partial key blocks (global columns)
 
 
-def _segments(full: Tensor) -> list[tuple[int, int, tuple[int, int] | None]]:
+def _segments(full: Tensor, keep: Tensor | None = None):
     """Cut a group's rows into [start, end) segments whose full key blocks form one run of
-    consecutive blocks moving by a fixed step per row (``(first, step)``), or None."""
+    consecutive blocks moving by a fixed step per row (``(first, step)``), or None.
+
+    With ``keep`` (the partial blocks' element masks) a run is also cut where the masks
+    change, so that the band edges of most rows can join it (:func:`_band`); pieces shorter
+    than 4 rows are merged with their neighbours.
+    """
     m, cf = full.shape
     if cf == 0 or m == 0:
         return [(0, m, None)]
@@ -92,6 +100,9 @@ def _segments(full: Tensor) -> list[tuple[int, int, tuple[int, int] | None]]:
     delta = first[1:] - first[:-1]
     cut = ~(contig[1:] & contig[:-1])
     cut[1:] |= delta[1:] != delta[:-1]
+    if keep is not None and keep.numel():
+        change = (keep[1:] != keep[:-1]).flatten(1).any(1)
+        cut |= change & _long_pieces(change)
     bounds = [0, *(cut.nonzero().squeeze(1) + 1).tolist(), m]
     out: list[tuple[int, int, tuple[int, int] | None]] = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
@@ -103,6 +114,18 @@ def _segments(full: Tensor) -> list[tuple[int, int, tuple[int, int] | None]]:
         else:
             out.append((lo, hi, run))
     return out
+
+
+def _long_pieces(change: Tensor, least: int = 4) -> Tensor:
+    """Which of the cuts at ``change`` (bool per gap between rows) to keep: those bounding a
+    piece of at least ``least`` rows on either side (short pieces stay with a neighbour)."""
+    at = change.nonzero().squeeze(1).tolist()
+    keep = torch.zeros_like(change)
+    edges = [-1, *at, change.numel()]
+    for i, c in enumerate(at):
+        if c - edges[i] >= least or edges[i + 2] - c >= least:
+            keep[c] = True
+    return keep
 
 
 def _band(full: Tensor, part: Tensor, keep: Tensor, run: tuple[int, int], b: int):
@@ -186,7 +209,7 @@ class BlockPlan:
         if (lead, budget, split) not in cache:
             out, b = [], self.block
             for grp in self.groups:
-                for lo, hi, run in _segments(grp.full):
+                for lo, hi, run in _segments(grp.full, grp.keep if split else None):
                     full, part = grp.full[lo:hi], grp.part[lo:hi]
                     keep = None if grp.keep is None else grp.keep[lo:hi]
                     bias = None
@@ -249,18 +272,20 @@ def count_pairs(graph: AttentionGraph, block: int) -> int:
     return int(torch.unique(key).numel())
 
 
-def choose_block(graph: AttentionGraph) -> int:
-    """The block size of ``BLOCK_SIZES`` with the least estimated work pairs·b²·ENTRY_COST[b].
+def choose_block(graph: AttentionGraph, train: bool = False) -> int:
+    """The block size of ``BLOCK_SIZES`` with the least estimated work pairs·b²·ENTRY_COST[b]
+    (``ENTRY_COST_TRAIN`` when gradients will be computed).
 
     Block sizes above half the sequence length are not considered. Cached on the graph.
     """
     cache = graph.__dict__.setdefault("_block_plans", {})
-    if "choice" not in cache:
+    if ("choice", train) not in cache:
         n = max(graph.n_q, graph.n_k)
         sizes = [b for b in BLOCK_SIZES if b == BLOCK_SIZES[0] or 2 * b <= n]
-        cost = {b: count_pairs(graph, b) * b * b * ENTRY_COST[b] for b in sizes}
-        cache["choice"] = min(cost, key=cost.get)
-    return cache["choice"]
+        table = ENTRY_COST_TRAIN if train else ENTRY_COST
+        cost = {b: count_pairs(graph, b) * b * b * table[b] for b in sizes}
+        cache[("choice", train)] = min(cost, key=cost.get)
+    return cache[("choice", train)]
 
 
 def block_plan(graph: AttentionGraph, block: int) -> BlockPlan:
@@ -640,7 +665,10 @@ def block_attention(
     """
     bsz, heads = q.shape[:2]
     lead, graph = _lead_and_graph(graph, bsz, heads)
-    plan = block_plan(graph, choose_block(graph) if block is None else block).to(q.device)
+    if block is None:
+        train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        block = choose_block(graph, train)
+    plan = block_plan(graph, block).to(q.device)
     key_ok = None
     if key_padding_mask is not None:
         kpm = key_padding_mask.to(q.device)
