@@ -1,4 +1,5 @@
 # The two commands of the README: `make demo` and `make test`. Each creates .venv when missing.
+# `make demo` runs the tour: results/tour/index.html, about 5 minutes on one thread.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -14,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/sparseattn demo
+	$(VENV)/bin/sparseattn tour
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check sparseattn tests

@@ -39,6 +39,7 @@ from tqdm import tqdm
 from .. import fidelity, hf
 from ..corpus import load_corpus
 from ..fastmaps import entmax15_rows
+from ..maps import entmax
 from ..patterns import dense
 from ..predict.baselines import (
     BigBirdBaseline,
@@ -70,7 +71,7 @@ from ..predict.predictors import (
     chunk_layer,
 )
 from ..predict.projection import QKProjection
-from ..predict.teacher import TeacherConfig, entmax_map, load_teacher, teacher_folder
+from ..predict.teacher import TeacherConfig, load_teacher, teacher_folder
 from ..results import atomic_write, machine_facts, read_json, save_figure, write_json
 
 __all__ = ["METHODS", "SparsefinderConfig", "quick_config", "run"]
@@ -625,7 +626,7 @@ def run(config: SparsefinderConfig) -> dict:
         with step("teacher"):
             model, tokenizer, tmetrics = load_teacher(config.teacher, config.out_dir,
                                                       progress=config.progress)
-        data = _Data(model, tokenizer, tmetrics, entmax_map(config.teacher.alpha))
+        data = _Data(model, tokenizer, tmetrics, entmax(config.teacher.alpha))
         write_json(paths["teacher"], {k: v for k, v in tmetrics.items() if k != "distill_loss"}
                    | {"folder": str(teacher_folder(config.teacher, config.out_dir))})
         bar.update(1)

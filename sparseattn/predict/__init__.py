@@ -44,7 +44,7 @@ from .predictors import (
     merge_union,
 )
 from .projection import QKProjection, hinge_loss
-from .teacher import TeacherConfig, fast_entmax15, load_teacher
+from .teacher import TeacherConfig, load_teacher
 
 __all__ = [
     "BigBirdBaseline",
@@ -71,7 +71,6 @@ __all__ = [
     "downstream",
     "exact_fraction",
     "extract_graphs",
-    "fast_entmax15",
     "frontier_value",
     "hinge_loss",
     "kmeans",

@@ -24,52 +24,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
-from torch.autograd.function import FunctionCtx
+from torch import nn
 
 from .. import fidelity, hf
 from ..corpus import load_corpus
-from ..fastmaps import entmax15_rows
-from ..maps import ProbabilityMap, entmax
+from ..maps import entmax
 from ..patterns import dense
 from ..results import atomic_write, machine_facts, write_json
 
-__all__ = ["TeacherConfig", "entmax_map", "fast_entmax15", "load_teacher", "teacher_folder"]
-
-
-class _FastEntmax15(torch.autograd.Function):
-    """1.5-entmax with the threshold from :func:`sparseattn.fastmaps.entmax15_rows` (Newton, then
-    the exact closed form on the support) and the closed-form backward of Peters et al. (2019):
-    with s = √p, ∂L/∂z = s ⊙ g − s · Σ(s ⊙ g) / Σ s."""
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, z: Tensor, valid: Tensor) -> Tensor:
-        p = entmax15_rows(z, valid)
-        ctx.save_for_backward(p)
-        return p
-
-    @staticmethod
-    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
-        (p,) = ctx.saved_tensors
-        s = p.sqrt()
-        sg = s * grad
-        total = s.sum(-1, keepdim=True)
-        return sg - s * sg.sum(-1, keepdim=True) / torch.where(total > 0, total, 1.0), None
-
-
-def fast_entmax15() -> ProbabilityMap:
-    """1.5-entmax as a :class:`ProbabilityMap` whose threshold is found without sorting.
-
-    Same map as ``entmax(1.5)`` (exact threshold; outputs agree to float rounding) and
-    autograd-correct, but about 5–10× faster on full score rows of a few hundred keys.
-    """
-    return ProbabilityMap("entmax", lambda z, valid: _FastEntmax15.apply(z, valid),
-                          sparse=True, alpha=1.5)
-
-
-def entmax_map(alpha: float) -> ProbabilityMap:
-    """α-entmax: the sort-free 1.5-entmax for α = 1.5, :func:`sparseattn.maps.entmax` otherwise."""
-    return fast_entmax15() if alpha == 1.5 else entmax(alpha)
+__all__ = ["TeacherConfig", "load_teacher", "teacher_folder"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +64,7 @@ def teacher_folder(config: TeacherConfig, root: str | Path = "results/sparsefind
 
 def _fidelity(model: nn.Module, tokenizer, passages, ref, config: TeacherConfig, name: str,
               progress: Callable[[int], None] | None) -> dict:
-    method = fidelity.AttentionConfig(name, dense(), entmax_map(config.alpha), engine="dense")
+    method = fidelity.AttentionConfig(name, dense(), entmax(config.alpha), engine="dense")
     out = fidelity.evaluate(model, tokenizer, passages, method, ref, batch_size=8,
                             max_length=config.max_length, progress=progress)
     keep = ("embedding_cosine_mean", "embedding_cosine_min", "retrieval_accuracy",
@@ -148,7 +111,7 @@ def load_teacher(
     """The entmax teacher ``(model, tokenizer, metrics)``, trained once and cached.
 
     ``model`` holds the adapted weights and is *not* sparsified: run it as the teacher with
-    ``hf.sparsify(model, dense(), entmax_map(config.alpha))`` (or any pattern — Proposition 1).
+    ``hf.sparsify(model, dense(), entmax(config.alpha))`` (or any pattern — Proposition 1).
     ``metrics`` holds the distillation losses and fidelity to the original softmax model (mean/min
     embedding cosine, retrieval accuracy, per-layer error, share of zero weights) before and after
     adaptation, on ``eval_passages`` test passages. Cached in :func:`teacher_folder`.
@@ -186,7 +149,7 @@ def load_teacher(
                            bar.update)
         bar.set_postfix_str("distilling")
         start, cpu = time.perf_counter(), time.process_time()
-        hf.sparsify(model, dense(), entmax_map(config.alpha), engine="dense")
+        hf.sparsify(model, dense(), entmax(config.alpha), engine="dense")
         try:
             losses = _distill(model, original, tokenizer, train, config, bar.update)
         finally:
