@@ -52,9 +52,9 @@ BLOCK_SIZES = (16, 32, 64, 128)
 #: Relative cost of one scored entry at each block size (matrix-product efficiency and
 #: per-chunk overhead, measured on this machine; docs/benchmarks.md, "block size").
 ENTRY_COST = {16: 1.6, 32: 1.1, 64: 1.0, 128: 0.92}
-#: The same for forward + backward: torch's flash backward kernel copies and zero-fills its
-#: key-side gradients per row block, so small blocks cost relatively more when training.
-ENTRY_COST_TRAIN = {16: 2.6, 32: 1.45, 64: 1.0, 128: 0.85}
+#: The same for forward + backward (the backward's small per-row-block matrix products make
+#: small blocks relatively dearer when training).
+ENTRY_COST_TRAIN = {16: 2.2, 32: 1.2, 64: 1.0, 128: 0.85}
 
 #: Below this fraction of useful entries in the block layout ``engine="auto"`` gathers instead:
 #: ~77 ns per gathered edge against ~3–7 ns per scored block entry (1-thread CPU time, fp32,
@@ -62,7 +62,6 @@ ENTRY_COST_TRAIN = {16: 2.6, 32: 1.45, 64: 1.0, 128: 0.85}
 BLOCK_MIN_FILL = 1 / 15
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 @dataclass
@@ -577,11 +576,10 @@ def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
     b, rows, full, part, keep = run.plan.block, ch.rows, ch.full, ch.part, ch.keep
     qc, go = qp.index_select(1, rows), gp.index_select(1, rows)
     oc, lse = out.index_select(1, rows), lse_all.index_select(1, rows)
+    delta = (go * oc).sum(-1, keepdim=True)
     dqc = None
     if full.shape[1]:
-        dqc, dk1, dv1 = _flash_backward(go, qc, run.full_blocks(kp, ch), run.full_blocks(vp, ch),
-                                        oc, lse, 0.0, False, attn_mask=_bias(ch, qc),
-                                        scale=run.scale)
+        dqc, dk1, dv1 = _full_backward(run, qc, go, delta, lse, ch, kp, vp)
         dk.index_add_(1, full.reshape(-1), _per_block(dk1, b))
         dv.index_add_(1, full.reshape(-1), _per_block(dv1, b))
     if part.shape[1]:
@@ -592,12 +590,31 @@ def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
         qs = qc * run.scale
         p, _, _ = run.partial_exp(qs, kc, keep, lse)
         dv.index_add_(1, flat, _per_block(_mm_t(p, go, ch.shared), b))
-        delta = (go * oc).sum(-1, keepdim=True)
         ds = p.mul_(_mm(go, vc.transpose(-1, -2)).sub_(delta))
         dq2 = _mm(ds, kc).mul_(run.scale)
         dqc = dq2 if dqc is None else dqc.add_(dq2)
         dk.index_add_(1, flat, _per_block(_mm_t(ds, qs, ch.shared), b))
     dq.index_copy_(1, rows, dqc)
+
+
+def _full_backward(run, qc, go, delta, lse, ch, kp, vp):
+    """The full (and band) blocks' share of dQ, dK, dV: P recomputed from the merged
+    log-sum-exp, dS = P ⊙ (dP − δ), one riding (batch, head) at a time so that P is only
+    (m, b, Cf·b). K and V stay strided views for a run. (torch's flash backward kernel computes the
+    same; it copies and zero-fills its key-side gradients per row block, and was 1.4× slower
+    at b = 32 and 3–10% faster at b = 64 here — this keeps the engine off a private op.)
+    """
+    kf, vf = run.full_blocks(kp, ch), run.full_blocks(vp, ch)
+    masks = [] if ch.bias is None else [(ch.bias == 0).to(qc.device, qc.dtype)]
+    dqc, dk1, dv1 = torch.empty_like(qc), qc.new_empty(kf.shape), qc.new_empty(vf.shape)
+    for i in range(qc.shape[0]):
+        qs = qc[i] * run.scale
+        p, _, _ = _masked_exp(torch.bmm(qs, kf[i].transpose(1, 2)), masks, lse[i])
+        torch.bmm(p.transpose(1, 2), go[i], out=dv1[i])
+        ds = p.mul_(torch.bmm(go[i], vf[i].transpose(1, 2)).sub_(delta[i]))
+        torch.bmm(ds, kf[i], out=dqc[i]).mul_(run.scale)
+        torch.bmm(ds.transpose(1, 2), qs, out=dk1[i])
+    return dqc, dk1, dv1
 
 
 def _rng_state(device: torch.device) -> Tensor:
