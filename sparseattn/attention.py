@@ -98,7 +98,7 @@ def choose_engine(
     1. ``dense`` while the full score matrix is small (B·H·n_q·n_k ≤ DENSE_LIMIT entries).
     2. Otherwise the block layout at the block size the block engine would choose scores
        ``work`` = pairs·b² entries per graph, of which ``fill`` = E / work are edges. A scored
-       block entry costs ~3–7 ns, a gathered edge ~77 ns (fp32, d = 64), so ``block`` wins
+       block entry costs ~4–8 ns, a gathered edge ~60–110 ns (fp32, d = 64), so ``block`` wins
        unless ``fill`` < BLOCK_MIN_FILL = 1/15 (scattered graphs): then ``gather``.
     3. ``flex`` only where it can compute the request (softmax map given, no dropout, no
        input requiring grad on CPU, a dtype and a compiler it supports) *and* its estimated

@@ -57,7 +57,7 @@ ENTRY_COST = {16: 1.6, 32: 1.1, 64: 1.0, 128: 0.92}
 ENTRY_COST_TRAIN = {16: 2.2, 32: 1.2, 64: 1.0, 128: 0.85}
 
 #: Below this fraction of useful entries in the block layout ``engine="auto"`` gathers instead:
-#: ~77 ns per gathered edge against ~3–7 ns per scored block entry (1-thread CPU time, fp32,
+#: ~60–110 ns per gathered edge against ~4–8 ns per scored block entry (1-thread CPU time, fp32,
 #: d = 64, softmax; docs/engines.md, "auto rule"), break-even near 1/15.
 BLOCK_MIN_FILL = 1 / 15
 
