@@ -139,28 +139,24 @@ def _band(full: Tensor, part: Tensor, keep: Tensor, run: tuple[int, int], b: int
     kv = keep.view(m, b, cp, b)
     same = (kv == kv[:1]).permute(2, 0, 1, 3).reshape(cp, -1).all(1)  # per slot
     slots = list(range(cp))
-    left: list[int] = []
-    right: list[int] = []
-    while True:
-        edge = full[:, 0] - 1 - len(left)
-        hit = [j for j in slots if bool(same[j]) and bool((part[:, j] == edge).all())]
-        if not hit:
-            break
-        left.append(hit[0])
-        slots.remove(hit[0])
-    while True:
-        edge = full[:, -1] + 1 + len(right)
-        hit = [j for j in slots if bool(same[j]) and bool((part[:, j] == edge).all())]
-        if not hit:
-            break
-        right.append(hit[0])
-        slots.remove(hit[0])
+
+    def grow(edge_of) -> list[int]:  # slots of the next blocks outwards, while they qualify
+        taken: list[int] = []
+        while True:
+            edge = edge_of(len(taken))
+            hit = next((j for j in slots if same[j] and (part[:, j] == edge).all()), None)
+            if hit is None:
+                return taken
+            taken.append(hit)
+            slots.remove(hit)
+
+    left = grow(lambda i: full[:, 0] - 1 - i)[::-1]
+    right = grow(lambda i: full[:, -1] + 1 + i)
     if not left and not right:
         return full, part, keep, None, run
-    order = left[::-1]
-    ids = torch.cat([part[:, order], full, part[:, right]], 1)
-    zeros = torch.zeros(b, full.shape[1] * b, dtype=torch.uint8)
-    band = torch.cat([kv[0, :, order].reshape(b, -1), zeros + 1, kv[0, :, right].reshape(b, -1)], 1)
+    ids = torch.cat([part[:, left], full, part[:, right]], 1)
+    inner = torch.ones(b, full.shape[1] * b, dtype=keep.dtype)
+    band = torch.cat([kv[0, :, left].reshape(b, -1), inner, kv[0, :, right].reshape(b, -1)], 1)
     bias = torch.zeros(band.shape).masked_fill_(band == 0, float("-inf"))
     rest = torch.tensor(slots, dtype=torch.long)
     keep = kv[:, :, rest].reshape(m, b, -1) if slots else None
