@@ -5,6 +5,10 @@ to scattered, in *one thread* and timed by process CPU time, so that the ratios 
 loaded, shared machine, and prints a markdown table: the block fill (edges / scored entries at
 the block size the engine picks), per-entry and per-edge costs, the fastest engine, and what
 ``choose_engine`` picks. ``python -m benchmarks.calibrate [n ...]`` from the repository root.
+
+``python -m benchmarks.calibrate --blocks [n ...]`` instead times the block engine at every block
+size, forward and forward+backward, in ns per scored entry: the evidence for ``ENTRY_COST`` and
+``ENTRY_COST_TRAIN`` (relative to b = 64).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 
 import sparseattn as sa
 from sparseattn.attention import choose_engine
-from sparseattn.engines import ENGINES
+from sparseattn.engines import ENGINES, block_attention
 from sparseattn.engines.block import choose_block, count_pairs
 from sparseattn.maps import softmax
 
@@ -41,9 +45,7 @@ def _call(engine, q, k, v, graph, rho):
     return run
 
 
-def main(ns: list[int]) -> None:
-    torch.set_num_threads(1)
-    patterns = {
+PATTERNS = {
         "window(64)": sa.window(64),
         "longformer(512, 16)": sa.longformer(512, 16),
         "bigbird(448, 16, 1, 64)": sa.bigbird(448, 16, 1, 64),
@@ -51,7 +53,12 @@ def main(ns: list[int]) -> None:
         "random(k=512)": sa.random(k=512),
         "random(k=64)": sa.random(k=64),
         "random(k=16)": sa.random(k=16),
-    }
+}
+
+
+def main(ns: list[int]) -> None:
+    torch.set_num_threads(1)
+    patterns = PATTERNS
     print("| n | pattern | K | block b | fill | block ms | gather ms | dense ms | block ns/entry "
           "| gather ns/edge | fastest | auto |")
     print("|" + "---|" * 12)
@@ -77,5 +84,43 @@ def main(ns: list[int]) -> None:
                   flush=True)
 
 
+def blocks(ns: list[int]) -> None:
+    """ns per scored entry of the block engine at each block size, fwd and fwd+bwd."""
+    torch.set_num_threads(1)
+    rho, heads, d = softmax(), 8, 64
+    sizes = (16, 32, 64, 128)
+    print("| n | pattern | " + " | ".join(f"fwd b={b}" for b in sizes) + " | "
+          + " | ".join(f"fwd+bwd b={b}" for b in sizes) + " |")
+    print("|" + "---|" * (2 + 2 * len(sizes)))
+    for n in ns:
+        q, k, v = (torch.randn(1, heads, n, d, requires_grad=True) for _ in range(3))
+        for name, pattern in PATTERNS.items():
+            if name.startswith("random(k=") and name != "random(k=512)":
+                continue
+            graph = pattern.graph(n)
+            cells = {}
+            for b in sizes:
+                work = count_pairs(graph, b) * b * b * heads
+
+                args = (q, k, v, graph, rho, 1 / math.sqrt(d))
+
+                def fwd(args=args, b=b):
+                    with torch.no_grad():
+                        block_attention(*args, block=b)
+
+                def fwd_bwd(args=args, b=b):
+                    block_attention(*args, block=b).sum().backward()
+
+                cells[("f", b)] = cpu_time(fwd, 2) / work * 1e9
+                cells[("fb", b)] = cpu_time(fwd_bwd, 2) / work * 1e9
+            print(f"| {n} | {name} | " + " | ".join(f"{cells[('f', b)]:.2f}" for b in sizes)
+                  + " | " + " | ".join(f"{cells[('fb', b)]:.1f}" for b in sizes) + " |",
+                  flush=True)
+
+
 if __name__ == "__main__":
-    main([int(x) for x in sys.argv[1:]] or [1024, 4096])
+    args = sys.argv[1:]
+    if args[:1] == ["--blocks"]:
+        blocks([int(x) for x in args[1:]] or [4096])
+    else:
+        main([int(x) for x in args] or [1024, 4096])
