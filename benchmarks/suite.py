@@ -57,7 +57,7 @@ class Suite:
     repeats: int = 3
     flex: bool = True
     entmax_ns: tuple[int, ...] = (1024, 2048, 4096, 8192)
-    time_cap_s: float = 60.0
+    time_cap_s: float = 30.0
     mem_cap_gb: float = 8.0
     map_rows: int = 1 << 16
 
