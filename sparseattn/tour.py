@@ -162,8 +162,9 @@ def quick_config(**overrides: Any) -> TourConfig:
 
 
 # A section function takes (config, out folder, work folder) and returns a dict:
-#   html     — explanation and tables (trusted HTML, built with _table / _esc)
-#   figures  — PNG files under the out folder, embedded in this order
+#   html     — the explanation (trusted HTML, built with _esc)
+#   figures  — PNG files under the out folder, embedded after it in this order
+#   tables   — the measured numbers as HTML tables (built with _table), after the figures
 #   numbers  — everything measured, for tour.json
 #   commands — (what, exact command line) pairs for the full-size versions
 Section = dict[str, Any]
@@ -173,10 +174,20 @@ def _esc(x: object) -> str:
     return html.escape(str(x))
 
 
+class _Code(str):
+    """A table cell shown as code (a command line)."""
+
+
 def _table(header: list[str], rows: list[list[object]]) -> str:
+    def cell(c: object) -> str:
+        return f"<td><code>{_esc(c)}</code></td>" if isinstance(c, _Code) else f"<td>{_esc(c)}</td>"
+
     head = "".join(f"<th>{_esc(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    body = "".join("<tr>" + "".join(cell(c) for c in row) + "</tr>" for row in rows)
+    return (
+        f'<div class="scroll"><table><thead><tr>{head}</tr></thead>'
+        f"<tbody>{body}</tbody></table></div>"
+    )
 
 
 def _copy_figure(src: str | Path, out: Path, name: str) -> Path:
@@ -219,14 +230,13 @@ def gallery(config: TourConfig, out: Path, work: Path) -> Section:
             numbers[name] = {"params": params, "sparsity": sparsity, "data_dependent": True}
             rows.append(
                 [
-                    name,
-                    _fmt(params),
+                    f"{name} ({_fmt(params)})",
                     f"{float(mask.sum()) / n:.1f}",
                     f"{sparsity:.1%}",
                     "—",
                     "—",
                     "—",
-                    "data-dependent (drawn for random q, k)",
+                    "n/a: data-dependent (drawn for one random q, k)",
                     "—",
                 ]
             )
@@ -242,14 +252,13 @@ def gallery(config: TourConfig, out: Path, work: Path) -> Section:
         rows.append(
             [
                 name,
-                _fmt(params),
                 f"{graph.num_edges / n:.1f}",
                 f"{graph.sparsity:.1%}",
                 "yes" if report.self_loops else "no",
                 chain,
                 hops,
                 ("yes" if report.satisfied else "no") + layers,
-                command,
+                _Code(command),
             ]
         )
         numbers[name] = {
@@ -290,11 +299,11 @@ def gallery(config: TourConfig, out: Path, work: Path) -> Section:
         "(hops s). STRIDED and FIXED are analysed as the sequential cycle of their two parts "
         "A¹ → A² (Yun §3.4), as <code>sparseattn analyze</code> does by default.</p>"
         f"<p>At n = {n}, {len(satisfied)} of {len(rows)} patterns satisfy Assumption 1: "
-        f"{_esc(', '.join(satisfied))}.</p>"
+        f"{_esc(', '.join(satisfied))}. Each row's command prints that row's analysis (the "
+        "pattern's parameters are in it).</p>"
     )
     header = [
         "pattern",
-        "parameters",
         "keys/query",
         "sparsity",
         "1.1 self-loops",
@@ -304,7 +313,8 @@ def gallery(config: TourConfig, out: Path, work: Path) -> Section:
         "command",
     ]
     return {
-        "html": text + _table(header, rows),
+        "html": text,
+        "tables": _table(header, rows),
         "figures": [path],
         "numbers": {"n": n, "patterns": numbers},
         "commands": [
@@ -318,7 +328,7 @@ def gallery(config: TourConfig, out: Path, work: Path) -> Section:
 
 
 def _fmt(params: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in params.items()) or "—"
+    return ", ".join(f"{k}={v}" for k, v in params.items())
 
 
 # ------------------------------------------------------------------ 2. speed and memory
@@ -451,7 +461,8 @@ def speed(config: TourConfig, out: Path, work: Path) -> Section:
         "full ÷ auto (time)",
     ]
     return {
-        "html": text + _table(header, rows),
+        "html": text,
+        "tables": _table(header, rows),
         "figures": [path],
         "numbers": {
             "pattern": repr(pattern),
@@ -535,8 +546,8 @@ def copying(config: TourConfig, out: Path, work: Path) -> Section:
         "docs/experiments.md for why this differs from the paper's 1-layer 0.82%).</p>"
     )
     return {
-        "html": text
-        + "<h4>Token accuracy (this run)</h4>"
+        "html": text,
+        "tables": "<h4>Token accuracy (this run)</h4>"
         + _table(header, rows)
         + "<h4>Connectivity ceiling: share of copied symbols whose source can reach them</h4>"
         + _table(header, ceiling)
@@ -554,7 +565,7 @@ def copying(config: TourConfig, out: Path, work: Path) -> Section:
         "commands": [
             ("this table", f"sparseattn copying {flags}"),
             (
-                "the default sweep: n = 64, all 9 columns, depths 1–4 (about 36 CPU-minutes)",
+                "the default sweep: n = 64, all 9 columns, depths 1–4 (about 33 CPU-minutes)",
                 "sparseattn copying",
             ),
             ("the paper's sizes (n = d = 256; for a GPU)", "sparseattn copying --paper"),
@@ -636,7 +647,8 @@ def sparsefinder(config: TourConfig, out: Path, work: Path) -> Section:
         "window frontier points dominated",
     ]
     return {
-        "html": text + _table(header, rows),
+        "html": text,
+        "tables": _table(header, rows),
         "figures": [path],
         "numbers": {k: summary[k] for k in ("gold_sparsity", "methods", "teacher", "steps")},
         "commands": [
@@ -706,7 +718,8 @@ def mca(config: TourConfig, out: Path, work: Path) -> Section:
         "retrieval accuracy",
     ]
     return {
-        "html": text + _table(header, rows),
+        "html": text,
+        "tables": _table(header, rows),
         "figures": [path],
         "numbers": result,
         "commands": [
@@ -774,7 +787,8 @@ def dam(config: TourConfig, out: Path, work: Path) -> Section:
     )
     header = ["cell", "sparsity", "val loss", "val acc", "diagonal kept", "offsets 1–4 kept"]
     return {
-        "html": text + _table(header, rows),
+        "html": text,
+        "tables": _table(header, rows),
         "figures": [path],
         "numbers": {k: result[k] for k in ("summary", "warm_start", "run", "seconds_this_call")},
         "commands": [
@@ -832,8 +846,10 @@ def dmin(config: TourConfig, out: Path, work: Path) -> Section:
         "n = 16 … 256, the paper uses n = 512 … 3072.</p>"
     )
     return {
-        "html": text
-        + _table(["n", "d_min per matrix", "mean", "2n (exact)", "theorem d (eq. 6)"], rows),
+        "html": text,
+        "tables": _table(
+            ["n", "d_min per matrix", "mean", "2n (exact)", "theorem d (eq. 6)"], rows
+        ),
         "figures": [path],
         "numbers": {"summary": result["summary"], "total_seconds": result["total_seconds"]},
         "commands": [
@@ -869,6 +885,8 @@ th, td { border: 1px solid #ccc; padding: 0.25em 0.5em; text-align: left; vertic
 th { background: #f2f2f2; }
 code, pre { background: #f6f6f6; padding: 0.1em 0.3em; font-size: 0.9em; }
 pre { padding: 0.6em; overflow-x: auto; }
+td code { white-space: nowrap; }
+.scroll { overflow-x: auto; }
 img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0; }
 .meta { color: #666; font-size: 0.9em; }
 .error-box { border: 2px solid #c00; background: #fee; padding: 0.6em 1em; }
@@ -903,6 +921,7 @@ def _section_html(
         parts.append(
             f'<img src="data:image/png;base64,{data}" alt="{_esc(key)}: {_esc(Path(fig).name)}">'
         )
+    parts.append(section["tables"])
     parts.append("<p><b>Full-size version</b></p><ul>")
     for what, command in section["commands"]:
         parts.append(f"<li>{_esc(what)}: <code>{_esc(command)}</code></li>")
