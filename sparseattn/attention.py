@@ -145,7 +145,9 @@ def sparse_attention(
             n_k may differ from n_q (cross-attention) for patterns that allow it.
         pattern: a Pattern (static or data-dependent) or a ready AttentionGraph.
         prob_map: ρ — a ProbabilityMap or one of "softmax", "hardmax", "sparsemax", "entmax15".
-        engine: "dense" (masked n×n reference), "gather" (neighbour lists), or "auto".
+        engine: "auto" (:func:`choose_engine`), "dense" (masked n×n reference), "block"
+            (block-sparse matrix products), "gather" (neighbour lists) or "flex" (compiled
+            FlexAttention; softmax, and on CPU inference only). docs/engines.md.
         scale: score scale, default 1/√d.
         key_padding_mask: optional BoolTensor (batch, n_k), True for real keys.
         dropout_p: dropout on the attention weights (only when > 0).
@@ -215,7 +217,7 @@ class SparseAttention(nn.Module):
         num_heads: H.
         pattern: Pattern, HeadSplit, PatternCycle or AttentionGraph.
         prob_map: ρ (see ``sparse_attention``).
-        engine: "auto", "dense" or "gather".
+        engine: "auto", "dense", "block", "gather" or "flex" (see ``sparse_attention``).
         dropout: dropout on attention weights in training.
         bias: biases in the projections.
         layer_index: this layer's place in a stack (used by a cycle).

@@ -106,7 +106,7 @@ def expressivity_dmin(
     seed: int = typer.Option(0, help="seed for A and Y"),
     run: str | None = typer.Option(None, help="run folder name (default: from the config)"),
     out_dir: str = typer.Option("results/expressivity/dmin", help="results root"),
-    threads: int = typer.Option(1, help="torch threads"),
+    threads: int = typer.Option(0, help="torch threads (0: torch's default, one per core)"),
 ) -> None:
     """Least d for which the Theorem 0.4 construction succeeds, versus n (paper Figs. 3, 4)."""
     from .experiments.dmin import PAPER_NS, DminConfig
@@ -421,7 +421,7 @@ def dam(
     prob_map: str | None = typer.Option(None, help="ρ: softmax, sparsemax, entmax15, …"),
     normalized: bool = typer.Option(False, help="penalty λ·mean(M) instead of λ·sum(M)"),
     seed: int = typer.Option(0, help="seed of initialisation, batches and Gumbel noise"),
-    threads: int = typer.Option(1, help="torch threads"),
+    threads: int = typer.Option(0, help="torch threads (0: torch's default, one per core)"),
     run: str | None = typer.Option(None, help="run folder name (default: from the config)"),
     out_dir: str = typer.Option("results/dam", help="results root"),
 ) -> None:
@@ -573,7 +573,8 @@ def mca(
     alphas: str = typer.Option("0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0", help="α values"),
     max_passages: int = typer.Option(48, help="test passages of the embedded corpus"),
     run: str = typer.Option("default", help="run name under results/mca/"),
-    quick: bool = typer.Option(False, help="3 α values on 16 passages"),
+    quick: bool = typer.Option(False, help="3 α values on 16 passages (replaces --alphas and "
+                               "--max-passages)"),
 ) -> None:
     """MCA sweep on MiniLM: error vs Theorem 2 bound, fidelity vs value-projection MACs kept."""
     from .experiments.mca import MCAConfig
@@ -581,7 +582,10 @@ def mca(
 
     values = (0.0, 0.2, 1.0) if quick else tuple(float(a) for a in alphas.split(","))
     config = MCAConfig(values, 16 if quick else max_passages, run=run)
-    result = run_mca(config)
+    try:
+        result = run_mca(config)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
     table = Table(title=f"MCA on MiniLM ({result['passages']} test passages)")
     for col in ("α", "MACs kept", "sampled / exact projection time", "embedding cosine",
                 "retrieval acc."):
@@ -601,10 +605,10 @@ def mca(
 def tour(
     out: str = typer.Option("results/tour", help="folder of index.html, tour.json and the PNGs"),
     quick: bool = typer.Option(False, help="a toy-size version (about a minute), for the tests"),
-    threads: int = typer.Option(1, help="torch threads"),
+    threads: int = typer.Option(0, help="torch threads (0: torch's default, one per core)"),
 ) -> None:
     """The main job (`make demo`): a scaled-down run of every part of the library in one
-    self-contained HTML report, OUT/index.html (about 5 minutes on one thread).
+    self-contained HTML report, OUT/index.html (3–4 minutes on one thread).
 
     Sections: pattern gallery with Assumption 1, speed and memory against dense attention,
     a copying-task table, and one figure each for Sparsefinder, MCA, SparseBERT and d_min.
@@ -614,7 +618,7 @@ def tour(
 
     try:
         make = quick_config if quick else TourConfig
-        config = make(out=out, threads=threads).validate()
+        config = make(out=out, **({"threads": threads} if threads else {})).validate()
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     result = run_tour(config, log=lambda m: console.print(escape(m)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -166,3 +167,14 @@ def test_mca_hook_inside_a_hugging_face_bert():
         hf.sparsify(model, method="magic")
     with pytest.raises(TypeError, match="named method"):
         hf.sparsify(model, alpha=0.2)
+
+
+def test_mca_sweep_refuses_a_run_folder_with_another_configuration(tmp_path):
+    from sparseattn.experiments.mca import MCAConfig
+    from sparseattn.experiments.mca import run as run_mca
+    from sparseattn.results import write_json
+
+    saved = MCAConfig(max_passages=48, run="r", out=str(tmp_path))
+    write_json(tmp_path / "r" / "config.json", dataclasses.asdict(saved))
+    with pytest.raises(ValueError, match="another configuration"):
+        run_mca(MCAConfig(max_passages=8, run="r", out=str(tmp_path)))

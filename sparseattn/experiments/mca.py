@@ -39,6 +39,12 @@ def run(config: MCAConfig = MCAConfig()) -> dict:
     from ..montecarlo import MCAMethod
 
     folder = Path(config.out) / config.run
+    # the cells of a run are reused per α: everything else must match the saved run
+    identity = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("alphas", "out")}
+    saved = read_json(folder / "config.json")
+    if saved is not None and {k: saved.get(k) for k in identity} != identity:
+        raise ValueError(f"{folder} holds a run with another configuration ({saved}); "
+                         "choose another run name")
     write_json(folder / "config.json", dataclasses.asdict(config))
     model, tokenizer = hf.load_minilm()
     passages = load_corpus().test[: config.max_passages]

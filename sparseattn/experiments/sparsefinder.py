@@ -592,7 +592,15 @@ def _plot_downstream(rows: dict, reference: dict, gold: float, path: Path) -> No
 def run(config: SparsefinderConfig) -> dict:
     """Run (or resume) the whole pipeline; returns the summary (with ``folder``)."""
     config = config.validate()
+    threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
+    try:
+        return _run(config)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(config: SparsefinderConfig) -> dict:
     folder = Path(config.out_dir) / config.run_name()
     folder.mkdir(parents=True, exist_ok=True)
     identity = config.identity()
