@@ -148,6 +148,18 @@ def test_block_band_edges_and_shared_global_blocks_join_the_flash_call(n):
         q, k, v, predicate_mask(pattern, n), softmax(), 0.3, 1e-9)
 
 
+def test_block_full_blocks_off_the_band_are_gathered_beside_the_run():
+    # BigBird at block 8: the random blocks are full blocks away from the band, the band
+    # itself stays a strided run (with its edges); every part merged by log-sum-exp
+    n, pattern = 300, sa.bigbird(40, 3, random_blocks=1, block=8)
+    chunks = block_plan(pattern.graph(n), 8).chunks(6, 1 << 18, split=True)
+    assert any(c.extra is not None and c.run is not None for c in chunks)
+    q, k, v = qkv(n=n, grad=True)
+    check_forward_backward(
+        lambda q, k, v: block_attention(q, k, v, pattern.graph(n), softmax(), 0.3, block=8),
+        q, k, v, predicate_mask(pattern, n), softmax(), 0.3, 1e-9)
+
+
 def test_block_chunks_cover_every_row_block_once():
     graph = sa.bigbird(16, 3, 2, 8).graph(200)
     plan = block_plan(graph, 8)

@@ -81,6 +81,7 @@ class _Chunk:
     run: tuple[int, int] | None  # full[r, j] = start + r·step + j, or None
     bias: Tensor | None = None  # float[b, Cf·b]: 0 / −inf over ``full`` (split path, banded)
     shared: bool = False  # every row block has the same partial key blocks (global columns)
+    extra: Tensor | None = None  # LongTensor[m, Ce]: full blocks off the run (split path)
 
 
 def _segments(full: Tensor, keep: Tensor | None = None):
@@ -105,9 +106,8 @@ def _segments(full: Tensor, keep: Tensor | None = None):
     bounds = [0, *(cut.nonzero().squeeze(1) + 1).tolist(), m]
     out: list[tuple[int, int, tuple[int, int] | None]] = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        run = None
-        if bool(contig[lo]):
-            run = (int(first[lo]), int(delta[lo]) if hi - lo > 1 else 0)
+        step = int(delta[lo]) if hi - lo > 1 else 0
+        run = (int(first[lo]), step) if bool(contig[lo]) and step >= 0 else None
         if run is None and out and out[-1][2] is None and out[-1][1] == lo:
             out[-1] = (out[-1][0], hi, None)
         else:
@@ -125,6 +125,29 @@ def _long_pieces(change: Tensor, least: int = 4) -> Tensor:
         if c - edges[i] >= least or edges[i + 2] - c >= least:
             keep[c] = True
     return keep
+
+
+def _longest_run(full: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Split each row's full key blocks (sorted ids, (m, Cf)) into its longest stretch of
+    consecutive blocks, cut to the group's shortest such stretch (m, R), and the others
+    (m, Cf − R) or None — BigBird's band apart from its random blocks, so the band can still
+    be a strided view."""
+    m, cf = full.shape
+    if cf < 2 or m == 0:
+        return full, None
+    cur = torch.ones(m, dtype=torch.long)
+    best, end = cur.clone(), torch.zeros(m, dtype=torch.long)
+    for j in range(1, cf):
+        cur = torch.where(full[:, j] == full[:, j - 1] + 1, cur + 1, 1)
+        better = cur > best
+        best, end = torch.where(better, cur, best), torch.where(better, j, end)
+    length = int(best.min())
+    if length == cf:
+        return full, None
+    idx = (end - best + 1)[:, None] + torch.arange(length)
+    off = torch.ones(m, cf, dtype=torch.bool)
+    off[torch.arange(m)[:, None], idx] = False
+    return full.gather(1, idx), full[off].view(m, cf - length)
 
 
 def _band(full: Tensor, part: Tensor, keep: Tensor, run: tuple[int, int], b: int):
@@ -204,17 +227,22 @@ class BlockPlan:
         if (lead, budget, split) not in cache:
             out, b = [], self.block
             for grp in self.groups:
-                for lo, hi, run in _segments(grp.full, grp.keep if split else None):
-                    full, part = grp.full[lo:hi], grp.part[lo:hi]
+                main, others = _longest_run(grp.full) if split else (grp.full, None)
+                for lo, hi, run in _segments(main, grp.keep if split else None):
+                    full, part = main[lo:hi], grp.part[lo:hi]
                     keep = None if grp.keep is None else grp.keep[lo:hi]
+                    extra = None if others is None else others[lo:hi]
                     bias = None
+                    if run is None and extra is not None:  # no run: all full blocks gathered
+                        full, extra = torch.cat([full, extra], 1), None
                     if split and run is not None and keep is not None:
                         full, part, keep, bias, run = _band(full, part, keep, run, b)
                     cf, cp = full.shape[1], part.shape[1]
+                    ce = 0 if extra is None else extra.shape[1]
                     if not split:
                         weight = cf + cp
-                    else:  # a run is a view; q and the output count one block
-                        weight = cp + 1 if run is not None else cp + (cf + 3) // 4
+                    else:  # a run is a view, gathered full blocks count a quarter (streamed)
+                        weight = cp + 1 + (ce + 3) // 4 if run is not None else cp + (cf + 3) // 4
                     step = max(1, budget // (lead * b * b * weight))
                     for s in range(0, hi - lo, step):
                         e = min(s + step, hi - lo)
@@ -222,7 +250,8 @@ class BlockPlan:
                         pt = part[s:e]
                         shared = split and e - s > 1 and bool((pt == pt[:1]).all())
                         out.append(_Chunk(grp.rows[lo + s : lo + e], full[s:e], pt,
-                                          None if keep is None else keep[s:e], at, bias, shared))
+                                          None if keep is None else keep[s:e], at, bias, shared,
+                                          None if not ce else extra[s:e]))
             cache[(lead, budget, split)] = out
         return cache[(lead, budget, split)]
 
@@ -523,24 +552,31 @@ def _per_block(x: Tensor, b: int) -> Tensor:
 
 
 def _split_forward(run, qc, kp, vp, ch):
-    """Split-softmax forward of one chunk: (output (L, m, b, d), row log-sum-exp (L, m, b))."""
-    o1 = lse1 = o2 = lse2 = None
+    """Split-softmax forward of one chunk: (output (L, m, b, d), row log-sum-exp (L, m, b)).
+
+    Up to three parts, merged by their log-sum-exps: the run (a strided view, with the band's
+    bias), the full blocks off the run (gathered), the partial blocks (gathered, masked here).
+    """
+    halves = []
     if ch.full.shape[1]:
-        o1, lse1 = _flash(qc, run.full_blocks(kp, ch), run.full_blocks(vp, ch), 0.0, False,
-                          attn_mask=_bias(ch, qc), scale=run.scale)
+        halves.append(_flash(qc, run.full_blocks(kp, ch), run.full_blocks(vp, ch), 0.0, False,
+                             attn_mask=_bias(ch, qc), scale=run.scale))
+    if ch.extra is not None:
+        halves.append(_flash(qc, run.gather(kp, ch.extra), run.gather(vp, ch.extra), 0.0, False,
+                             scale=run.scale))
     if ch.part.shape[1]:
         part = ch.part[:1] if ch.shared else ch.part
         kc, vc = run.gather(kp, part), run.gather(vp, part)
         p, mx, total = run.partial_exp(qc * run.scale, kc, ch.keep, None)
         o2 = _mm(p, vc).div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))
-        lse2 = mx + total.log()
-    if o2 is None:
-        return o1, lse1
-    if o1 is None:
-        return o2, lse2
-    lse = torch.logaddexp(lse1, lse2)
-    o1.mul_((lse1 - lse).exp_().unsqueeze(-1))
-    return o1.add_(o2.mul_((lse2 - lse).exp_().unsqueeze(-1))), lse
+        halves.append((o2, mx + total.log()))
+    o, lse = halves[0]
+    for o2, lse2 in halves[1:]:
+        merged = torch.logaddexp(lse, lse2)
+        o = o.mul_((lse - merged).exp_().unsqueeze(-1)).add_(
+            o2.mul_((lse2 - merged).exp_().unsqueeze(-1)))
+        lse = merged
+    return o, lse
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
@@ -575,9 +611,17 @@ def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
     delta = (go * oc).sum(-1, keepdim=True)
     dqc = None
     if full.shape[1]:
-        dqc, dk1, dv1 = _full_backward(run, qc, go, delta, lse, ch, kp, vp)
+        masks = [] if ch.bias is None else [(ch.bias == 0).to(qc.device, qc.dtype)]
+        kf, vf = run.full_blocks(kp, ch), run.full_blocks(vp, ch)
+        dqc, dk1, dv1 = _full_backward(run, qc, go, delta, lse, kf, vf, masks)
         dk.index_add_(1, full.reshape(-1), _per_block(dk1, b))
         dv.index_add_(1, full.reshape(-1), _per_block(dv1, b))
+    if ch.extra is not None:
+        kc, vc = run.gather(kp, ch.extra), run.gather(vp, ch.extra)
+        dq2, dk1, dv1 = _full_backward(run, qc, go, delta, lse, kc, vc, [])
+        dqc = dq2 if dqc is None else dqc.add_(dq2)
+        dk.index_add_(1, ch.extra.reshape(-1), _per_block(dk1, b))
+        dv.index_add_(1, ch.extra.reshape(-1), _per_block(dv1, b))
     if part.shape[1]:
         if ch.shared:
             part = part[:1]
@@ -593,15 +637,14 @@ def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
     dq.index_copy_(1, rows, dqc)
 
 
-def _full_backward(run, qc, go, delta, lse, ch, kp, vp):
+def _full_backward(run, qc, go, delta, lse, kf, vf, masks):
     """The full (and band) blocks' share of dQ, dK, dV: P recomputed from the merged
     log-sum-exp, dS = P ⊙ (dP − δ), one riding (batch, head) at a time so that P is only
-    (m, b, Cf·b). K and V stay strided views for a run. (torch's flash backward kernel computes the
-    same; it copies and zero-fills its key-side gradients per row block, and was 1.4× slower
-    at b = 32 and 3–10% faster at b = 64 here — this keeps the engine off a private op.)
+    (m, b, Cf·b). K and V (kf, vf) stay strided views for a run. (torch's flash backward
+    kernel computes the same; it copies and zero-fills its key-side gradients per row block,
+    and was 1.4× slower at b = 32 and 3–10% faster at b = 64 here — this keeps the engine off
+    a private op.)
     """
-    kf, vf = run.full_blocks(kp, ch), run.full_blocks(vp, ch)
-    masks = [] if ch.bias is None else [(ch.bias == 0).to(qc.device, qc.dtype)]
     dqc, dk1, dv1 = torch.empty_like(qc), qc.new_empty(kf.shape), qc.new_empty(vf.shape)
     for i in range(qc.shape[0]):
         qs = qc[i] * run.scale
