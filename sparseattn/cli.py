@@ -106,7 +106,7 @@ def expressivity_dmin(
     seed: int = typer.Option(0, help="seed for A and Y"),
     run: str | None = typer.Option(None, help="run folder name (default: from the config)"),
     out_dir: str = typer.Option("results/expressivity/dmin", help="results root"),
-    threads: int = typer.Option(0, help="torch threads (0: torch's default, one per core)"),
+    threads: int = typer.Option(1, help="torch threads"),
 ) -> None:
     """Least d for which the Theorem 0.4 construction succeeds, versus n (paper Figs. 3, 4)."""
     from .experiments.dmin import PAPER_NS, DminConfig
@@ -421,7 +421,7 @@ def dam(
     prob_map: str | None = typer.Option(None, help="ρ: softmax, sparsemax, entmax15, …"),
     normalized: bool = typer.Option(False, help="penalty λ·mean(M) instead of λ·sum(M)"),
     seed: int = typer.Option(0, help="seed of initialisation, batches and Gumbel noise"),
-    threads: int = typer.Option(0, help="torch threads (0: torch's default, one per core)"),
+    threads: int = typer.Option(1, help="torch threads"),
     run: str | None = typer.Option(None, help="run folder name (default: from the config)"),
     out_dir: str = typer.Option("results/dam", help="results root"),
 ) -> None:
