@@ -608,7 +608,7 @@ def tour(
     threads: int = typer.Option(0, help="torch threads (0: torch's default, one per core)"),
 ) -> None:
     """The main job (`make demo`): a scaled-down run of every part of the library in one
-    self-contained HTML report, OUT/index.html (3–4 minutes on one thread).
+    self-contained HTML report, OUT/index.html (about 2 minutes on 2 cores).
 
     Sections: pattern gallery with Assumption 1, speed and memory against dense attention,
     a copying-task table, and one figure each for Sparsefinder, MCA, SparseBERT and d_min.

@@ -60,8 +60,8 @@ GALLERY_PARAMS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class TourConfig:
-    """What the tour runs. The defaults take about 3.5 minutes on one thread of the 2-core
-    development machine."""
+    """What the tour runs. The defaults take about 2 minutes on the 2-core development
+    machine (3.5 on one thread)."""
 
     out: str = "results/tour"
     threads: int = field(default_factory=torch.get_num_threads)  # torch threads, every section
