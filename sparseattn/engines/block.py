@@ -82,6 +82,13 @@ class _Chunk:
     bias: Tensor | None = None  # float[b, Cf·b]: 0 / −inf over ``full`` (split path, banded)
     shared: bool = False  # every row block has the same partial key blocks (global columns)
     extra: Tensor | None = None  # LongTensor[m, Ce]: full blocks off the run (split path)
+    first: int | None = None  # rows == first + arange(m): row slices are views
+
+    def take(self, x: Tensor) -> Tensor:
+        """The chunk's row blocks of x (L, G·nb, ...): a view when they are consecutive."""
+        if self.first is None:
+            return x.index_select(1, self.rows)
+        return x[:, self.first : self.first + self.rows.numel()]
 
 
 def _segments(full: Tensor, keep: Tensor | None = None):
@@ -249,9 +256,11 @@ class BlockPlan:
                         at = None if run is None else (run[0] + s * run[1], run[1])
                         pt = part[s:e]
                         shared = split and e - s > 1 and bool((pt == pt[:1]).all())
-                        out.append(_Chunk(grp.rows[lo + s : lo + e], full[s:e], pt,
+                        rows = grp.rows[lo + s : lo + e]
+                        first = int(rows[0]) if int(rows[-1] - rows[0]) == e - s - 1 else None
+                        out.append(_Chunk(rows, full[s:e], pt,
                                           None if keep is None else keep[s:e], at, bias, shared,
-                                          None if not ce else extra[s:e]))
+                                          None if not ce else extra[s:e], first))
             cache[(lead, budget, split)] = out
         return cache[(lead, budget, split)]
 
@@ -482,7 +491,7 @@ class _BlockAttention(torch.autograd.Function):
         if run.split:
             lse_all = qp.new_empty(qp.shape[:-1])
             for ch in run.chunks:
-                o, lse = _split_forward(run, qp.index_select(1, ch.rows), kp, vp, ch)
+                o, lse = _split_forward(run, ch.take(qp), kp, vp, ch)
                 out.index_copy_(1, ch.rows, o)
                 lse_all.index_copy_(1, ch.rows, lse)
             ctx.save_for_backward(q, k, v, out, lse_all)
@@ -567,7 +576,7 @@ def _split_forward(run, qc, kp, vp, ch):
     if ch.part.shape[1]:
         part = ch.part[:1] if ch.shared else ch.part
         kc, vc = run.gather(kp, part), run.gather(vp, part)
-        p, mx, total = run.partial_exp(qc * run.scale, kc, ch.keep, None)
+        p, mx, total = run.partial_exp(qc, kc * run.scale, ch.keep, None)
         o2 = _mm(p, vc).div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))
         halves.append((o2, mx + total.log()))
     o, lse = halves[0]
@@ -606,8 +615,7 @@ def _bias(ch: _Chunk, qc: Tensor) -> Tensor | None:
 
 def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
     b, rows, full, part, keep = run.plan.block, ch.rows, ch.full, ch.part, ch.keep
-    qc, go = qp.index_select(1, rows), gp.index_select(1, rows)
-    oc, lse = out.index_select(1, rows), lse_all.index_select(1, rows)
+    qc, go, oc, lse = (ch.take(x) for x in (qp, gp, out, lse_all))
     delta = (go * oc).sum(-1, keepdim=True)
     dqc = None
     if full.shape[1]:
