@@ -14,12 +14,14 @@ instead of padding every row block to n keys. Each group is cut into chunks of a
 
 Two ways to compute a chunk:
 
-* **split softmax** (softmax, no key padding, no dropout, d_v = d): the full blocks go through
-  torch's fused CPU flash-attention kernel, which returns the log-sum-exp of each row; the
-  partial blocks are scored, masked and exponentiated here; the two halves are merged by their
-  log-sum-exps. Backward uses the same split: the flash backward kernel given the *merged*
-  output and log-sum-exp yields exactly the full blocks' share of dQ, dK, dV
-  (dS = P ⊙ (dP − rowsum(dO ⊙ O)) decomposes over any split of the keys).
+* **split softmax** (softmax, no key padding, no dropout, d_v = d, CPU): the run of
+  consecutive full blocks — widened by the band's partial edge blocks under one broadcast
+  bias (:func:`_band`) — goes through torch's fused CPU flash-attention kernel as a strided
+  view of K and V, which returns the log-sum-exp of each row; full blocks off the run go
+  through the kernel gathered; the other partial blocks are scored, masked and exponentiated
+  here; the parts are merged by their log-sum-exps. Backward uses the same split: given the
+  *merged* output and log-sum-exp each part recomputes its P and adds exactly its share of
+  dQ, dK, dV (dS = P ⊙ (dP − rowsum(dO ⊙ O)) decomposes over any split of the keys).
 * **general** (any map, key padding, dropout): scores of all blocks side by side, ρ on the
   masked row, weights · V. Backward recomputes each chunk; softmax uses its closed form
   dS = P ⊙ (dP − Σ P⊙dP), any other map autograd on the recomputed chunk; dropout masks are
