@@ -101,7 +101,9 @@ class AttentionGraph:
             raise ValueError(
                 f"key indices must lie in [0, {n_k}), got [{cols.min()}, {cols.max()}]"
             )
-        key = torch.unique(rows * n_k + cols)  # sorted: by row, then by key
+        key = rows * n_k + cols
+        if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):  # not sorted and unique
+            key = torch.unique(key)  # sorted: by row, then by key
         rows, cols = key // n_k, key % n_k
         counts = torch.bincount(rows, minlength=n_rows)
         crow = torch.zeros(n_rows + 1, dtype=torch.long)
