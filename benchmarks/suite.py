@@ -382,11 +382,8 @@ def _cell(data: dict, pattern: str, n: int, engine: str, mode: str, what: str = 
 
 
 def _ratio(data: dict, pattern: str, n: int, num: tuple, den: tuple) -> str:
-    a = _rows(data, section="attention", pattern=pattern, n=n, engine=num[0], mode=num[1])
-    b = _rows(data, section="attention", pattern=pattern, n=n, engine=den[0], mode=den[1])
-    if not a or not b or a[0]["status"] != "ok" or b[0]["status"] != "ok":
-        return "—"
-    return f"{a[0]['time_s'] / b[0]['time_s']:.1f}×"
+    a, b = _time(data, pattern, n, *num), _time(data, pattern, n, *den)
+    return "—" if a is None or b is None else f"{a / b:.1f}×"
 
 
 def _time(data: dict, pattern: str, n: int, engine: str, mode: str) -> float | None:

@@ -160,6 +160,17 @@ def test_block_full_blocks_off_the_band_are_gathered_beside_the_run():
         q, k, v, predicate_mask(pattern, n), softmax(), 0.3, 1e-9)
 
 
+@pytest.mark.parametrize("block", [32, 64])  # closed-form and flash-kernel backward of the band
+def test_block_band_backward_on_both_sides_of_the_flash_backward_threshold(block):
+    n, pattern = 600, sa.longformer(300, 5)
+    chunks = block_plan(pattern.graph(n), block).chunks(4, 1 << 18, split=True)
+    assert any(c.bias is not None for c in chunks)
+    q, k, v = qkv(b=1, h=4, n=n, d=8, grad=True)
+    check_forward_backward(
+        lambda q, k, v: block_attention(q, k, v, pattern.graph(n), softmax(), 0.3, block=block),
+        q, k, v, predicate_mask(pattern, n), softmax(), 0.3, 1e-9)
+
+
 def test_block_chunks_cover_every_row_block_once():
     graph = sa.bigbird(16, 3, 2, 8).graph(200)
     plan = block_plan(graph, 8)

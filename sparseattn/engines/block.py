@@ -64,6 +64,11 @@ ENTRY_COST_TRAIN = {16: 2.2, 32: 1.2, 64: 1.0, 128: 0.85}
 BLOCK_MIN_FILL = 1 / 15
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+#: From this block size on, the full blocks' backward goes through torch's flash backward
+#: kernel; below it, the closed form here (`python -m benchmarks.calibrate --blocks 4096`
+#: on both: flash 7–30% faster per entry at b ≥ 64, as fast at b = 32, slower at b = 16).
+FLASH_BACKWARD_BLOCK = 64
 
 
 @dataclass
@@ -571,14 +576,17 @@ def _split_forward(run, qc, kp, vp, ch):
     halves = []
     if ch.full.shape[1]:
         halves.append(_flash(qc, run.full_blocks(kp, ch), run.full_blocks(vp, ch), 0.0, False,
-                             attn_mask=_bias(ch, qc), scale=run.scale))
+                             attn_mask=_bias(ch.bias, qc), scale=run.scale))
     if ch.extra is not None:
         halves.append(_flash(qc, run.gather(kp, ch.extra), run.gather(vp, ch.extra), 0.0, False,
                              scale=run.scale))
     if ch.part.shape[1]:
         part = ch.part[:1] if ch.shared else ch.part
         kc, vc = run.gather(kp, part), run.gather(vp, part)
-        p, mx, total = run.partial_exp(qc, kc * run.scale, ch.keep, None)
+        if ch.shared:  # scale the smaller side: the one shared key block, else the queries
+            p, mx, total = run.partial_exp(qc, kc * run.scale, ch.keep, None)
+        else:
+            p, mx, total = run.partial_exp(qc * run.scale, kc, ch.keep, None)
         o2 = _mm(p, vc).div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))
         halves.append((o2, mx + total.log()))
     o, lse = halves[0]
@@ -608,11 +616,11 @@ def _mm_t(a: Tensor, b: Tensor, shared: bool) -> Tensor:
                         b.reshape(lead, -1, b.shape[-1])).unsqueeze(1)
 
 
-def _bias(ch: _Chunk, qc: Tensor) -> Tensor | None:
-    """The chunk's band bias broadcast (stride 0) to the flash kernel's (L, m, b, Cf·b)."""
-    if ch.bias is None:
+def _bias(bias: Tensor | None, qc: Tensor) -> Tensor | None:
+    """A band bias (b, Cf·b) broadcast (stride 0) to the flash kernel's (L, m, b, Cf·b)."""
+    if bias is None:
         return None
-    return ch.bias.to(qc.device, qc.dtype).expand(*qc.shape[:2], *ch.bias.shape)
+    return bias.to(qc.device, qc.dtype).expand(*qc.shape[:2], *bias.shape)
 
 
 def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
@@ -621,14 +629,13 @@ def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
     delta = (go * oc).sum(-1, keepdim=True)
     dqc = None
     if full.shape[1]:
-        masks = [] if ch.bias is None else [(ch.bias == 0).to(qc.device, qc.dtype)]
         kf, vf = run.full_blocks(kp, ch), run.full_blocks(vp, ch)
-        dqc, dk1, dv1 = _full_backward(run, qc, go, delta, lse, kf, vf, masks)
+        dqc, dk1, dv1 = _full_backward(run, qc, go, oc, delta, lse, kf, vf, ch.bias)
         dk.index_add_(1, full.reshape(-1), _per_block(dk1, b))
         dv.index_add_(1, full.reshape(-1), _per_block(dv1, b))
     if ch.extra is not None:
         kc, vc = run.gather(kp, ch.extra), run.gather(vp, ch.extra)
-        dq2, dk1, dv1 = _full_backward(run, qc, go, delta, lse, kc, vc, [])
+        dq2, dk1, dv1 = _full_backward(run, qc, go, oc, delta, lse, kc, vc, None)
         dqc = dq2 if dqc is None else dqc.add_(dq2)
         dk.index_add_(1, ch.extra.reshape(-1), _per_block(dk1, b))
         dv.index_add_(1, ch.extra.reshape(-1), _per_block(dv1, b))
@@ -647,14 +654,20 @@ def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
     dq.index_copy_(1, rows, dqc)
 
 
-def _full_backward(run, qc, go, delta, lse, kf, vf, masks):
-    """The full (and band) blocks' share of dQ, dK, dV: P recomputed from the merged
-    log-sum-exp, dS = P ⊙ (dP − δ), one riding (batch, head) at a time so that P is only
-    (m, b, Cf·b). K and V (kf, vf) stay strided views for a run. (torch's flash backward
-    kernel computes the same; it copies and zero-fills its key-side gradients per row block,
-    and was 1.4× slower at b = 32 and 3–10% faster at b = 64 here — this keeps the engine off
-    a private op.)
+def _full_backward(run, qc, go, oc, delta, lse, kf, vf, bias):
+    """The full (and band) blocks' share of dQ, dK, dV, given the merged output ``oc`` and
+    log-sum-exp: (dQ (L, m, b, d), dK and dV shaped like ``kf``, ``vf``). K and V (kf, vf)
+    stay strided views for a run; ``bias`` is the band's (b, Cf·b) bias or None.
+
+    From ``FLASH_BACKWARD_BLOCK`` on, torch's flash backward kernel; below it the closed
+    form dS = P ⊙ (dP − δ) with P recomputed, one riding (batch, head) at a time so that P is
+    only (m, b, Cf·b) (the kernel copies and zero-fills its key-side gradients per row block,
+    which costs most on small blocks).
     """
+    if qc.shape[-2] >= FLASH_BACKWARD_BLOCK:
+        return _flash_backward(go, qc, kf, vf, oc, lse, 0.0, False,
+                               attn_mask=_bias(bias, qc), scale=run.scale)
+    masks = [] if bias is None else [(bias == 0).to(qc.device, qc.dtype)]
     dqc, dk1, dv1 = torch.empty_like(qc), qc.new_empty(kf.shape), qc.new_empty(vf.shape)
     for i in range(qc.shape[0]):
         qs = qc[i] * run.scale
