@@ -20,8 +20,9 @@ Two ways to compute a chunk:
   view of K and V, which returns the log-sum-exp of each row; full blocks off the run go
   through the kernel gathered; the other partial blocks are scored, masked and exponentiated
   here; the parts are merged by their log-sum-exps. Backward uses the same split: given the
-  *merged* output and log-sum-exp each part recomputes its P and adds exactly its share of
-  dQ, dK, dV (dS = P ⊙ (dP − rowsum(dO ⊙ O)) decomposes over any split of the keys).
+  *merged* output and log-sum-exp each part adds exactly its share of dQ, dK, dV
+  (dS = P ⊙ (dP − rowsum(dO ⊙ O)) decomposes over any split of the keys) — the full blocks
+  through the flash backward kernel from b = 64, by the closed form below that.
 * **general** (any map, key padding, dropout): scores of all blocks side by side, ρ on the
   masked row, weights · V. Backward recomputes each chunk; softmax uses its closed form
   dS = P ⊙ (dP − Σ P⊙dP), any other map autograd on the recomputed chunk; dropout masks are
