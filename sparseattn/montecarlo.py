@@ -30,12 +30,23 @@ from .attention import attention_weights
 from .graph import AttentionGraph
 from .maps import ProbabilityMap
 from .patterns import Pattern
+from .validate import (
+    check_bool,
+    check_finite_float,
+    check_finite_tensor,
+    check_generator,
+    check_int,
+    check_positive,
+    check_tensor,
+)
 
 __all__ = ["sample_sizes", "mc_value_projection", "mca_attention", "MCAOutput", "head_weights"]
 
 
 def head_weights(weight: Tensor, num_heads: int) -> Tensor:
     """nn.Linear weight (H·d_head, d_in) → per-head W_h of shape (H, d_in, d_head)."""
+    check_tensor("weight", weight, dim=2, floating=True)
+    check_positive("num_heads", num_heads)
     out_features, d_in = weight.shape
     if out_features % num_heads:
         raise ValueError(
@@ -58,16 +69,20 @@ def sample_sizes(
     Returns:
         LongTensor (B, H, n_k) in [1, d_in].
     """
-    if not alpha >= 0:
-        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    alpha = check_finite_float("alpha", alpha, 0.0)
+    check_positive("d_in", d_in)
+    check_tensor("weights", weights, dim=4, floating=True)
+    check_finite_tensor("weights", weights)
     bsz, heads, n_q, n_k = weights.shape
+    if query_mask is not None:
+        check_tensor("query_mask", query_mask, dtype=torch.bool, shape=(bsz, n_q))
     if alpha == 0:
         return torch.full((bsz, heads, n_k), d_in, dtype=torch.long, device=weights.device)
     if query_mask is not None:
         weights = weights.masked_fill(~query_mask[:, None, :, None], 0.0)
         n = query_mask.sum(-1).view(bsz, 1, 1).to(weights.dtype)
     else:
-        n = torch.tensor(float(n_q), dtype=weights.dtype)
+        n = float(n_q)
     root = n * weights.amax(dim=-2) / alpha
     r = torch.floor(root.double().clamp(max=float(d_in)) ** 2)
     return r.clamp(1, d_in).long()
@@ -96,14 +111,24 @@ def mc_value_projection(
     Returns:
         H̃ of shape (B, H, n, d_head).
     """
+    _check_projection(x, weight, bias)
+    generator = check_generator("generator", generator)
     bsz, n, d_in = x.shape
     heads, _, d_head = weight.shape
+    check_tensor("r", r, shape=(bsz, heads, n))
+    if r.is_floating_point() or r.dtype == torch.bool:
+        raise TypeError(f"r must be an integer tensor, got {r.dtype}")
+    if r.numel() and (int(r.min()) < 0 or int(r.max()) > d_in):
+        raise ValueError(f"r must lie in [0, d_in = {d_in}], got [{int(r.min())}, {int(r.max())}]")
+    r = r.long()
     tokens = bsz * n
     x_flat = x.reshape(tokens, d_in)
     r_flat = r.transpose(0, 1).reshape(heads * tokens)  # pair id = head · tokens + token
     prob = weight.double().pow(2).sum(-1)
-    prob = prob / prob.sum(-1, keepdim=True)  # (H, d_in): p_h(k)
-    bias = torch.zeros(heads, d_head, dtype=x.dtype) if bias is None else bias
+    total_mass = prob.sum(-1, keepdim=True)
+    # (H, d_in): p_h(k); an all-zero head samples uniformly (every term is 0 either way)
+    prob = torch.where(total_mass > 0, prob / total_mass.clamp_min(1e-300), 1.0 / d_in)
+    bias = x.new_zeros(heads, d_head) if bias is None else bias
     exact = (r_flat >= d_in).view(heads, tokens)
     if exact.all():  # α = 0: one fused product
         return torch.einsum("bnd,hde->bhne", x, weight) + bias[None, :, None, :]
@@ -119,15 +144,36 @@ def mc_value_projection(
         # inverse-CDF draws for all heads at once: head h's CDF lives in (h, h + 1]
         cdf = prob.cumsum(-1)
         cdf[:, -1] = 1.0
-        u = torch.rand(total, dtype=torch.float64, generator=generator)
+        draw_device = x.device if generator is None else generator.device
+        u = torch.rand(total, dtype=torch.float64, generator=generator, device=draw_device)
+        u = u.to(x.device)
         flat_feat = torch.searchsorted(
-            (cdf + torch.arange(heads)[:, None]).flatten(), u + head, right=True
+            (cdf + torch.arange(heads, device=x.device)[:, None]).flatten(), u + head, right=True
         )
         feat = flat_feat - head * d_in
         coef = x_flat[token, feat] / (prob.flatten()[flat_feat] * r_flat[pair_of]).to(x.dtype)
         terms = coef[:, None] * weight.reshape(heads * d_in, d_head)[flat_feat]  # (S, d_head)
         out[pairs] = torch.segment_reduce(terms, "sum", lengths=counts)  # samples are grouped
     return out.view(heads, bsz, n, d_head).transpose(0, 1) + bias[None, :, None, :]
+
+
+def _check_projection(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    """x (B, n, d_in) and weight (H, d_in, d_head) finite floats of one dtype; bias (H, d_head)."""
+    check_tensor("x", x, dim=3, floating=True)
+    check_tensor("weight", weight, dim=3, floating=True)
+    if x.shape[-1] < 1:
+        raise ValueError(f"x must have d_in >= 1 features, got shape {tuple(x.shape)}")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"weight must have shape (H, d_in = {x.shape[-1]}, d_head), got {tuple(weight.shape)}"
+        )
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, floating=True, shape=(weight.shape[0], weight.shape[2]))
+        check_finite_tensor("bias", bias)
+    check_finite_tensor("x", x)
+    check_finite_tensor("weight", weight)
 
 
 @dataclass
@@ -163,8 +209,17 @@ def mca_attention(
         alpha: α ≥ 0 (0: exact).
         pattern, prob_map, scale, key_padding_mask: as in ``sparse_attention``.
     """
-    if x.dim() != 3 or x.shape[:2] != (q.shape[0], q.shape[2]):
+    check_tensor("x", x, floating=True)
+    if x.dim() != 3 or (
+        isinstance(q, Tensor) and q.dim() == 4 and x.shape[:2] != (q.shape[0], q.shape[2])
+    ):
         raise ValueError(f"x must have shape (batch, n, d_in) matching q, got {tuple(x.shape)}")
+    _check_projection(x, value_weight, value_bias)
+    alpha = check_finite_float("alpha", alpha, 0.0)
+    if isinstance(q, Tensor) and q.dim() == 4 and value_weight.shape[0] != q.shape[1]:
+        raise ValueError(
+            f"value_weight must have one slice per head ({q.shape[1]}), got {value_weight.shape[0]}"
+        )
     weights = attention_weights(q, k, pattern, prob_map, scale, key_padding_mask)
     r = sample_sizes(weights, alpha, x.shape[-1], key_padding_mask)
     if key_padding_mask is not None:
@@ -173,7 +228,8 @@ def mca_attention(
     values = mc_value_projection(x, value_weight, r, value_bias, generator)
     seconds = time.perf_counter() - start
     n_real = x.shape[0] * x.shape[1] if key_padding_mask is None else int(key_padding_mask.sum())
-    kept = float(r.sum()) / (n_real * r.shape[1] * x.shape[-1])
+    full = n_real * r.shape[1] * x.shape[-1]
+    kept = float(r.sum()) / full if full else 1.0  # nothing real to project: nothing dropped
     return MCAOutput(weights @ values, r, kept, seconds)
 
 
@@ -189,11 +245,9 @@ class MCAMethod:
     """
 
     def __init__(self, alpha: float, seed: int = 0, track_error: bool = False) -> None:
-        if not alpha >= 0:
-            raise ValueError(f"alpha must be >= 0, got {alpha}")
-        self.alpha = float(alpha)
-        self.generator = torch.Generator().manual_seed(seed)
-        self.track_error = track_error
+        self.alpha = check_finite_float("alpha", alpha, 0.0)
+        self.generator = torch.Generator().manual_seed(check_int("seed", seed))
+        self.track_error = check_bool("track_error", track_error)
         self.samples = 0.0
         self.full = 0.0
         self.errors: dict[int, list[tuple[float, float]]] = {}
