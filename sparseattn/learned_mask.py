@@ -23,7 +23,9 @@ One mask per head shared by all layers (``num_layers=None``, as the authors) or 
 
 Empty rows. A row whose every entry is dropped would, under an additive bias, silently fall back
 to *dense* attention (the same −1e4 on every score cancels in ρ). We define instead: DAM_u — a
-row with no kept entry keeps the entry (entries, if tied) of its largest (noisy) logit; DAM_s —
+row with no kept entry keeps the one entry of its largest (noisy) logit (the first, if tied, so
+a row of equal logits keeps one entry, not all), and when the logits are symmetric the mirrored
+entry is kept too, so the mask stays symmetric; DAM_s —
 if the kept offsets leave some row empty (exactly when no offset d ≤ ⌈(n − 1)/2⌉, the offsets
 every row has, is kept), the largest-logit offset among those is kept as well, so the mask stays
 Toeplitz. The same rule holds in training (on ℓ + g), in evaluation (on ℓ) and in
@@ -38,16 +40,14 @@ pattern.
 from __future__ import annotations
 
 import dataclasses
-import math
-from numbers import Real
 
 import torch
 from torch import Tensor, nn
 
 from .graph import AttentionGraph
 from .patterns import Pattern, PatternCycle, cycle
-from .patterns.base import check_positive
 from .patterns.diagonal import NoDiagonal, dense_no_diagonal, drop_diagonal, no_diagonal
+from .validate import check_bool, check_finite_float, check_int, check_positive
 
 __all__ = [
     "DifferentiableAttentionMask",
@@ -66,13 +66,17 @@ __all__ = [
 
 
 def keep_row_max(hard: Tensor, logits: Tensor) -> Tensor:
-    """DAM_u's empty-row rule: ``hard`` (bool, (..., n, n)) with every empty row given the
-    entries of its largest logit (ties all kept)."""
+    """DAM_u's empty-row rule: ``hard`` (bool, (..., n, n)) with every empty row given the one
+    entry of its largest logit (the first of tied maxima). When ``logits`` is symmetric the
+    added entries are mirrored as well, so a symmetric mask stays symmetric."""
     empty = ~hard.any(-1, keepdim=True)
     if not bool(empty.any()):
         return hard
-    top = logits == logits.amax(-1, keepdim=True)
-    return hard | (empty & top)
+    first = torch.zeros_like(hard).scatter_(-1, logits.argmax(-1, keepdim=True), True)
+    added = empty & first
+    if torch.equal(logits, logits.transpose(-1, -2)):
+        added = added | added.transpose(-1, -2)
+    return hard | added
 
 
 def keep_best_offset(hard: Tensor, logits: Tensor) -> Tensor:
@@ -135,20 +139,16 @@ def kept_by_offset(mask: Tensor) -> Tensor:
     return offset_means(mask.float())
 
 
+#: Largest |init_std| and |bias_value|: logits and scores + bias stay finite in float32.
+_LIMIT = 1e30
+
+
 def _check_real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
+    return check_finite_float(name, value)
 
 
 def _check_tau(tau: object) -> float:
-    tau = _check_real("tau", tau)
-    if tau <= 0:
-        raise ValueError(f"tau (the Gumbel-sigmoid temperature) must be > 0, got {tau}")
-    return tau
+    return check_finite_float("tau", tau, 0.0, low_open=True)
 
 
 class DifferentiableAttentionMask(nn.Module):
@@ -197,12 +197,13 @@ class DifferentiableAttentionMask(nn.Module):
         lam = _check_real("lam", lam)
         if lam < 0:
             raise ValueError(f"lam (the sparsity penalty weight λ) must be >= 0, got {lam}")
-        init_std = _check_real("init_std", init_std)
-        if init_std < 0:
-            raise ValueError(f"init_std must be >= 0, got {init_std}")
-        bias_value = _check_real("bias_value", bias_value)
-        if bias_value >= 0:
-            raise ValueError(f"bias_value must be < 0 (a score penalty), got {bias_value}")
+        # bounded so that logits and scores + bias stay finite in float32
+        init_std = check_finite_float("init_std", init_std, 0.0, _LIMIT)
+        bias_value = check_finite_float("bias_value", bias_value, -_LIMIT, 0.0, high_open=True)
+        check_bool("structured", structured)
+        check_bool("symmetric", symmetric)
+        check_bool("normalized", normalized)
+        check_int("seed", seed)
         self.max_len, self.num_heads = max_len, num_heads
         self.structured, self.symmetric = bool(structured), bool(symmetric) or bool(structured)
         self.shared = num_layers is None
@@ -263,7 +264,8 @@ class DifferentiableAttentionMask(nn.Module):
         noise = self.training if noise is None else noise
         z = self.logits
         if noise:
-            u = torch.rand(z.shape, generator=generator, dtype=z.dtype).to(z.device)
+            at = z.device if generator is None else generator.device
+            u = torch.rand(z.shape, generator=generator, dtype=z.dtype, device=at).to(z.device)
             u = u.clamp(1e-6, 1 - 1e-6)
             z = z + (torch.log(u) - torch.log1p(-u))  # Logistic(0, 1) = Gumbel − Gumbel
         return z, self._expand(z, n)

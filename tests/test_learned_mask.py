@@ -121,7 +121,7 @@ def test_extracted_pattern_reproduces_the_dam_attention(rho, structured, symmetr
 
 def brute_force_learned(dam, n):
     """The documented rule, with loops: keep (i, j) iff ℓ_ij > 0; DAM_u: an empty row keeps its
-    argmax entries; DAM_s: if no offset d ≤ ⌈(n − 1)/2⌉ is kept, keep the best of those."""
+    first argmax entry (and its mirror when ℓ is symmetric); DAM_s: if no offset d ≤ ⌈(n − 1)/2⌉ is kept, keep the best of those."""
     heads = dam.num_heads
     out = torch.zeros(heads, n, n, dtype=torch.bool)
     for h in range(heads):
@@ -137,11 +137,15 @@ def brute_force_learned(dam, n):
                     out[h, i, j] = abs(i - j) in kept
             continue
         full = dam.full_logits(n)[0, h].detach()
+        mirror = all(full[i, j] == full[j, i] for i in range(n) for j in range(n))
         for i in range(n):
             row = [j for j in range(n) if full[i, j] > 0]
-            if not row:
+            if not row:  # the first entry of the row maximum; mirrored when ℓ is symmetric
                 top = full[i].max()
-                row = [j for j in range(n) if full[i, j] == top]
+                j = min(j for j in range(n) if full[i, j] == top)
+                out[h, i, j] = True
+                if mirror:
+                    out[h, j, i] = True
             out[h, i, row] = True
     return out
 
