@@ -58,9 +58,9 @@ def _layout_graph(layout: Tensor, block: int, n: int, causal: bool) -> Attention
     if shared:
         layout = layout[:1]
     h, i, j = layout.nonzero(as_tuple=True)
-    offs = torch.arange(block)
-    q = (i[:, None, None] * block + offs[:, None]).expand(-1, block, block)
-    k = (j[:, None, None] * block + offs[None, :]).expand(-1, block, block)
+    offs = torch.arange(min(block, n))  # a block longer than n: only its first n offsets
+    q = (i[:, None, None] * block + offs[:, None]).expand(-1, len(offs), len(offs))
+    k = (j[:, None, None] * block + offs[None, :]).expand(-1, len(offs), len(offs))
     keep = (q < n) & (k < n)
     if causal:
         keep &= k <= q

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..graph import AttentionGraph
+from ..validate import check_bool
 from .base import Pattern, check_positive
 
 __all__ = ["TopK", "topk"]
@@ -30,6 +31,8 @@ class TopK(Pattern):
 
     def __post_init__(self) -> None:
         check_positive("k", self.k)
+        check_positive("chunk", self.chunk)
+        check_bool("is_causal", self.is_causal)
 
     @property
     def name(self) -> str:
