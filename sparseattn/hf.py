@@ -33,6 +33,7 @@ from .engines import ENGINES
 from .graph import AttentionGraph
 from .maps import ProbabilityMap, resolve_prob_map, softmax
 from .patterns import HeadSplit, Pattern, PatternCycle, as_cycle, dense
+from .validate import check_choice, check_int, check_positive, check_tensor
 
 __all__ = [
     "ATTN_NAME",
@@ -137,8 +138,28 @@ _EXACT = LayerSpec(dense(), softmax(), "dense", sparse_attention)
 
 
 # --------------------------------------------------------------------------- discovery
+def _check_model(model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model must be a Hugging Face model (a torch.nn.Module), got {type(model).__name__}"
+        )
+
+
+def _check_layers(layers: object, num_layers: int | None = None) -> list[int] | None:
+    """None or an iterable of layer indices in [0, num_layers)."""
+    if layers is None:
+        return None
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise TypeError(f"layers must be an iterable of ints or None, got {type(layers).__name__}")
+    out = [check_int("layers[i]", layer, 0) for layer in layers]
+    if num_layers is not None and any(layer >= num_layers for layer in out):
+        raise ValueError(f"layers must hold ints in [0, {num_layers}), got {out}")
+    return out
+
+
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
     """The self-attention module of every layer, in layer order; ValueError if unsupported."""
+    _check_model(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED or not hasattr(model, "set_attn_implementation"):
@@ -225,18 +246,15 @@ def sparsify(
         method = named[method](**method_options)
     elif method_options:
         raise TypeError(f"options {sorted(method_options)} need a named method, e.g. method='mca'")
+    check_choice("engine", engine, ["auto", *ENGINES])
     if method is None:
-        if engine not in ("auto", *ENGINES):
-            raise ValueError(f"engine must be one of {['auto', *ENGINES]}, got {engine!r}")
         method = sparse_attention
     elif not callable(method):
         raise TypeError(
             f"method must be callable like sparse_attention, got {type(method).__name__}"
         )
-    chosen_layers = range(num_layers) if layers is None else list(layers)
-    for layer in chosen_layers:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
-            raise ValueError(f"layers must hold ints in [0, {num_layers}), got {layer!r}")
+    chosen = _check_layers(layers, num_layers)
+    chosen_layers = range(num_layers) if chosen is None else chosen
     heads = model.config.num_attention_heads
     wants_context = _wants_context(method)
     specs = {}
@@ -264,6 +282,7 @@ def sparsify(
 
 def restore(model: nn.Module) -> nn.Module:
     """Undo :func:`sparsify`: the original attention implementation, exactly (no-op if none)."""
+    _check_model(model)
     state = _state(model)
     if state is None:
         return model
@@ -279,6 +298,7 @@ def restore(model: nn.Module) -> nn.Module:
 
 def layer_specs(model: nn.Module) -> dict[int, LayerSpec]:
     """The configured layers of a sparsified model (empty for an unmodified one)."""
+    _check_model(model)
     state = _state(model)
     return {} if state is None else dict(state.specs)
 
@@ -287,6 +307,7 @@ def attention_sparsity(model: nn.Module, reset: bool = False) -> dict[int, float
     """Per layer, the sparsity of the graphs actually used since sparsify (or the last reset):
     1 − (allowed query–key pairs among real tokens) / (all real pairs), summed over heads and
     batch items of every forward call (Sparsefinder eq. 5 restricted to real tokens)."""
+    _check_model(model)
     state = _state(model)
     if state is None:
         return {}
@@ -310,13 +331,17 @@ def capture_attention(
     so long runs keep no tensors). An unmodified model is sparsified with exact attention
     (dense, softmax) for the duration of the block and restored afterwards.
     """
+    _check_model(model)
+    wanted_layers = _check_layers(layers)
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
     temporary = _state(model) is None
     if temporary:
         sparsify(model, layers=[])
     state = _state(model)
     if state.capture is not None:
         raise RuntimeError("capture_attention is already active on this model")
-    wanted = None if layers is None else frozenset(layers)
+    wanted = None if wanted_layers is None else frozenset(wanted_layers)
     state.capture = _Capture(wanted, callback, [])
     try:
         yield state.capture.records
@@ -519,6 +544,8 @@ def load_minilm():
 def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
     """Sentence embedding as sentence-transformers computes it for MiniLM: the mean of the real
     tokens' hidden states, L2-normalised. hidden (batch, n, D), mask (batch, n) → (batch, D)."""
+    check_tensor("hidden", hidden, dim=3, floating=True)
+    check_tensor("attention_mask", attention_mask, shape=hidden.shape[:2])
     weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
     summed = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
     return torch.nn.functional.normalize(summed, dim=-1)
@@ -530,6 +557,11 @@ def encode(
 ) -> Tensor:
     """(len(texts), D) L2-normalised mean-pooled embeddings (right padding, truncation at
     ``max_length`` tokens — 256 is all-MiniLM-L6-v2's training length)."""
+    _check_model(model)
+    if isinstance(texts, (str, bytes)) or not all(isinstance(t, str) for t in texts):
+        raise TypeError("texts must be a sequence of str (a single str: wrap it in a list)")
+    check_positive("batch_size", batch_size)
+    check_positive("max_length", max_length)
     out = []
     for start in range(0, len(texts), batch_size):
         batch = tokenizer(
