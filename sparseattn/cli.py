@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Annotated
 
@@ -10,16 +11,70 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-app = typer.Typer(
+
+class _App(typer.Typer):
+    """The app; called without arguments (the console script) it runs :func:`main`."""
+
+    def __call__(self, *args, **kwargs):
+        if args or kwargs:
+            return super().__call__(*args, **kwargs)
+        raise SystemExit(main())
+
+
+app = _App(
     help="sparseattn: sparse attention patterns, maps, engines and experiments.",
     no_args_is_help=True,
     add_completion=False,
+    pretty_exceptions_enable=False,
 )
 console = Console()
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status.
+
+    A bad option or value is reported as one line ``Error: …`` on stderr with status 2, never a
+    traceback: click's usage errors and the library's ValueError/TypeError (which name the
+    argument) alike. Every command validates all its options before it loads a model or writes
+    a run folder.
+    """
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=argv, prog_name="sparseattn", standalone_mode=False)
+    except typer.Abort:
+        return _fail("aborted", 1)
+    except typer.TyperException as err:  # click's usage errors, as typer vendors them
+        if type(err).__name__ == "NoArgsIsHelpError":
+            typer.echo(err.ctx.get_help(), err=True)
+            return 2
+        message = err.format_message() if hasattr(err, "format_message") else str(err)
+        return _fail(message, getattr(err, "exit_code", 2))
+    except (ValueError, TypeError) as err:
+        return _fail(str(err), 2)
+    return result if isinstance(result, int) else 0
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"Error: {' '.join(message.split())}", file=sys.stderr)
+    return code
+
+
+def _number(text: str, name: str, kind: type = float) -> float | int:
+    """Parse one number of a comma list or key=value option, naming the option on failure."""
+    try:
+        return kind(text.strip())
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise typer.BadParameter(f"{name} must be {what}, got {text.strip()!r}") from None
+
+
+def _numbers(text: str, name: str, kind: type = float) -> tuple:
+    """A comma-separated list of numbers (empty items skipped)."""
+    return tuple(_number(x, name, kind) for x in text.split(",") if x.strip())
+
+
 @app.command()
-def patterns(n: int = typer.Option(256, help="sequence length for the edge counts")) -> None:
+def patterns(n: int = typer.Option(256, min=1, help="sequence length for the edge counts")) -> None:
     """List the named patterns with their parameters, edges per query and sparsity at length n."""
     from .patterns import NAMED
 
@@ -42,7 +97,9 @@ def _fmt(params: dict) -> str:
 
 
 @app.command()
-def demo(n: int = typer.Option(2048, help="sequence length of the attention comparison")) -> None:
+def demo(
+    n: int = typer.Option(2048, min=1, help="sequence length of the attention comparison"),
+) -> None:
     """A first look: the pattern table, then sparse attention next to dense attention."""
     import torch
 
@@ -191,6 +248,8 @@ def expressivity_weak(
 ) -> None:
     """Can SAM weakly approximate the pattern's mask (Def. 0.1)? d = 1 exact (Algorithm 1),
     d > 1 a search (NP-hard in general: a miss is not a proof of impossibility)."""
+    import inspect
+
     from .analysis.expressivity import try_weak_approx, weak_sam_approx_d1
     from .patterns import NAMED
 
@@ -198,11 +257,24 @@ def expressivity_weak(
         raise typer.BadParameter(f"pattern must be one of {sorted(NAMED)}, got {pattern!r}")
     factory, params = NAMED[pattern]
     params = dict(params)
+    accepted = list(inspect.signature(factory).parameters)
     for item in param or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise typer.BadParameter(f"param must look like key=value, got {item!r}")
-        params[key] = float(value) if "." in value else int(value)
+        if key not in accepted:
+            raise typer.BadParameter(f"param {key!r}: {pattern} takes {accepted}")
+        params[key] = _number(value, f"param {key}", float if "." in value else int)
+    if n < 1:
+        raise typer.BadParameter(f"n must be >= 1, got {n}")
+    dims = d or [1, 2, 4]
+    for dim in dims:
+        if dim < 1:
+            raise typer.BadParameter(f"d must be >= 1, got {dim}")
+        if d_hid is not None and (d_hid < 1 or (dim > 1 and d_hid < dim)):
+            raise typer.BadParameter(
+                f"d-hid must be >= 1 and >= d for d > 1, got d-hid {d_hid} with d {dim}"
+            )
     made = factory(**params)
     if made.data_dependent:
         raise typer.BadParameter(f"{pattern} is data-dependent; pick a static pattern")
@@ -211,7 +283,7 @@ def expressivity_weak(
     table = Table(title=escape(f"{made!r} at n = {n}: weak SAM approximation (Def. 0.1)"))
     for col in ("d", "d_hid", "answer", "how"):
         table.add_column(col)
-    for dim in d or [1, 2, 4]:
+    for dim in dims:
         hid = d_hid if d_hid is not None else (2 if dim == 1 else 2 * dim)
         if dim == 1:
             ok = weak_sam_approx_d1(mask, hid)
@@ -333,7 +405,7 @@ def copying(
     }
     try:
         if depths:
-            overrides["depths"] = tuple(int(x) for x in depths.split(","))
+            overrides["depths"] = _numbers(depths, "depths", int)
         if pattern_list != "all":
             overrides["columns"] = tuple(x.strip() for x in pattern_list.split(","))
         overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -556,11 +628,15 @@ def bench(
 
     name = "quick" if quick else suite
     if name not in SUITES:
-        console.print(f"[red]suite must be one of {sorted(SUITES)}, got {name!r}")
-        raise typer.Exit(2)
+        raise typer.BadParameter(f"suite must be one of {sorted(SUITES)}, got {name!r}")
+    lengths = _numbers(ns, "ns", int) or None
+    if lengths and min(lengths) < 1:
+        raise typer.BadParameter(f"ns must be lengths >= 1, got {lengths}")
+    patterns_ = tuple(x.strip() for x in only.split(",") if x.strip()) or None
+    known = ("longformer", "bigbird", "strided", "random")
+    if patterns_ and any(p not in known for p in patterns_):
+        raise typer.BadParameter(f"only must name patterns among {list(known)}, got {patterns_}")
     run_dir = Path(out) / (run or f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    lengths = tuple(int(x) for x in ns.split(",") if x) or None
-    patterns_ = tuple(x for x in only.split(",") if x) or None
     start = time.perf_counter()
     run_suite(SUITES[name], run_dir, log=lambda m: console.print(escape(m)), ns=lengths,
               patterns=patterns_)
@@ -580,9 +656,9 @@ def mca(
     from .experiments.mca import MCAConfig
     from .experiments.mca import run as run_mca
 
-    values = (0.0, 0.2, 1.0) if quick else tuple(float(a) for a in alphas.split(","))
-    config = MCAConfig(values, 16 if quick else max_passages, run=run)
+    values = (0.0, 0.2, 1.0) if quick else _numbers(alphas, "alphas")
     try:
+        config = MCAConfig(values, 16 if quick else max_passages, run=run).validate()
         result = run_mca(config)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err

@@ -355,6 +355,9 @@ def run_study(config: FidelityConfig) -> tuple[dict, Path]:
         raise ValueError("max_passages must be >= 2, batch_size >= 1 and max_length >= 8")
     if config.engine not in ("auto", *ENGINES):
         raise ValueError(f"engine must be one of {['auto', *ENGINES]}, got {config.engine!r}")
+    if config.split not in ("train", "validation", "test"):
+        raise ValueError(f"split must be one of train, validation, test, got {config.split!r}")
+    config.methods()  # builds every pattern: a bad window fails here, before any folder exists
     folder = Path(config.out_dir) / config.run_name()
     folder.mkdir(parents=True, exist_ok=True)
     identity = config.identity()

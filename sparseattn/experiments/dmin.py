@@ -34,6 +34,7 @@ from ..analysis.expressivity import (
     theorem_slope,
 )
 from ..results import machine_facts, write_json
+from ..validate import check_finite_float, check_int, check_positive
 
 #: The paper's grid: n from 512 to 3072 in steps of 256, 5 matrices per n.
 PAPER_NS = tuple(range(512, 3073, 256))
@@ -74,24 +75,22 @@ class DminConfig:
         return f"{kind}k{self.k}-g{self.gamma:g}-e{self.eps1:g}-{self.eps2:g}-{digest[:8]}"
 
     def validate(self) -> DminConfig:
-        if self.k < 1:
-            raise ValueError(f"k must be >= 1, got {self.k}")
-        if not self.gamma >= 1:
-            raise ValueError(f"gamma must be >= 1, got {self.gamma}")
-        if not 0 < self.eps1 < 1:
-            raise ValueError(f"eps1 must lie in (0, 1), got {self.eps1}")
-        if not self.eps2 > 0:
-            raise ValueError(f"eps2 must be > 0, got {self.eps2}")
-        if not self.ns or min(self.ns) < 2:
-            raise ValueError(f"ns must be a non-empty list of lengths >= 2, got {self.ns}")
-        if self.draws < 1:
-            raise ValueError(f"draws must be >= 1, got {self.draws}")
-        if self.d_step < 2 or self.d_step % 2:
+        check_positive("k", self.k)
+        check_finite_float("gamma", self.gamma, 1.0)
+        check_finite_float("eps1", self.eps1, 0.0, 1.0, low_open=True, high_open=True)
+        check_finite_float("eps2", self.eps2, 0.0, low_open=True)
+        if not self.ns:
+            raise ValueError("ns must be a non-empty list of lengths >= 2")
+        for n in self.ns:
+            check_int("ns[i] (a length n)", n, 2)
+        check_positive("draws", self.draws)
+        if check_int("d_step", self.d_step, 2) % 2:
             raise ValueError(f"d_step must be an even number >= 2, got {self.d_step}")
-        if not self.qs or min(self.qs) <= 0:
-            raise ValueError(f"qs must be a non-empty list of positive factors, got {self.qs}")
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not self.qs:
+            raise ValueError("qs must be a non-empty list of positive factors")
+        for q in self.qs:
+            check_finite_float("qs[i] (a factor Q)", q, 0.0, low_open=True)
+        check_positive("threads", self.threads)
         return self
 
 
@@ -124,7 +123,9 @@ def _fit(points: list[tuple[int, int]]) -> dict[str, float] | None:
 def summarise(config: DminConfig, cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per-Q fits and per-n tables from the finished cells."""
     out: dict[str, Any] = {}
-    slope = theorem_slope(config.k, config.gamma, config.eps1, config.eps2)
+    # causal A keeps the diagonal as well: k + 1 nonzeros per row enter eq. (6)
+    k = config.k + 1 if config.causal else config.k
+    slope = theorem_slope(k, config.gamma, config.eps1, config.eps2)
     for q in config.qs:
         done = [c for c in cells.values() if c["q"] == q]
         table = []
@@ -136,7 +137,7 @@ def summarise(config: DminConfig, cells: dict[str, dict[str, Any]]) -> dict[str,
                         "n": n,
                         "d_min": ds,
                         "mean": sum(ds) / len(ds),
-                        "theorem_d": theorem_d(n, config.k, config.gamma, config.eps1, config.eps2),
+                        "theorem_d": theorem_d(n, k, config.gamma, config.eps1, config.eps2),
                         "2n": 2 * n,
                     }
                 )
