@@ -126,8 +126,9 @@ def _start(x: Tensor, alpha: float | Tensor) -> Tensor:
             d_r = d.pow(r)
             total = d_r.sum(-1, keepdim=True)
             slope = d_r.div_(d).nan_to_num_(0.0, 0.0, 0.0).sum(-1, keepdim=True) * r
-            step = torch.where(torch.as_tensor(r > 1), r * (total - total.pow(1 - 1 / r)),
-                               total - 1)
+            step = torch.where(
+                torch.as_tensor(r > 1), r * (total - total.pow(1 - 1 / r)), total - 1
+            )
             t = t + step / slope.clamp_min(tiny)
     if not isinstance(alpha, float) or alpha not in (1.5, 2.0):
         # for r < 1 (α > 2) f is concave and Newton can overshoot: keep t only if f(t) ≥ 0
@@ -257,9 +258,7 @@ def entmax15_rows(scores: Tensor, valid: Tensor | None = None) -> Tensor:
     return _rows(scores, valid, 1.5)
 
 
-def entmax_rows(
-    scores: Tensor, valid: Tensor | None = None, alpha: float | Tensor = 1.5
-) -> Tensor:
+def entmax_rows(scores: Tensor, valid: Tensor | None = None, alpha: float | Tensor = 1.5) -> Tensor:
     """α-entmax (α > 1) along the last dim: p = [(α−1) z − τ]₊^{1/(α−1)}, Σ p = 1.
 
     α = 1.5 and α = 2 use the exact algorithms above; any other α safeguarded Newton to float

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from .fastmaps import shifted_rows
+from .fastmaps import entmax_rows, shifted_rows
 
 __all__ = [
     "ProbabilityMap",
@@ -49,13 +49,52 @@ class ProbabilityMap:
         name: short name, e.g. ``"entmax"``.
         sparse: whether the map can give exact zeros to valid entries.
         params: hyper-parameters shown by ``repr``, e.g. ``{"alpha": 1.5}``.
+        alpha: the α tensor of ``entmax(tensor)`` (one α per row, broadcastable to
+            ``scores.shape[:-1] + (1,)``), else None; engines lay it out with
+            :meth:`row_alpha` and :meth:`with_alpha`.
     """
 
-    def __init__(self, name: str, kernel: Kernel, *, sparse: bool, **params: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        kernel: Kernel,
+        *,
+        sparse: bool,
+        fast: Callable[[Tensor, Tensor | None], Tensor] | None = None,
+        alpha_tensor: Tensor | None = None,
+        **params: float,
+    ) -> None:
         self.name = name
         self.sparse = sparse
         self.params = params
+        self.alpha = alpha_tensor
         self._kernel = kernel
+        self._fast = fast
+
+    def forward_only(self, scores: Tensor, valid: Tensor | None = None) -> Tensor:
+        """ρ(scores) without autograd, for engines that recompute weights in backward: the
+        sort-free thresholds of :mod:`sparseattn.fastmaps` for entmax maps (no shift pass, no
+        mask when ``valid`` is None), else this map under ``no_grad``. Inputs are trusted."""
+        if self._fast is not None:
+            return self._fast(scores, valid)
+        with torch.no_grad():
+            return self(scores, valid)
+
+    def row_alpha(self, bsz: int, heads: int, n_q: int) -> Tensor | None:
+        """α expanded to (B, H, n_q, 1) — one α per attention row — or None for a fixed map."""
+        if self.alpha is None:
+            return None
+        try:
+            return self.alpha.expand(bsz, heads, n_q, 1)
+        except RuntimeError as err:
+            raise ValueError(
+                f"alpha of shape {tuple(self.alpha.shape)} must broadcast to one α per "
+                f"attention row, (batch, heads, n_q, 1) = {(bsz, heads, n_q, 1)}"
+            ) from err
+
+    def with_alpha(self, alpha: Tensor) -> ProbabilityMap:
+        """This α-entmax map with α replaced by ``alpha`` (laid out like an engine's rows)."""
+        return _entmax_tensor(alpha)
 
     def __call__(self, scores: Tensor, valid: Tensor | None = None) -> Tensor:
         """Weights ρ(scores) of shape (..., K) for scores (..., K) and a bool mask ``valid``."""
@@ -82,6 +121,8 @@ class ProbabilityMap:
         return self._kernel(_shift(scores, valid), valid)
 
     def __repr__(self) -> str:
+        if self.alpha is not None:
+            return f"{self.name}(alpha=<tensor of shape {tuple(self.alpha.shape)}>)"
         args = ", ".join(f"{key}={value!r}" for key, value in self.params.items())
         return f"{self.name}({args})"
 
@@ -181,6 +222,62 @@ def _entmax_kernel(alpha: float) -> Kernel:
     return lambda z, valid: _EntmaxFunction.apply(z, valid, alpha)
 
 
+class _EntmaxAlphaFunction(torch.autograd.Function):
+    """α-entmax with a tensor α (one per row, (..., 1)) and its gradient in α.
+
+    ∂L/∂z is the closed form of :class:`_EntmaxFunction` with s = p^{2−α} per row. With
+    ŝ = s / Σs and the Shannon terms h = p log p (0 off the support), the gradient in α is the
+    one of the ``entmax`` package's ``EntmaxBisectFunction`` (Correia et al. 2019, eq. 10):
+    ∂L/∂α = Σ_j g_j [(p_j − ŝ_j)/(α − 1)² − (h_j − ŝ_j Σ_i h_i)/(α − 1)].
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, z: Tensor, valid: Tensor, alpha: Tensor) -> Tensor:
+        a = alpha.detach().to(z.dtype)
+        p = shifted_rows(z, valid, a)
+        ctx.save_for_backward(p, a)
+        ctx.alpha_shape = alpha.shape
+        return p
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, Tensor | None]:
+        p, a = ctx.saved_tensors
+        s = torch.where(p > 0, p.pow(2.0 - a), 0.0)
+        s_sum = s.sum(-1, keepdim=True)
+        sg = s * grad
+        dz = sg - s * _safe_divide(sg.sum(-1, keepdim=True), s_sum)
+        d_alpha = None
+        if ctx.needs_input_grad[2]:
+            h = torch.where(p > 0, p * p.log(), 0.0)
+            skew = _safe_divide(s, s_sum)
+            term = (p - skew) / (a - 1) ** 2 - (h - skew * h.sum(-1, keepdim=True)) / (a - 1)
+            d_alpha = (grad * term).sum(-1, keepdim=True).sum_to_size(ctx.alpha_shape)
+        return dz, None, d_alpha
+
+
+def _entmax_tensor(alpha: Tensor) -> ProbabilityMap:
+    def kernel(z: Tensor, valid: Tensor) -> Tensor:
+        rows = (*z.shape[:-1], 1)
+        if torch.broadcast_shapes(alpha.shape, rows) != rows:
+            raise ValueError(
+                f"alpha of shape {tuple(alpha.shape)} must broadcast to one α per row of "
+                f"scores, {rows}"
+            )
+        return _EntmaxAlphaFunction.apply(z, valid, alpha)
+
+    return ProbabilityMap(
+        "entmax",
+        kernel,
+        sparse=True,
+        alpha_tensor=alpha,
+        fast=lambda s, valid: entmax_rows(s, valid, alpha.detach().to(s.dtype)),
+    )
+
+
+def _fixed_fast(alpha: float) -> Callable[[Tensor, Tensor | None], Tensor]:
+    return lambda s, valid: entmax_rows(s, valid, alpha)
+
+
 def _check_real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
@@ -206,7 +303,7 @@ def hardmax() -> ProbabilityMap:
 def sparsemax() -> ProbabilityMap:
     """Sparsemax (Martins & Astudillo 2016), the Euclidean projection onto the simplex:
     p = [v − τ]₊ with Σ p = 1; equals ``entmax(2)``. Exact, sort-based."""
-    return ProbabilityMap("sparsemax", _entmax_kernel(2.0), sparse=True)
+    return ProbabilityMap("sparsemax", _entmax_kernel(2.0), sparse=True, fast=_fixed_fast(2.0))
 
 
 def sparselin_gen(lam: float) -> ProbabilityMap:
@@ -225,19 +322,35 @@ def sparselin_gen(lam: float) -> ProbabilityMap:
     return ProbabilityMap("sparselin_gen", kernel, sparse=True, lam=lam)
 
 
-def entmax(alpha: float) -> ProbabilityMap:
+def entmax(alpha: float | Tensor) -> ProbabilityMap:
     """α-entmax (Yun et al. appendix B.3): p_j = [(α−1) v_j − τ]₊^{1/(α−1)} with Σ p = 1.
 
     α = 1 is softmax; α = 1.5 and α = 2 (sparsemax) are exact (sort-based on short inputs, Newton
     on τ with an exact finish on long ones, :mod:`sparseattn.fastmaps`); any other α > 1 uses
     safeguarded Newton on τ to float precision. Backward is closed-form (no autograd through the
-    threshold search). ``alpha`` must be finite and ≥ 1.
+    threshold search). A number ``alpha`` must be finite and ≥ 1.
+
+    ``alpha`` may also be a floating tensor, every entry finite and > 1, one α per row:
+    broadcastable to ``scores.shape[:-1] + (1,)``, e.g. (H, 1, 1) per head against scores
+    (B, H, n, K), as in the Adaptively Sparse Transformer (Correia et al. 2019). With
+    ``requires_grad`` the map gives ∂L/∂α (Correia et al. eq. 10; the ``entmax`` package's
+    ``entmax_bisect`` gradient). Threshold by safeguarded Newton with per-row α.
     """
+    if isinstance(alpha, Tensor):
+        if not alpha.is_floating_point():
+            raise TypeError(f"alpha must be a floating-point tensor, got {alpha.dtype}")
+        a = alpha.detach()
+        if not bool(torch.isfinite(a).all()) or not bool((a > 1.0).all()):
+            raise ValueError("a tensor alpha must be finite and > 1 in every entry")
+        return _entmax_tensor(alpha)
     alpha = _check_real("alpha", alpha)
     if alpha < 1.0:
         raise ValueError(f"alpha must be >= 1 (1 = softmax), got {alpha}")
-    kernel = _softmax if alpha == 1.0 else _entmax_kernel(alpha)
-    return ProbabilityMap("entmax", kernel, sparse=alpha > 1.0, alpha=alpha)
+    if alpha == 1.0:
+        return ProbabilityMap("entmax", _softmax, sparse=False, alpha=alpha)
+    return ProbabilityMap(
+        "entmax", _entmax_kernel(alpha), sparse=True, fast=_fixed_fast(alpha), alpha=alpha
+    )
 
 
 _NAMED: dict[str, Callable[[], ProbabilityMap]] = {

@@ -1,0 +1,223 @@
+"""Rows engine: attention over full (or wide) rows, a chunk of queries at a time.
+
+For the dense pattern — every query sees every key, or every earlier key when causal — and
+for graphs whose rows hold thousands of keys, a sparse map ρ (α-entmax, sparsemax, ...) needs
+each query's whole row of scores at once: its threshold τ depends on all of them. This engine
+never holds more than one chunk of rows: for the queries i0..i1 of every (batch, head),
+
+    s = scale · q[i0:i1] · kᵀ   (B, H, m, n_k),   p = ρ(s) on the allowed keys,   out = p · v,
+
+with ρ's sort-free thresholds (:mod:`sparseattn.fastmaps`: a start at the threshold of the
+tile maxima, then 1–2 Newton steps with an exact finish). Causal rows only score the keys up
+to i1. Backward recomputes each chunk's scores and weights and applies the map's closed-form
+gradient (autograd on the chunk reaches ``_EntmaxFunction``'s closed form), also in a
+per-row α (``entmax(tensor)``). Peak memory beyond q, k, v and the output: O(budget)
+scores, i.e. O(n · chunk) — never an n × n tensor unless n² ≤ budget.
+
+Allowed keys: all (``graph=None``), the lower triangle (``causal``), or a graph's rows
+(turned into a (chunk, n_k) mask per chunk; any batch shape), each and-ed with the key
+padding mask. Softmax works too, but on the dense pattern ``sparse_attention`` sends it to
+torch's fused SDPA instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import FunctionCtx
+
+from ..graph import AttentionGraph
+from ..maps import ProbabilityMap
+from .block import _rng_state, _set_rng_state
+
+__all__ = ["full_rows_attention", "rows_attention"]
+
+#: Score entries per chunk (B·H·m·n_k): 2^20 floats keep a chunk's temporaries in the L3 cache.
+BUDGET = 1 << 20
+
+
+class _Run:
+    """The chunks and what each needs, shared by forward and backward."""
+
+    def __init__(self, q, k, graph, prob_map, scale, key_padding_mask, dropout_p, causal, budget):
+        bsz, heads, n_q, _ = q.shape
+        self.n_k, self.shape = k.shape[-2], (bsz, heads)
+        self.prob_map, self.scale, self.dropout_p, self.causal = prob_map, scale, dropout_p, causal
+        self.key_ok = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+        if graph is not None and graph.batch_shape:
+            graph = graph.expand((bsz, heads))
+        self.graph = graph
+        m = max(1, budget // (bsz * heads * self.n_k))
+        self.chunks = [(i, min(i + m, n_q)) for i in range(0, n_q, m)]
+
+    def keys(self, i1: int) -> int:
+        """How many keys the rows before i1 may see (causal rows stop at the diagonal)."""
+        return min(i1, self.n_k) if self.causal else self.n_k
+
+    def valid(self, i0: int, i1: int, device: torch.device) -> Tensor | None:
+        """Bool mask broadcastable to the chunk's scores (B, H, m, keys), or None (all)."""
+        nk = self.keys(i1)
+        masks = []
+        if self.causal:
+            masks.append(
+                torch.arange(nk, device=device) <= torch.arange(i0, i1, device=device)[:, None]
+            )
+        if self.graph is not None:
+            masks.append(self._graph_rows(i0, i1).to(device))
+        if self.key_ok is not None:
+            masks.append(self.key_ok[..., :nk])
+        if not masks:
+            return None
+        out = masks[0]
+        for mask in masks[1:]:
+            out = out & mask
+        return out
+
+    def _graph_rows(self, i0: int, i1: int) -> Tensor:
+        graph, rows = self.graph, torch.arange(i0, i1)
+        if graph.batch_shape:
+            rows = (torch.arange(graph.num_rows // graph.n_q)[:, None] * graph.n_q + rows).reshape(
+                -1
+            )
+        idx, ok = graph.neighbours(rows)
+        mask = torch.zeros(rows.numel(), self.n_k, dtype=torch.bool)
+        mask[torch.arange(rows.numel())[:, None].expand_as(idx)[ok], idx[ok]] = True
+        return mask.view(*graph.batch_shape, i1 - i0, self.n_k)
+
+    def map(self, alpha: Tensor | None, i0: int, i1: int) -> ProbabilityMap:
+        return self.prob_map if alpha is None else self.prob_map.with_alpha(alpha[:, :, i0:i1])
+
+    def keep(self, p: Tensor) -> Tensor | None:
+        """Dropout keep-mask scaled by 1/(1 − p), drawn from the global RNG (replayed)."""
+        if not self.dropout_p:
+            return None
+        return torch.empty_like(p).bernoulli_(1 - self.dropout_p).div_(1 - self.dropout_p)
+
+
+class _RowsAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, alpha: Tensor | None, run: _Run
+    ) -> Tensor:
+        ctx.run = run
+        if run.dropout_p:
+            ctx.rng = _rng_state(q.device)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        for i0, i1 in run.chunks:
+            nk = run.keys(i1)
+            s = torch.matmul(q[:, :, i0:i1] * run.scale, k[:, :, :nk].transpose(-1, -2))
+            p = run.map(alpha, i0, i1).forward_only(s, run.valid(i0, i1, q.device))
+            keep = run.keep(p)
+            if keep is not None:
+                p = p.mul_(keep)
+            out[:, :, i0:i1] = torch.matmul(p, v[:, :, :nk])
+        ctx.save_for_backward(q, k, v, alpha)
+        return out
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad_out: Tensor):
+        run: _Run = ctx.run
+        q, k, v, alpha = ctx.saved_tensors
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        want_alpha = alpha is not None and ctx.needs_input_grad[3]
+        d_alpha = torch.zeros_like(alpha) if want_alpha else None
+        cuda = [q.device.index or 0] if q.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda, enabled=bool(run.dropout_p)):
+            if run.dropout_p:
+                _set_rng_state(q.device, ctx.rng)
+            for i0, i1 in run.chunks:
+                nk = run.keys(i1)
+                qs, kc, vc = q[:, :, i0:i1] * run.scale, k[:, :, :nk], v[:, :, :nk]
+                s = torch.matmul(qs, kc.transpose(-1, -2)).requires_grad_()
+                a = None
+                if alpha is not None:
+                    a = alpha[:, :, i0:i1].detach().requires_grad_(want_alpha)
+                rho = run.prob_map if a is None else run.prob_map.with_alpha(a)
+                valid = run.valid(i0, i1, q.device)
+                with torch.enable_grad():
+                    p = rho(s) if valid is None else rho(s, valid)
+                keep = run.keep(p)
+                pd = p.detach() if keep is None else p.detach() * keep
+                go = grad_out[:, :, i0:i1]
+                dv[:, :, :nk] += torch.matmul(pd.transpose(-1, -2), go)
+                dp = torch.matmul(go, vc.transpose(-1, -2))
+                if keep is not None:
+                    dp.mul_(keep)
+                grads = torch.autograd.grad(p, (s, a) if want_alpha else (s,), dp)
+                ds = grads[0]
+                if want_alpha:
+                    d_alpha[:, :, i0:i1] = grads[1]
+                dq[:, :, i0:i1] = torch.matmul(ds, kc).mul_(run.scale)
+                dk[:, :, :nk] += torch.matmul(ds.transpose(-1, -2), qs)
+        return dq, dk, dv, d_alpha, None
+
+
+def rows_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    graph: AttentionGraph | None,
+    prob_map: ProbabilityMap,
+    scale: float,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    causal: bool = False,
+    budget: int = BUDGET,
+) -> Tensor:
+    """Full-row attention in chunks of queries, Yun eq. (3) with A_i = all keys (or a graph).
+
+    Args:
+        q: (B, H, n_q, d); k: (B, H, n_k, d); v: (B, H, n_k, d_v); any strides.
+        graph: None for full rows (the dense pattern), or any AttentionGraph (static or
+            batched) whose rows are wide enough that a (chunk, n_k) mask per chunk pays.
+        prob_map: any ProbabilityMap, including ``entmax(tensor)`` with one α per row
+            (its gradient in α is returned).
+        scale: score scale.
+        key_padding_mask: (B, n_k) bool, True for real keys.
+        dropout_p: dropout on the attention weights.
+        causal: rows see keys j ≤ i only (the causal dense pattern; n_q = n_k).
+        budget: most score entries per chunk (at least one query row per chunk).
+    Returns:
+        (B, H, n_q, d_v).
+    """
+    bsz, heads, n_q, _ = q.shape
+    alpha = prob_map.row_alpha(bsz, heads, n_q)
+    if alpha is not None:
+        alpha = alpha.to(q.dtype)
+    kpm = None if key_padding_mask is None else key_padding_mask.to(q.device)
+    run = _Run(q, k, graph, prob_map, scale, kpm, dropout_p, causal, budget)
+    return _RowsAttention.apply(q, k, v, alpha, run)
+
+
+def full_rows_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    prob_map: ProbabilityMap,
+    scale: float,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    causal: bool = False,
+) -> Tensor:
+    """The dense pattern (all keys, or j ≤ i when ``causal``) without building its graph.
+
+    Softmax goes to torch's fused ``scaled_dot_product_attention`` (a batch whose keys are all
+    padding gets a zero output, as on every engine); any other map to :func:`rows_attention`.
+    Shapes as :func:`rows_attention`.
+    """
+    softmax = prob_map.name == "softmax" or (
+        prob_map.name == "entmax" and prob_map.params.get("alpha") == 1.0
+    )
+    if not softmax or (causal and key_padding_mask is not None):
+        return rows_attention(q, k, v, None, prob_map, scale, key_padding_mask, dropout_p, causal)
+    if key_padding_mask is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale
+        )
+    kpm = key_padding_mask.to(q.device)
+    some = kpm.any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=(kpm | ~some)[:, None, None, :], dropout_p=dropout_p, scale=scale
+    )
+    return out * some[:, :, None, None].to(out.dtype)
