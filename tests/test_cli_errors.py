@@ -84,5 +84,9 @@ def test_the_console_entry_point_prints_one_line(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("Error: alphas")
+    assert (
+        proc.stderr.strip().count("\n") == 0
+        and proc.stderr.startswith("Error: ")
+        and "alphas" in proc.stderr
+    )
     assert list(tmp_path.iterdir()) == []
