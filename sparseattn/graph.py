@@ -15,6 +15,7 @@ neighbour-list view that engines compute on is produced per group of rows by
 
 from __future__ import annotations
 
+import bisect
 import math
 import warnings
 from collections.abc import Sequence
@@ -22,11 +23,27 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionGraph"]
+from .validate import check_int
+
+__all__ = ["PIECE_EDGES", "AttentionGraph"]
+
+#: Edges per piece of the O(E) passes over a graph (union, block planning). Temporaries of a
+#: few MiB are re-used by the C allocator, while larger ones come as fresh pages every time
+#: (glibc maps blocks over 32 MiB anew): whole-graph passes ran ~7x slower than their
+#: arithmetic at n = 8192 (docs/engines.md, "planning").
+PIECE_EDGES = 1 << 20
 
 
 def _prod(shape: Sequence[int]) -> int:
     return math.prod(shape) if shape else 1
+
+
+def _check_index_tensor(name: str, t: object) -> None:
+    """An integer tensor of indices (floats would be truncated silently)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be an integer tensor, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
 
 
 def broadcast_or_none(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -94,7 +111,14 @@ class AttentionGraph:
         ``rows`` index the flattened rows ``[0, prod(batch_shape) * n_q)``; ``cols`` the keys.
         Cost O(E log E).
         """
+        _check_index_tensor("rows", rows)
+        _check_index_tensor("cols", cols)
+        n_q, n_k = check_int("n_q", n_q, 0), check_int("n_k", n_k, 0)
+        batch_shape = tuple(check_int("batch_shape[i]", b, 0) for b in batch_shape)
         n_rows = _prod(batch_shape) * n_q
+        if rows.numel() != cols.numel():
+            raise ValueError(f"rows and cols must hold one entry per edge, got {rows.numel()} "
+                             f"and {cols.numel()}")
         rows = rows.reshape(-1).long()
         cols = cols.reshape(-1).long()
         if rows.numel() and (cols.min() < 0 or cols.max() >= n_k):
@@ -104,7 +128,10 @@ class AttentionGraph:
         key = rows * n_k + cols
         if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):  # not sorted and unique
             key = torch.unique(key)  # sorted: by row, then by key
-        rows, cols = key // n_k, key % n_k
+            rows, cols = key // n_k, key % n_k
+        if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= n_rows):  # rows now sorted
+            raise ValueError(f"row indices must lie in [0, {n_rows}), got "
+                             f"[{int(rows[0])}, {int(rows[-1])}]")
         counts = torch.bincount(rows, minlength=n_rows)
         crow = torch.zeros(n_rows + 1, dtype=torch.long)
         torch.cumsum(counts, 0, out=crow[1:])
@@ -121,10 +148,26 @@ class AttentionGraph:
                 ignored and may hold anything).
             valid: BoolTensor broadcastable to ``index`` or None (all valid).
         """
+        _check_index_tensor("index", index)
+        n_k = check_int("n_k", n_k, 0)
+        if index.dim() < 2:
+            raise ValueError(f"index must have shape (..., n_q, K), got {tuple(index.shape)}")
         if valid is None:
             valid = torch.ones_like(index, dtype=torch.bool)
+        elif not isinstance(valid, Tensor) or valid.dtype != torch.bool:
+            raise TypeError("valid must be a bool tensor broadcastable to index, or None")
         index, valid = torch.broadcast_tensors(index, valid)
         *batch_shape, n_q, k = index.shape
+        if k < 2 or bool((index[..., 1:] > index[..., :-1]).all()):
+            # rows already sorted and unique (windows, strides, blocks): CSR directly, O(n·K)
+            cols = index[valid]
+            if cols.numel() and (cols.min() < 0 or cols.max() >= n_k):
+                raise ValueError(
+                    f"key indices must lie in [0, {n_k}), got [{cols.min()}, {cols.max()}]"
+                )
+            crow = torch.zeros(_prod(batch_shape) * n_q + 1, dtype=torch.long)
+            torch.cumsum(valid.sum(-1).reshape(-1), 0, out=crow[1:])
+            return cls(crow, cols, n_q, n_k, batch_shape, causal)
         rows = torch.arange(_prod(batch_shape) * n_q).view(*batch_shape, n_q, 1).expand_as(index)
         return cls.from_edges(rows[valid], index[valid], n_q, n_k, batch_shape, causal)
 
@@ -190,6 +233,25 @@ class AttentionGraph:
             self.crow[1:] - self.crow[:-1],
             output_size=self.col.numel(),
         )
+
+    def row_pieces(self, align: int = 1, max_rows: int | None = None) -> list[tuple[int, int]]:
+        """Flattened-row ranges [lo, hi) covering all rows, each about ``PIECE_EDGES`` edges
+        (a single long row may exceed it) and at most ``max_rows`` rows, cut only at multiples
+        of ``align`` rows within a graph or at a graph's edge (so row blocks stay whole)."""
+        if not self.num_rows:
+            return []
+        n_graphs = self.num_rows // self.n_q
+        cuts = (torch.arange(n_graphs)[:, None] * self.n_q + torch.arange(0, self.n_q, align))
+        cuts = [*cuts.reshape(-1).tolist(), self.num_rows]
+        edges = self.crow[cuts].tolist()
+        step = len(cuts) if max_rows is None else max(1, max_rows // align)
+        out, i = [], 0
+        while i < len(cuts) - 1:
+            j = bisect.bisect_right(edges, edges[i] + PIECE_EDGES) - 1
+            j = min(max(j, i + 1), i + step, len(cuts) - 1)
+            out.append((cuts[i], cuts[j]))
+            i = j
+        return out
 
     # ------------------------------------------------------------------ views
     def neighbours(self, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -318,12 +380,31 @@ class AttentionGraph:
         return self.expand(shape), other.expand(shape)
 
     def union(self, other: AttentionGraph) -> AttentionGraph:
-        """G ∪ G' (Yun §5.1 UNION), broadcasting leading dims."""
+        """G ∪ G' (Yun §5.1 UNION), broadcasting leading dims.
+
+        A merge, not a sort: the smaller graph's edge keys are located in the larger one's
+        sorted keys by binary search, O(E_small · log E_large + E_large).
+        """
         a, b = self._aligned(other)
-        keys = torch.cat([a._edge_keys(), b._edge_keys()])
-        return AttentionGraph.from_edges(
-            keys // a.n_k, keys % a.n_k, a.n_q, a.n_k, a.batch_shape, a.causal and b.causal
-        )
+        causal = a.causal and b.causal
+        if a.col.numel() < b.col.numel():
+            a, b = b, a
+        keys, new = a._edge_keys(), b._edge_keys()
+        pos = torch.searchsorted(keys, new)
+        if keys.numel():
+            fresh = keys[pos.clamp(max=keys.numel() - 1)] != new
+            fresh |= pos == keys.numel()
+            pos, new = pos[fresh], new[fresh]
+        # the i-th fresh key (sorted) lands after pos[i] keys of a and i fresh keys
+        at = pos + torch.arange(pos.numel())
+        from_b = torch.zeros(keys.numel() + at.numel(), dtype=torch.bool)
+        from_b[at] = True
+        col = torch.empty(from_b.numel(), dtype=torch.long)
+        col[at] = new % a.n_k
+        col[~from_b] = a.col
+        crow = a.crow.clone()
+        crow[1:] += torch.cumsum(torch.bincount(new // a.n_k, minlength=a.num_rows), 0)
+        return AttentionGraph(crow, col, a.n_q, a.n_k, a.batch_shape, causal)
 
     def intersection(self, other: AttentionGraph) -> AttentionGraph:
         """G ∩ G', broadcasting leading dims."""

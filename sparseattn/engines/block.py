@@ -45,10 +45,18 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from ..graph import AttentionGraph
+from ..graph import PIECE_EDGES, AttentionGraph
 from ..maps import ProbabilityMap
 
-__all__ = ["BlockPlan", "block_attention", "block_plan", "choose_block", "count_pairs"]
+__all__ = [
+    "BlockPairs",
+    "BlockPlan",
+    "block_attention",
+    "block_pairs",
+    "block_plan",
+    "choose_block",
+    "count_pairs",
+]
 
 #: Block sizes the engine chooses from when ``block=None``.
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -285,32 +293,92 @@ class BlockPlan:
                          self.partial, self.edges)
 
 
-def _pair_keys(graph: AttentionGraph, block: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Sorted unique (row block, key block) keys, the pair of every edge, edges per pair."""
+@dataclass
+class BlockPairs:
+    """The non-empty (row block, key block) pairs of a graph at one block size, in order.
+
+    Attributes:
+        keys: LongTensor[P], sorted pair keys (g·nbq + i)·nbk + j.
+        counts: LongTensor[P], edges in each pair.
+        full: BoolTensor[P], whether every entry of the pair is an edge.
+        e_pair, e_q, e_k: LongTensor[E_p] for each edge of a partial pair: the pair's index
+            and the edge's query and key offsets inside the block (None unless asked for).
+    """
+
+    keys: Tensor
+    counts: Tensor
+    full: Tensor
+    e_pair: Tensor | None = None
+    e_q: Tensor | None = None
+    e_k: Tensor | None = None
+
+
+def block_pairs(graph: AttentionGraph, block: int, partial: bool = False) -> BlockPairs:
+    """The block pairs of ``graph`` at ``block``, in one pass over the edges, O(E + P).
+
+    The pass goes piece by piece (``graph.row_pieces``) so that its temporaries stay small;
+    with ``partial`` it also lists the edges of the partial pairs (the element masks).
+    """
     n_q, n_k = graph.n_q, graph.n_k
     nbq, nbk = -(-n_q // block), -(-n_k // block)
-    rows = graph.row_indices()
-    key = ((rows // n_q) * nbq + (rows % n_q) // block) * nbk + graph.col // block
-    bins = max(1, math.prod(graph.batch_shape)) * nbq * nbk
-    if bins <= 1 << 25:  # counting sort, O(E + bins)
-        counts = torch.bincount(key, minlength=bins)
-        pair_keys = counts.nonzero().squeeze(1)
-        lookup = torch.empty(bins, dtype=torch.long)
-        lookup[pair_keys] = torch.arange(pair_keys.numel())
-        return pair_keys, lookup[key], counts[pair_keys]
-    return torch.unique(key, return_inverse=True, return_counts=True)
+    keys, counts, full, e_pair, e_q, e_k = [], [], [], [], [], []
+    found = 0
+    shift = block.bit_length() - 1 if block & (block - 1) == 0 else None  # b = 2^shift
+    max_rows = max(block, PIECE_EDGES // max(1, nbk) * block)
+    for lo, hi in graph.row_pieces(align=block, max_rows=max_rows):
+        rows = torch.arange(lo, hi)
+        local = rows % n_q
+        rb = (rows // n_q) * nbq + local // block
+        base, span = int(rb[0]), int(rb[-1] - rb[0]) + 1
+        deg = graph.crow[lo + 1 : hi + 1] - graph.crow[lo:hi]
+        e0, e1 = int(graph.crow[lo]), int(graph.crow[hi])
+        col = graph.col[e0:e1]
+        key = torch.repeat_interleave((rb - base) * nbk, deg, output_size=e1 - e0)
+        key += col >> shift if shift is not None else col // block
+        cnt = torch.bincount(key, minlength=span * nbk)
+        nz = cnt.nonzero().squeeze(1)
+        real_rows = (n_q - ((nz // nbk + base) % nbq) * block).clamp(max=block)
+        whole = cnt[nz] == real_rows * block  # count <= rows · keys: the key block is whole too
+        keys.append(nz + base * nbk)
+        counts.append(cnt[nz])
+        full.append(whole)
+        if partial and not bool(whole.all()):
+            index = torch.full((span * nbk,), -1, dtype=torch.long)
+            index[nz[~whole]] = (~whole).nonzero().squeeze(1) + found
+            pair = index[key]
+            sel = pair >= 0
+            e_pair.append(pair[sel])
+            e_q.append(torch.repeat_interleave(local % block, deg, output_size=e1 - e0)[sel])
+            e_k.append(col[sel] & (block - 1) if shift is not None else col[sel] % block)
+        found += nz.numel()
+    out = BlockPairs(_cat(keys), _cat(counts), _cat(full, torch.bool))
+    if partial:
+        out.e_pair, out.e_q, out.e_k = _cat(e_pair), _cat(e_q), _cat(e_k)
+    return out
+
+
+def _cat(parts: list[Tensor], dtype: torch.dtype = torch.long) -> Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
 
 
 def count_pairs(graph: AttentionGraph, block: int) -> int:
-    """Number of non-empty (row block, key block) pairs of ``graph`` at this block size."""
-    n_q, n_k = graph.n_q, graph.n_k
-    nbq, nbk = -(-n_q // block), -(-n_k // block)
-    rows = graph.row_indices()
-    key = ((rows // n_q) * nbq + (rows % n_q) // block) * nbk + graph.col // block
-    bins = max(1, math.prod(graph.batch_shape)) * nbq * nbk
-    if bins <= 1 << 25:
-        return int(torch.count_nonzero(torch.bincount(key, minlength=bins)))
-    return int(torch.unique(key).numel())
+    """Number of non-empty (row block, key block) pairs of ``graph`` at this block size.
+
+    Block sizes that are multiples of ``BLOCK_SIZES[0]`` are counted from that size's pairs
+    (cached on the graph, one pass over the edges for all of them); others take their own pass.
+    """
+    base = BLOCK_SIZES[0]
+    if block % base:
+        return int(block_pairs(graph, block).keys.numel())
+    cache = graph.__dict__.setdefault("_block_plans", {})
+    if "pairs" not in cache:
+        cache["pairs"] = block_pairs(graph, base).keys
+    keys = cache["pairs"]
+    nbq0, nbk0 = -(-graph.n_q // base), -(-graph.n_k // base)
+    nbq, nbk = -(-graph.n_q // block), -(-graph.n_k // block)
+    rb, kb = keys // nbk0, keys % nbk0
+    rb = (rb // nbq0) * nbq + (rb % nbq0) * base // block
+    return int(torch.unique(rb * nbk + kb * base // block).numel())
 
 
 def choose_block(graph: AttentionGraph, train: bool = False) -> int:
@@ -343,10 +411,8 @@ def _build_plan(graph: AttentionGraph, block: int) -> BlockPlan:
     n_q, n_k = graph.n_q, graph.n_k
     nbq, nbk = -(-n_q // block), -(-n_k // block)
     g_count = max(1, math.prod(graph.batch_shape))
-    pair_keys, edge_pair, counts = _pair_keys(graph, block)
-    pair_rb, pair_kb = pair_keys // nbk, pair_keys % nbk
-    real_rows = (n_q - (pair_rb % nbq) * block).clamp(max=block)
-    full = counts == real_rows * block  # count <= rows · keys, so the key block is whole too
+    pairs = block_pairs(graph, block, partial=True)
+    pair_rb, pair_kb, full = pairs.keys // nbk, pairs.keys % nbk, pairs.full
     # order pairs by row block, full ones first, then by key block (stable)
     order = torch.argsort(pair_rb * 2 + (~full).long(), stable=True)
     per_rb = torch.bincount(pair_rb, minlength=g_count * nbq)
@@ -356,36 +422,44 @@ def _build_plan(graph: AttentionGraph, block: int) -> BlockPlan:
     slot_of_pair = torch.empty_like(order)
     slot_of_pair[order] = torch.arange(order.numel()) - first[pair_rb[order]]
 
-    rows = graph.row_indices()
-    partial_edge = ~full[edge_pair]
-    e_pair = edge_pair[partial_edge]
-    e_rb = pair_rb[e_pair]
-    e_q = (rows[partial_edge] % n_q) % block
-    e_k = graph.col[partial_edge] % block
-    e_slot = slot_of_pair[e_pair] - n_full[e_rb]  # slot among the row block's partial pairs
+    e_rb = pair_rb[pairs.e_pair]
+    e_q, e_k = pairs.e_q, pairs.e_k
+    e_slot = slot_of_pair[pairs.e_pair] - n_full[e_rb]  # slot among the row block's partial pairs
+
+    # row blocks grouped by (full, partial) counts; each partial edge goes to its group's
+    # element mask at flat index ((row block in group · b + q) · Cp + slot) · b + k
+    combo = n_full * (nbk + 1) + (per_rb - n_full)
+    uniq, grp_of_rb = torch.unique(combo, return_inverse=True)
+    rb_order = torch.argsort(grp_of_rb, stable=True)  # ascending row blocks within a group
+    grp_size = torch.bincount(grp_of_rb, minlength=uniq.numel())
+    grp_first = torch.cumsum(grp_size, 0) - grp_size
+    pos_in_grp = torch.empty_like(rb_order)
+    pos_in_grp[rb_order] = torch.arange(rb_order.numel()) - grp_first[grp_of_rb[rb_order]]
+    e_grp = grp_of_rb[e_rb]
+    flat = (pos_in_grp[e_rb] * block + e_q) * (uniq % (nbk + 1))[e_grp] + e_slot
+    flat = flat * block + e_k
+    e_order = torch.argsort(e_grp, stable=True)
+    flat = flat[e_order].split(torch.bincount(e_grp, minlength=uniq.numel()).tolist())
+    extra = nbq * block - n_q
 
     groups = []
-    combo = n_full * (nbk + 1) + (per_rb - n_full)
-    for key in torch.unique(combo).tolist():
+    for gi, key in enumerate(uniq.tolist()):
         cf, cp = divmod(key, nbk + 1)
-        rbs = (combo == key).nonzero().squeeze(1)
-        pids = first[rbs][:, None] + torch.arange(cf + cp)
-        ids = key_ids[pids]
+        lo = int(grp_first[gi])
+        rbs = rb_order[lo : lo + int(grp_size[gi])]
+        ids = key_ids[first[rbs][:, None] + torch.arange(cf + cp)]
         keep = None
         if cp:
             m = rbs.numel()
-            pos = torch.full((g_count * nbq,), -1, dtype=torch.long)
-            pos[rbs] = torch.arange(m)
-            allowed = torch.zeros(m, block, cp, block, dtype=torch.bool)
-            sel = pos[e_rb] >= 0
-            allowed[pos[e_rb[sel]], e_q[sel], e_slot[sel], e_k[sel]] = True
-            extra = nbq * block - n_q
+            allowed = torch.zeros(m * block * cp * block, dtype=torch.bool)
+            allowed[flat[gi]] = True
+            allowed = allowed.view(m, block, cp * block)
             short = ((rbs % nbq) == nbq - 1).nonzero().squeeze(1)
             if extra and short.numel():  # queries past n_q see every slot (finite, discarded)
                 allowed[short, block - extra :] = True
-            keep = allowed.view(m, block, cp * block).to(torch.uint8)
+            keep = allowed.to(torch.uint8)
         groups.append(_Group(rbs, ids[:, :cf].contiguous(), ids[:, cf:].contiguous(), keep))
-    return BlockPlan(block, g_count, nbq, nbk, groups, pair_keys.numel(),
+    return BlockPlan(block, g_count, nbq, nbk, groups, pairs.keys.numel(),
                      int((~full).sum()), graph.col.numel())
 
 
@@ -694,12 +768,16 @@ def _set_rng_state(device: torch.device, state: Tensor) -> None:
 
 
 def _blocked(x: Tensor, run: _Runner) -> Tensor:
-    """(B, H, n, e) → (L, G·nb, b, e), zero-padded to a multiple of the block size."""
+    """(B, H, n, e) → contiguous (L, G·nb, b, e), zero-padded to a multiple of the block size.
+
+    Inputs of any strides (the transposed views of a fused projection) are copied once here,
+    O(n·e), so that every block below is a dense slice and every run a strided view of it.
+    """
     b = run.plan.block
     pad = -x.shape[-2] % b
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
-    return x.reshape(run.lead, -1, b, x.shape[-1])
+    return x.reshape(run.lead, -1, b, x.shape[-1]).contiguous()
 
 
 def _unblock(x: Tensor, shape: torch.Size) -> Tensor:

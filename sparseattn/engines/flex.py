@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
-from .block import _pair_keys
+from .block import block_pairs
 
 __all__ = ["flex_attention_engine", "flex_available", "flex_unsupported", "graph_block_mask"]
 
@@ -102,7 +102,8 @@ def graph_block_mask(
 
     Args:
         graph: AttentionGraph whose batch_shape broadcasts to (batch, heads).
-        batch, heads: the BlockMask's leading sizes (1, 1 broadcasts over any q).
+        batch, heads: the BlockMask's leading sizes; a size of 1 broadcasts over any batch
+            (heads) of q, in the block lists and in the ``mask_mod``.
         block: the BlockMask's block size.
         key_padding_mask: optional (batch, n_k) bool, True for real keys; then every block is
             treated as partial so that the padding is applied everywhere.
@@ -118,10 +119,10 @@ def graph_block_mask(
     graph_of = torch.arange(n_graphs).view((1,) * (2 - len(shape)) + shape).expand(batch, heads)
     n_q, n_k = graph.n_q, graph.n_k
     nbq, nbk = -(-n_q // block), -(-n_k // block)
-    pair_keys, edge_pair, counts = _pair_keys(graph, block)
+    pairs = block_pairs(graph, block, partial=True)
+    pair_keys = pairs.keys
     rb, kb = pair_keys // nbk, pair_keys % nbk  # rb = g·nbq + i
-    real_rows = (n_q - (rb % nbq) * block).clamp(max=block)
-    full = counts == real_rows * block
+    full = pairs.full
     if key_padding_mask is not None:  # full blocks skip mask_mod: the padding needs it
         full = torch.zeros_like(full)
     # element masks: table[0] all False, table[1] all True, then one per partial block pair
@@ -130,9 +131,8 @@ def graph_block_mask(
     table[1] = True
     slot = torch.ones_like(pair_keys)
     slot[partial] = torch.arange(partial.numel()) + 2
-    rows = graph.row_indices()
-    e_part = ~full[edge_pair]
-    table[slot[edge_pair[e_part]], (rows[e_part] % n_q) % block, graph.col[e_part] % block] = True
+    table[slot[pairs.e_pair], pairs.e_q, pairs.e_k] = True
+    table[slot[pairs.full]] = True  # whole pairs treated as partial (key padding): all edges
     pair_index = torch.zeros(n_graphs * nbq * nbk, dtype=torch.int32)
     pair_index[pair_keys] = slot.to(torch.int32)
     pair_index = pair_index.view(n_graphs, nbq, nbk)[graph_of]
@@ -161,10 +161,17 @@ def graph_block_mask(
 
 
 def _table_mask_mod(pair_index: Tensor, table: Tensor, key_ok: Tensor, block: int):
-    """mask_mod(b, h, q, kv): the element mask of the (q, kv) block, looked up in ``table``."""
+    """mask_mod(b, h, q, kv): the element mask of the (q, kv) block, looked up in ``table``.
+
+    ``pair_index`` is (B, H, n_q blocks, n_k blocks) and ``key_ok`` (B, n_k); a size-1 batch
+    or head dim broadcasts (indexed at 0 whatever b or h FlexAttention passes), as the
+    BlockMask of ``create_block_mask(..., B=None, H=None)`` does.
+    """
+    one_batch, one_head = pair_index.shape[0] == 1, pair_index.shape[1] == 1
 
     def mask_mod(b, h, q_idx, kv_idx):
-        pid = pair_index[b, h, q_idx // block, kv_idx // block]
+        b = 0 if one_batch else b
+        pid = pair_index[b, 0 if one_head else h, q_idx // block, kv_idx // block]
         return table[pid, q_idx % block, kv_idx % block] & key_ok[b, kv_idx]
 
     return mask_mod
@@ -191,22 +198,24 @@ def flex_attention_engine(
     """Softmax attention on the graph with compiled FlexAttention (same contract as
     ``dense_attention``; Yun eq. 3 with ρ = softmax).
 
-    The BlockMask of a graph without key padding is cached on the graph per (B, H, block).
+    The BlockMask has the graph's leading shape (size-1 dims broadcast over q's batch and
+    heads); without key padding it is cached on the graph per (block, device).
     Raises:
         ValueError: when FlexAttention cannot compute the request (see ``flex_unsupported``).
     """
     reason = flex_unsupported(q, k, v, prob_map, dropout_p)
     if reason is not None:
         raise ValueError(f"engine='flex' cannot run this call: {reason}; use engine='block'")
-    bsz, heads = q.shape[:2]
+    # the BlockMask keeps the graph's own leading shape; its size-1 dims broadcast over q's
+    g_batch, g_heads = (1, 1, *graph.batch_shape)[-2:]
     if key_padding_mask is None:
         cache = graph.__dict__.setdefault("_flex_masks", {})
-        key = (bsz, heads, block, str(q.device))
+        key = (block, str(q.device))
         if key not in cache:
-            cache[key] = graph_block_mask(graph, bsz, heads, block, None, q.device)
+            cache[key] = graph_block_mask(graph, g_batch, g_heads, block, None, q.device)
         block_mask = cache[key]
     else:
-        block_mask = graph_block_mask(graph, bsz, heads, block, key_padding_mask, q.device)
+        block_mask = graph_block_mask(graph, q.shape[0], g_heads, block, key_padding_mask, q.device)
     # one kernel per (shape, table bucket): allow more than dynamo's default 8 recompiles of
     # flex_attention, past which torch silently runs an unfused O(n²) implementation
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):

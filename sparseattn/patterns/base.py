@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from ..graph import AttentionGraph
+from ..validate import check_positive
 
-__all__ = ["Pattern", "Causal", "check_positive"]
+__all__ = ["GRAPH_CACHE_SIZE", "Pattern", "Causal", "check_positive"]
 
-
-def check_positive(name: str, value: int) -> int:
-    """Validate an integer size parameter at the public boundary."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
+#: Graphs a pattern object keeps, one per length n (and head count, for a head split); the
+#: least recently used goes first. Each graph carries its engines' plans, so a stream of
+#: varying lengths holds at most this many graphs and plans per pattern object.
+GRAPH_CACHE_SIZE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +27,11 @@ class Pattern(abc.ABC):
     """A sparsity pattern: for each length n, the sets A_k ⊆ [n] of keys query k attends to.
 
     Static patterns implement :meth:`_graph` (O(n·K), no n² scan) and :meth:`_allows`
-    (a vectorised predicate in the shape of FlexAttention's ``mask_mod``). Graphs are cached
-    per n. Data-dependent patterns (``data_dependent = True``) override :meth:`build`.
+    (a vectorised predicate in the shape of FlexAttention's ``mask_mod``). A pattern object
+    caches its graphs per n (the ``GRAPH_CACHE_SIZE`` most recently used lengths), and the
+    engines cache their plans on the graph: holding the pattern (as ``SparseAttention`` does)
+    makes every later call at a seen length skip building and planning. Data-dependent
+    patterns (``data_dependent = True``) override :meth:`build` and build per call.
     Indices are 0-based here; the papers count from 1.
     """
 
@@ -50,10 +52,19 @@ class Pattern(abc.ABC):
     def graph(self, n: int) -> AttentionGraph:
         """The AttentionGraph of this pattern at length n (cached per n)."""
         check_positive("n", n)
-        cache = self.__dict__.setdefault("_cache", {})
-        if n not in cache:
-            cache[n] = self._graph(n)
-        return cache[n]
+        return self._cached(n, self._graph)
+
+    def _cached(self, key: Hashable, make: Callable[..., AttentionGraph]) -> AttentionGraph:
+        """``make(*key)`` (or ``make(key)``), kept in this object's bounded LRU graph cache."""
+        cache = self.__dict__.setdefault("_cache", OrderedDict())
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        graph = make(*key) if isinstance(key, tuple) else make(key)
+        cache[key] = graph
+        while len(cache) > GRAPH_CACHE_SIZE:
+            cache.popitem(last=False)
+        return graph
 
     def allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         """Vectorised predicate: may query ``q_idx`` attend to key ``kv_idx`` at length n?

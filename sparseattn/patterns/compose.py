@@ -37,6 +37,8 @@ class Union(Pattern):
         return functools.reduce(torch.logical_or, (p.allows(q_idx, kv_idx, n) for p in self.parts))
 
     def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
+        if not self.data_dependent:
+            return super().build(q, k)  # the cached graph of this length
         return functools.reduce(AttentionGraph.union, (p.build(q, k) for p in self.parts))
 
     def __repr__(self) -> str:
@@ -128,9 +130,14 @@ class HeadSplit(Pattern):
         )
 
     def graph(self, n: int, num_heads: int | None = None) -> AttentionGraph:  # type: ignore[override]
-        """Graph of leading shape (num_heads,)."""
+        """Graph of leading shape (num_heads,), cached per (n, num_heads)."""
         if num_heads is None:
             raise ValueError("a head split needs num_heads: graph(n, num_heads=H)")
+        check_positive("n", n)
+        check_positive("num_heads", num_heads)
+        return self._cached((n, num_heads), self._head_split_graph)
+
+    def _head_split_graph(self, n: int, num_heads: int) -> AttentionGraph:
         return self.head_graph([p.graph(n) for p in self.patterns], num_heads)
 
     def _graph(self, n: int) -> AttentionGraph:  # graph() is overridden
@@ -165,7 +172,14 @@ class HeadSplit(Pattern):
 def split_heads(*patterns: Pattern, sizes: Sequence[int] | None = None) -> HeadSplit:
     """MULTIHEAD configuration: consecutive head groups use different patterns."""
     _check_patterns(patterns)
-    return HeadSplit(tuple(patterns), None if sizes is None else tuple(sizes))
+    if sizes is not None:
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+            raise TypeError(f"sizes must be a sequence of ints, got {type(sizes).__name__}")
+        sizes = tuple(check_positive(f"sizes[{i}]", s) for i, s in enumerate(sizes))
+        if len(sizes) != len(patterns):
+            raise ValueError(f"sizes must give one head count per pattern ({len(patterns)}), "
+                             f"got {len(sizes)}")
+    return HeadSplit(tuple(patterns), sizes)
 
 
 def _check_patterns(patterns: Sequence[Pattern]) -> None:
