@@ -606,41 +606,49 @@ def sparsefinder(
 
 @app.command()
 def bench(
-    suite: str = typer.Argument("full", help="suite name: full or quick"),
+    suite: str = typer.Argument(
+        "full", help="full or quick (engines on ready graphs), user or user-quick (the user path)"),
     quick: bool = typer.Option(False, "--quick", help="the quick suite (under 2 minutes)"),
     run: str = typer.Option("", help="run name (default: the suite name and the date)"),
     out: str = typer.Option("results/bench", help="parent folder of the run folder"),
     ns: str = typer.Option("", help="comma-separated lengths instead of the suite's"),
     only: str = typer.Option("", help="comma-separated patterns instead of the suite's"),
 ) -> None:
-    """Time the engines against dense SDPA, compiled FlexAttention and the entmax package;
-    write results.json, results.md and bench.png under OUT/RUN (a re-run resumes)."""
-    import sys
+    """Time sparseattn against dense baselines measured in the same run; write results.json,
+    results.md and a PNG under OUT/RUN (a re-run resumes).
+
+    `user` times what a user calls: the SparseAttention module against nn.MultiheadAttention
+    (forward, training step), sparse_attention with a pattern object on projection-layout
+    inputs against SDPA with the same mask, the first call on a new length, and a Hugging Face
+    BERT with hf.sparsify against its sdpa implementation. `full` and `quick` time the engines
+    on ready graphs against SDPA, compiled FlexAttention and the entmax package."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "suite.py").exists():
-        console.print("[red]benchmarks/ is not next to this package: run from a source checkout")
-        raise typer.Exit(1)
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from benchmarks.suite import SUITES, run_suite
+    from .bench.kernels import SUITES, run_suite
+    from .bench.userpath import USER_SUITES, run_user_suite
 
     name = "quick" if quick else suite
-    if name not in SUITES:
-        raise typer.BadParameter(f"suite must be one of {sorted(SUITES)}, got {name!r}")
+    if name not in SUITES and name not in USER_SUITES:
+        raise typer.BadParameter(
+            f"suite must be one of {sorted([*SUITES, *USER_SUITES])}, got {name!r}")
     lengths = _numbers(ns, "ns", int) or None
     if lengths and min(lengths) < 1:
         raise typer.BadParameter(f"ns must be lengths >= 1, got {lengths}")
     patterns_ = tuple(x.strip() for x in only.split(",") if x.strip()) or None
     known = ("longformer", "bigbird", "strided", "random")
-    if patterns_ and any(p not in known for p in patterns_):
-        raise typer.BadParameter(f"only must name patterns among {list(known)}, got {patterns_}")
+    if patterns_ and (name in USER_SUITES or any(p not in known for p in patterns_)):
+        raise typer.BadParameter(
+            f"only must name patterns among {list(known)} (kernel suites only), got {patterns_}")
     run_dir = Path(out) / (run or f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     start = time.perf_counter()
-    run_suite(SUITES[name], run_dir, log=lambda m: console.print(escape(m)), ns=lengths,
-              patterns=patterns_)
-    console.print(f"wrote {run_dir}/results.json, results.md, bench.png "
+    log = lambda m: console.print(escape(m))  # noqa: E731
+    if name in USER_SUITES:
+        run_user_suite(USER_SUITES[name], run_dir, log=log, ns=lengths)
+        figure = "userpath.png"
+    else:
+        run_suite(SUITES[name], run_dir, log=log, ns=lengths, patterns=patterns_)
+        figure = "bench.png"
+    console.print(f"wrote {run_dir}/results.json, results.md, {figure} "
                   f"in {time.perf_counter() - start:.0f} s")
 
 

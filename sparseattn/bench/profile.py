@@ -1,9 +1,8 @@
 """Where the block engine's time goes: ``torch.profiler`` over one forward (or forward+backward)
 call of a suite pattern, and the flash kernel's share and rate.
 
-``python -m benchmarks.profile [pattern] [n] [--backward] [--block B] [--threads T]`` from the
-repository
-root (pattern: longformer, bigbird, strided or random as in ``benchmarks.suite``; default
+``python -m sparseattn.bench.profile [pattern] [n] [--backward] [--block B] [--threads T]``
+(pattern: longformer, bigbird, strided or random as in ``sparseattn.bench.kernels``; default
 longformer 8192, B = 1, H = 8, d = 64, fp32, torch's default threads).
 """
 
@@ -15,7 +14,7 @@ import time
 
 import torch
 
-from benchmarks.suite import make_pattern
+from sparseattn.bench.kernels import make_pattern
 from sparseattn.engines import block_attention
 from sparseattn.engines.block import block_plan, choose_block
 from sparseattn.maps import softmax

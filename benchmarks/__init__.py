@@ -1,1 +1,0 @@
-"""Benchmarks of sparseattn's engines and maps (run them with ``sparseattn bench``)."""

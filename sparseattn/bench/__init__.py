@@ -1,0 +1,2 @@
+"""``sparseattn bench``: the user-path suite (``userpath``), the engine suites on ready graphs
+(``kernels``), and the developer tools behind the engine constants (``calibrate``, ``profile``)."""
