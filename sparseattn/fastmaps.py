@@ -49,7 +49,7 @@ _START_STEPS = 3
 _MAX_STEPS = 60
 #: Entries per piece of rows: small pieces keep every temporary in cache and re-use freed
 #: memory (fresh multi-MB allocations cost ~10x a re-used buffer on the reference machine).
-PIECE = 1 << 17
+PIECE = 1 << 19
 
 # Comparisons and bool reductions are several times slower than float passes in torch on
 # this CPU, so supports are counted as Σ sign([x − τ]₊) and masks are applied as −inf.
@@ -71,48 +71,67 @@ def _rows(
     for i in range(0, flat.shape[0], step):
         v = None if vflat is None else vflat[i : i + step]
         a = alpha if aflat is None else aflat[i : i + step]
-        out[i : i + step] = _piece(flat[i : i + step], v, a, shifted)
+        _piece(flat[i : i + step], v, a, shifted, out[i : i + step])
     return out.view(shape)
 
 
-def _piece(z: Tensor, valid: Tensor | None, alpha: float | Tensor, shifted: bool) -> Tensor:
+def _piece(
+    z: Tensor, valid: Tensor | None, alpha: float | Tensor, shifted: bool, out: Tensor
+) -> None:
+    """Weights of the rows z (R, K) written into ``out`` (R, K)."""
     # For α > 2, p = d^{1/(α−1)} is steep at d = 0: one float32 ulp of τ moves small weights
     # by ~1e-4, so the threshold is found in float64 (the scores' values are exact there).
     per_row = isinstance(alpha, Tensor)
     steep = bool((alpha > 2.0).any()) if per_row else alpha > 2.0
     work = z.double() if steep and z.dtype == torch.float32 else z
     x = work if valid is None else work.masked_fill(~valid, -math.inf)
+    k = x.shape[-1]
+    tiles = None
+    if k >= _TILED_FROM:  # strided groups: the reduction runs over a middle dim (vectorised)
+        tiles = x[:, : k - k % TILE].view(x.shape[0], TILE, -1).amax(1)
+    # x ← (x − max)·(α − 1) in one pass where α is a number (the max from the tile maxima)
+    scale = alpha.to(x.dtype) - 1.0 if per_row else alpha - 1.0
+    mx = None
     if not shifted:
-        mx = x.amax(-1, keepdim=True)
-        x = x - mx.masked_fill_(mx == -math.inf, 0.0)
+        mx = (x if tiles is None else tiles).amax(-1, keepdim=True)
+        if tiles is not None and k % TILE:
+            mx = torch.maximum(mx, x[:, k - k % TILE :].amax(-1, keepdim=True))
+        mx.masked_fill_(mx == -math.inf, 0.0)
+    if per_row:
+        x = (x if mx is None else x - mx) * scale
+    elif mx is not None:
+        x = torch.add(mx * -scale, x, alpha=scale)
+    elif scale != 1.0:
+        x = x * scale
+    if tiles is not None:
+        tiles = ((tiles if mx is None else tiles - mx) * scale).clamp_min_(-1.0)
     if not per_row and alpha == 2.0:
-        return (x - _sparsemax_tau(x)).clamp_min_(0.0)
-    x = x * (alpha.to(x.dtype) - 1.0 if per_row else alpha - 1.0)
+        torch.sub(x, _sparsemax_tau(x, tiles), out=out).clamp_min_(0.0)
+        return
     if not per_row and alpha == 1.5:
-        return (x - _entmax15_tau(x)).clamp_min_(0.0).square_()
+        torch.sub(x, _entmax15_tau(x, tiles), out=out).clamp_min_(0.0).square_()
+        return
     a = alpha.to(x.dtype) if per_row else alpha
-    p = (x - _entmax_tau(x, a)).clamp_min_(0.0).pow_(1.0 / (a - 1.0))
+    p = (x - _entmax_tau(x, a, tiles)).clamp_min_(0.0).pow_(1.0 / (a - 1.0))
     total = p.sum(-1, keepdim=True)
-    return p.div_(torch.where(total > 0, total, 1.0)).to(z.dtype)
+    out.copy_(p.div_(torch.where(total > 0, total, 1.0)))
 
 
-def _start(x: Tensor, alpha: float | Tensor) -> Tensor:
+def _start(x: Tensor, alpha: float | Tensor, tiles: Tensor | None) -> Tensor:
     """A lower bound τ₀ ≤ τ (R, 1) for rows x = (α−1)·z (R, K) with max 0.
 
     Any subset of a row has a threshold no larger than the row's (dropping entries lowers
-    Σ[x − τ]₊^r at every τ), so the threshold of the tile maxima (the max of each of TILE
-    strided groups of entries, one pass) bounds τ from below, and closely: the few large
-    entries that form the support are mostly tile maxima. ``_START_STEPS`` Newton steps from
-    the left on the K/TILE maxima give it (every Newton iterate from the left is still left
-    of the root); never below the exact bound max − 1 = −1. On attention rows (K = 4096)
-    the full rows then need 1–2 Newton steps instead of 5–6.
+    Σ[x − τ]₊^r at every τ), so the threshold of the tile maxima ``tiles`` (R, K/TILE) (the
+    max of each of TILE strided groups of entries, clamped at −1; found in the pass that
+    finds the row max) bounds τ from below, and closely: the few large entries that form the
+    support are mostly tile maxima. ``_START_STEPS`` Newton steps from the left on the tile
+    maxima give it (every Newton iterate from the left is still left of the root); never
+    below the exact bound max − 1 = −1. On attention rows (K = 4096) the full rows then need
+    1–2 Newton steps instead of 5–6. Without tiles (short rows): −1.
     """
-    k = x.shape[-1]
     t = torch.full((x.shape[0], 1), -1.0, dtype=x.dtype, device=x.device)
-    if k < _TILED_FROM:
+    if tiles is None:
         return t
-    # strided groups: the reduction runs over a middle dim, vectorised along the last one
-    tiles = x[:, : k - k % TILE].view(x.shape[0], TILE, -1).amax(1).clamp_min_(-1.0)
     r = 1.0 / (alpha - 1.0)
     tiny = torch.finfo(x.dtype).tiny
     for _ in range(_START_STEPS):
@@ -137,11 +156,11 @@ def _start(x: Tensor, alpha: float | Tensor) -> Tensor:
     return t.clamp_min_(-1.0)
 
 
-def _sparsemax_tau(x: Tensor) -> Tensor:
+def _sparsemax_tau(x: Tensor, tiles: Tensor | None = None) -> Tensor:
     """Exact sparsemax threshold (R, 1) of rows x (R, K) with max 0 (Michelot's algorithm:
     τ ← (Σ_S x − 1)/|S| for S = {x > τ}, from τ₀ ≤ τ (``_start``), until |S| stops
     shrinking)."""
-    tau = _start(x, 2.0)
+    tau = _start(x, 2.0, tiles)
     todo = torch.arange(x.shape[0], device=x.device)
     xs, t, k_old = x, tau.clone(), None
     while todo.numel():
@@ -157,14 +176,14 @@ def _sparsemax_tau(x: Tensor) -> Tensor:
     return tau
 
 
-def _entmax15_tau(x: Tensor) -> Tensor:
+def _entmax15_tau(x: Tensor, tiles: Tensor | None = None) -> Tensor:
     """Exact 1.5-entmax threshold (R, 1) for rows x (R, K) already halved, with max 0.
 
     The first ``_FIRST_STEPS`` Newton steps run on all rows in one reused buffer (a row at its
     root stays there); only rows whose closed-form finish fails the support check are
     compacted and stepped on.
     """
-    tau = _start(x, 1.5)
+    tau = _start(x, 1.5, tiles)
     todo: Tensor | None = None  # None: all rows, in order
     xs, t = x, tau.clone()
     d = torch.empty_like(x)
@@ -201,7 +220,7 @@ def _entmax15_tau(x: Tensor) -> Tensor:
     return tau
 
 
-def _entmax_tau(x: Tensor, alpha: float | Tensor) -> Tensor:
+def _entmax_tau(x: Tensor, alpha: float | Tensor, tiles: Tensor | None = None) -> Tensor:
     """α-entmax threshold (R, 1) of rows x = (α−1)·z (R, K) with max 0, to float precision.
 
     ``alpha`` is a number or a per-row tensor (R, 1)."""
@@ -211,7 +230,7 @@ def _entmax_tau(x: Tensor, alpha: float | Tensor) -> Tensor:
     todo = torch.arange(x.shape[0], device=x.device)
     xs = x
     # f(lo) >= 0: a lower bound (``_start``)
-    lo = _start(x, alpha)
+    lo = _start(x, alpha, tiles)
     hi = -lo.new_full(lo.shape, float(x.shape[-1])).pow(1.0 - alpha)  # f(hi) <= 0: all ≤ 1/K
     t = lo.clone()
     for _ in range(_MAX_STEPS):
