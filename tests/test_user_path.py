@@ -19,6 +19,7 @@ import sparseattn as sa
 from sparseattn import graph as graph_module
 from sparseattn.engines import block as block_module
 from sparseattn.engines.block import block_pairs, block_plan, choose_block, count_pairs
+from sparseattn.engines.flex import flex_available
 from sparseattn.graph import AttentionGraph
 from sparseattn.patterns.base import GRAPH_CACHE_SIZE
 
@@ -204,6 +205,16 @@ def test_strided_and_contiguous_inputs_agree_forward_and_backward(engine, map_na
         want = torch.autograd.grad((ref * g).sum(), copies)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
+
+
+@pytest.mark.skipif(flex_available() is not None, reason=str(flex_available()))
+def test_flex_engine_on_strided_inputs():
+    for views in _layouts(64, dtype=torch.float32):
+        with torch.no_grad():
+            out = sa.sparse_attention(*views, sa.longformer(16, 2), engine="flex")
+            ref = sa.sparse_attention(*(t.contiguous() for t in views), sa.longformer(16, 2),
+                                      engine="dense")
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 
 def test_module_float32_strided_path_matches_contiguous_block_engine():

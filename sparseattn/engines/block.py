@@ -75,7 +75,7 @@ BLOCK_MIN_FILL = 1 / 15
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 #: From this block size on, the full blocks' backward goes through torch's flash backward
-#: kernel; below it, the closed form here (`python -m benchmarks.calibrate --blocks 4096`
+#: kernel; below it, the closed form here (`python -m sparseattn.bench.calibrate --blocks 4096`
 #: on both: flash 7–30% faster per entry at b ≥ 64, as fast at b = 32, slower at b = 16).
 FLASH_BACKWARD_BLOCK = 64
 
@@ -576,7 +576,8 @@ class _BlockAttention(torch.autograd.Function):
                 o, lse = _split_forward(run, ch.take(qp), kp, vp, ch)
                 out.index_copy_(1, ch.rows, o)
                 lse_all.index_copy_(1, ch.rows, lse)
-            ctx.save_for_backward(q, k, v, out, lse_all)
+            ctx.shapes = q.shape, k.shape, v.shape
+            ctx.save_for_backward(qp, kp, vp, out, lse_all)  # blocked: no second copy
             return _unblock(out, q.shape)
         if run.dropout_p:
             ctx.rng = _rng_state(q.device)
@@ -589,14 +590,15 @@ class _BlockAttention(torch.autograd.Function):
             if keep is not None:
                 p = p * keep
             out.index_copy_(1, rows, torch.matmul(p, run.gather(vp, keys)))
-        ctx.save_for_backward(q, k, v)
+        ctx.shapes = q.shape, k.shape, v.shape
+        ctx.save_for_backward(qp, kp, vp)
         return _unblock(out, q.shape)
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad_out: Tensor):
         run: _Runner = ctx.run
-        q, k, v = ctx.saved_tensors[:3]
-        qp, kp, vp = (_blocked(t, run) for t in (q, k, v))
+        qp, kp, vp = ctx.saved_tensors[:3]
+        q_shape, k_shape, v_shape = ctx.shapes
         gp = _blocked(grad_out.contiguous(), run)
         dq, dk, dv = torch.zeros_like(qp), torch.zeros_like(kp), torch.zeros_like(vp)
         b = run.plan.block
@@ -604,11 +606,11 @@ class _BlockAttention(torch.autograd.Function):
             out, lse_all = ctx.saved_tensors[3:]
             for ch in run.chunks:
                 _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch)
-            return _unblock(dq, q.shape), _unblock(dk, k.shape), _unblock(dv, v.shape), None
-        cuda = [q.device.index or 0] if q.device.type == "cuda" else []
+            return _unblock(dq, q_shape), _unblock(dk, k_shape), _unblock(dv, v_shape), None
+        cuda = [qp.device.index or 0] if qp.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda, enabled=bool(run.dropout_p)):
             if run.dropout_p:
-                _set_rng_state(q.device, ctx.rng)
+                _set_rng_state(qp.device, ctx.rng)
             for ch in run.chunks:
                 rows = ch.rows
                 keys, blk, ok = run.general_inputs(ch.full, ch.part, ch.keep)
@@ -634,7 +636,7 @@ class _BlockAttention(torch.autograd.Function):
                     (ds,) = torch.autograd.grad(p, s, dp)
                 dq.index_copy_(1, rows, torch.matmul(ds, kc).mul_(run.scale))
                 dk.index_add_(1, flat, _per_block(torch.matmul(ds.transpose(-1, -2), qs), b))
-        return _unblock(dq, q.shape), _unblock(dk, k.shape), _unblock(dv, v.shape), None
+        return _unblock(dq, q_shape), _unblock(dk, k_shape), _unblock(dv, v_shape), None
 
 
 def _per_block(x: Tensor, b: int) -> Tensor:
