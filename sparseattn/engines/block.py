@@ -511,8 +511,9 @@ class _Runner:
             ok = self.gather(self.key_ok.unsqueeze(-1), keys).transpose(-1, -2)
         return keys, keep, ok
 
-    def weights(self, s: Tensor, keep: Tensor | None, ok: Tensor | None) -> Tensor:
-        """ρ on the chunk's rows; ``s`` is consumed (the softmax path works in place)."""
+    def weights(self, s: Tensor, keep: Tensor | None, ok: Tensor | None, alpha=None) -> Tensor:
+        """ρ on the chunk's rows; ``s`` is consumed (the softmax path works in place);
+        ``alpha`` (L, m, b, 1): the rows' α of an ``entmax(tensor)`` map."""
         if self.softmax:
             masks = [m.to(s.dtype) for m in (keep, ok) if m is not None]
             p, _, total = _masked_exp(s, masks, None)
@@ -520,7 +521,8 @@ class _Runner:
         valid = None if keep is None else keep.bool()
         if ok is not None:
             valid = ok if valid is None else valid & ok
-        return self.prob_map(s) if valid is None else self.prob_map(s, valid)
+        rho = self.prob_map if alpha is None else self.prob_map.with_alpha(alpha)
+        return rho(s) if valid is None else rho(s, valid)
 
     # -- split softmax path -------------------------------------------------------------
     def partial_exp(self, qs: Tensor, kc: Tensor, keep: Tensor, lse: Tensor | None):
@@ -566,7 +568,7 @@ def _masked_exp(s: Tensor, masks: list[Tensor], lse: Tensor | None):
 
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, run: _Runner) -> Tensor:
+    def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, alpha, run: _Runner) -> Tensor:
         ctx.run = run
         qp, kp, vp = (_blocked(t, run) for t in (q, k, v))
         out = qp.new_empty(*qp.shape[:-1], v.shape[-1])
@@ -581,17 +583,19 @@ class _BlockAttention(torch.autograd.Function):
             return _unblock(out, q.shape)
         if run.dropout_p:
             ctx.rng = _rng_state(q.device)
+        ap = None if alpha is None else _blocked_alpha(alpha, run)
         for ch in run.chunks:
             rows = ch.rows
             keys, blk, ok = run.general_inputs(ch.full, ch.part, ch.keep)
             qs = qp.index_select(1, rows).mul_(run.scale)
-            p = run.weights(torch.matmul(qs, run.gather(kp, keys).transpose(-1, -2)), blk, ok)
+            a = None if ap is None else ap.index_select(1, rows)
+            p = run.weights(torch.matmul(qs, run.gather(kp, keys).transpose(-1, -2)), blk, ok, a)
             keep = run.keep(p)
             if keep is not None:
                 p = p * keep
             out.index_copy_(1, rows, torch.matmul(p, run.gather(vp, keys)))
         ctx.shapes = q.shape, k.shape, v.shape
-        ctx.save_for_backward(qp, kp, vp)
+        ctx.save_for_backward(qp, kp, vp, ap)
         return _unblock(out, q.shape)
 
     @staticmethod
@@ -606,7 +610,10 @@ class _BlockAttention(torch.autograd.Function):
             out, lse_all = ctx.saved_tensors[3:]
             for ch in run.chunks:
                 _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch)
-            return _unblock(dq, q_shape), _unblock(dk, k_shape), _unblock(dv, v_shape), None
+            return _unblock(dq, q_shape), _unblock(dk, k_shape), _unblock(dv, v_shape), None, None
+        ap = ctx.saved_tensors[3]
+        want_alpha = ap is not None and ctx.needs_input_grad[3]
+        dap = torch.zeros_like(ap) if want_alpha else None
         cuda = [qp.device.index or 0] if qp.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda, enabled=bool(run.dropout_p)):
             if run.dropout_p:
@@ -620,8 +627,9 @@ class _BlockAttention(torch.autograd.Function):
                 s = torch.matmul(qs, kc.transpose(-1, -2))
                 if not run.softmax:
                     s.requires_grad_()
+                a = None if ap is None else ap.index_select(1, rows).requires_grad_(want_alpha)
                 with torch.enable_grad():
-                    p = run.weights(s, blk, ok)
+                    p = run.weights(s, blk, ok, a)
                 keep = run.keep(p)
                 pd = p.detach() if keep is None else p.detach() * keep
                 go = gp.index_select(1, rows)
@@ -632,11 +640,21 @@ class _BlockAttention(torch.autograd.Function):
                 if run.softmax:
                     pp = p.detach()
                     ds = pp * (dp - (pp * dp).sum(-1, keepdim=True))
+                elif want_alpha:
+                    ds, da = torch.autograd.grad(p, (s, a), dp)
+                    dap.index_copy_(1, rows, da)
                 else:
                     (ds,) = torch.autograd.grad(p, s, dp)
                 dq.index_copy_(1, rows, torch.matmul(ds, kc).mul_(run.scale))
                 dk.index_add_(1, flat, _per_block(torch.matmul(ds.transpose(-1, -2), qs), b))
-        return _unblock(dq, q_shape), _unblock(dk, k_shape), _unblock(dv, v_shape), None
+        d_alpha = None if dap is None else _unblock(dap, (*q_shape[:3], 1))
+        return _unblock(dq, q_shape), _unblock(dk, k_shape), _unblock(dv, v_shape), d_alpha, None
+
+
+def _blocked_alpha(alpha: Tensor, run: _Runner) -> Tensor:
+    """Per-row α (B, H, n_q, 1) → (L, G·nbq, b, 1) like the queries; padded rows get α = 2."""
+    b = run.plan.block
+    return F.pad(alpha, (0, 0, 0, -alpha.shape[-2] % b), value=2.0).reshape(run.lead, -1, b, 1)
 
 
 def _per_block(x: Tensor, b: int) -> Tensor:
@@ -838,4 +856,4 @@ def block_attention(
         key_ok = kpm[:, None, :].expand(bsz, heads, -1).reshape(lead, -1, plan.block)
     run = _Runner(plan, prob_map, scale, key_ok, dropout_p, budget, lead,
                   q.device.type == "cpu", q.shape[-1] == v.shape[-1])
-    return _BlockAttention.apply(q, k, v, run)
+    return _BlockAttention.apply(q, k, v, prob_map.row_alpha(bsz, heads, q.shape[2]), run)
