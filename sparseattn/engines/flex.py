@@ -155,8 +155,13 @@ def graph_block_mask(
     dev = torch.device(device)
     mask_mod = _table_mask_mod(pair_index.to(dev), table.to(dev), key_ok.to(dev), block)
     return BlockMask.from_kv_blocks(
-        kv_num.to(dev), kv_idx.to(dev), full_num.to(dev), full_idx.to(dev),
-        BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(n_q, n_k),
+        kv_num.to(dev),
+        kv_idx.to(dev),
+        full_num.to(dev),
+        full_idx.to(dev),
+        BLOCK_SIZE=block,
+        mask_mod=mask_mod,
+        seq_lengths=(n_q, n_k),
     )
 
 

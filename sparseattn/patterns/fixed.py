@@ -227,6 +227,27 @@ def _random_subsets(rows: int, n: int, k: int, gen: torch.Generator) -> Tensor:
     return out
 
 
+#: Lengths n whose random draw a random pattern keeps (the oldest is dropped first).
+DRAWS_PER_PATTERN = 8
+
+
+def _drawn(pattern: Pattern, n: int, draw) -> Tensor:
+    """``draw(n)`` computed once per (pattern, n) and cached on the pattern (bounded).
+
+    ``allows`` indexes this table and never draws, so it is a pure predicate that FlexAttention
+    can vmap and compile. The draw runs with functorch transforms and torch-function modes
+    switched off, so a first call from inside ``create_block_mask`` (a vmap under an indexing
+    mode) still draws the same seeded table as a call outside.
+    """
+    cache = pattern.__dict__.setdefault("_drawn", {})
+    if n not in cache:
+        if len(cache) >= DRAWS_PER_PATTERN:
+            del cache[next(iter(cache))]
+        with torch._C._DisableFuncTorch(), torch._C.DisableTorchFunction():
+            cache[n] = draw(n)
+    return cache[n]
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class Random(Pattern):
     """RANDOM (Yun §5): each query attends to ``k`` keys drawn uniformly without replacement
@@ -248,13 +269,23 @@ class Random(Pattern):
         k = self.k if self.k is not None else max(1, round(self.density * n))
         return min(k, n)
 
+    def edge_keys(self, n: int) -> Tensor:
+        """LongTensor[n·k], sorted: the drawn edges as keys i·n + j (drawn once per n, cached)."""
+
+        def draw(n: int) -> Tensor:
+            gen = torch.Generator().manual_seed(self.seed)
+            table = _random_subsets(n, n, self.keys_per_query(n), gen).sort(-1).values
+            return (torch.arange(n)[:, None] * n + table).reshape(-1)
+
+        return _drawn(self, n, draw)
+
     def _graph(self, n: int) -> AttentionGraph:
-        gen = torch.Generator().manual_seed(self.seed)
-        table = _random_subsets(n, n, self.keys_per_query(n), gen)
-        return AttentionGraph.from_neighbours(table, None, n)
+        return AttentionGraph.from_neighbours((self.edge_keys(n) % n).view(n, -1), None, n)
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
-        return self.graph(n).allows(q_idx, kv_idx)
+        keys = self.edge_keys(n)  # binary search: O(log E) per pair, no n x n table
+        query = q_idx * n + kv_idx
+        return keys[torch.searchsorted(keys, query).clamp(max=keys.numel() - 1)] == query
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -271,10 +302,15 @@ class RandomBlocks(Pattern):
         check_positive("block", self.block)
 
     def block_table(self, n: int) -> Tensor:
-        """LongTensor[ceil(n/b), r]: the key blocks chosen by each query block."""
-        nb = -(-n // self.block)
-        gen = torch.Generator().manual_seed(self.seed)
-        return _random_subsets(nb, nb, min(self.random_blocks, nb), gen)
+        """LongTensor[ceil(n/b), r]: the key blocks chosen by each query block (drawn once per
+        n from ``seed``, cached)."""
+
+        def draw(n: int) -> Tensor:
+            nb = -(-n // self.block)
+            gen = torch.Generator().manual_seed(self.seed)
+            return _random_subsets(nb, nb, min(self.random_blocks, nb), gen)
+
+        return _drawn(self, n, draw)
 
     def _graph(self, n: int) -> AttentionGraph:
         table = self.block_table(n)  # (nb, r)
