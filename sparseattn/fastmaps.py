@@ -56,7 +56,11 @@ PIECE = 1 << 19
 
 
 def _rows(
-    scores: Tensor, valid: Tensor | None, alpha: float | Tensor, shifted: bool = False
+    scores: Tensor,
+    valid: Tensor | None,
+    alpha: float | Tensor,
+    shifted: bool = False,
+    out: Tensor | None = None,
 ) -> Tensor:
     if scores.shape[-1] == 0:
         return torch.zeros_like(scores)
@@ -66,7 +70,9 @@ def _rows(
     aflat = None
     if isinstance(alpha, Tensor):  # per-row α, broadcastable to (..., 1)
         aflat = alpha.detach().to(scores.dtype).expand(*shape[:-1], 1).reshape(-1, 1)
-    out = torch.empty_like(flat)
+    # each piece is read (into its shifted copy) before its weights are written: out may be
+    # scores itself
+    out = torch.empty_like(flat) if out is None else out.view(-1, k)
     step = max(1, PIECE // k)
     for i in range(0, flat.shape[0], step):
         v = None if vflat is None else vflat[i : i + step]
@@ -277,21 +283,27 @@ def entmax15_rows(scores: Tensor, valid: Tensor | None = None) -> Tensor:
     return _rows(scores, valid, 1.5)
 
 
-def entmax_rows(scores: Tensor, valid: Tensor | None = None, alpha: float | Tensor = 1.5) -> Tensor:
+def entmax_rows(
+    scores: Tensor,
+    valid: Tensor | None = None,
+    alpha: float | Tensor = 1.5,
+    out: Tensor | None = None,
+) -> Tensor:
     """α-entmax (α > 1) along the last dim: p = [(α−1) z − τ]₊^{1/(α−1)}, Σ p = 1.
 
     α = 1.5 and α = 2 use the exact algorithms above; any other α safeguarded Newton to float
     precision, then the row is renormalised (as bisection does). ``alpha`` may be a tensor
     broadcastable to ``scores.shape[:-1] + (1,)`` (one α per row, e.g. (H, 1, 1) per head
-    against (B, H, n, K)); it then takes the general path. Forward only.
+    against (B, H, n, K)); it then takes the general path. Forward only. ``out``: a
+    contiguous tensor of scores' shape and dtype for the weights (``scores`` itself works).
     """
     if isinstance(alpha, Tensor):
         if not bool((alpha > 1.0).all()):
             raise ValueError("alpha must be > 1 here (1 is softmax) in every entry")
-        return _rows(scores, valid, alpha)
+        return _rows(scores, valid, alpha, out=out)
     if not alpha > 1.0:
         raise ValueError(f"alpha must be > 1 here (1 is softmax), got {alpha}")
-    return _rows(scores, valid, float(alpha))
+    return _rows(scores, valid, float(alpha), out=out)
 
 
 def shifted_rows(z: Tensor, valid: Tensor, alpha: float) -> Tensor:

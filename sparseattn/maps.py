@@ -78,7 +78,8 @@ class ProbabilityMap:
     def forward_only(self, scores: Tensor, valid: Tensor | None = None) -> Tensor:
         """ρ(scores) without autograd, for engines that recompute weights in backward: the
         sort-free thresholds of :mod:`sparseattn.fastmaps` for entmax maps (no shift pass, no
-        mask when ``valid`` is None), else this map under ``no_grad``. Inputs are trusted."""
+        mask when ``valid`` is None; the weights overwrite ``scores``, which must be
+        contiguous and are consumed), else this map under ``no_grad``. Inputs are trusted."""
         if self._fast is not None:
             return self._fast(scores, valid)
         with torch.no_grad():
@@ -282,12 +283,12 @@ def _entmax_tensor(alpha: Tensor) -> ProbabilityMap:
         kernel,
         sparse=True,
         alpha_tensor=alpha,
-        fast=lambda s, valid: entmax_rows(s, valid, alpha.detach().to(s.dtype)),
+        fast=lambda s, valid: entmax_rows(s, valid, alpha.detach().to(s.dtype), out=s),
     )
 
 
 def _fixed_fast(alpha: float) -> Callable[[Tensor, Tensor | None], Tensor]:
-    return lambda s, valid: entmax_rows(s, valid, alpha)
+    return lambda s, valid: entmax_rows(s, valid, alpha, out=s)
 
 
 def _check_real(name: str, value: object) -> float:

@@ -105,9 +105,14 @@ class _RowsAttention(torch.autograd.Function):
         if run.dropout_p:
             ctx.rng = _rng_state(q.device)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        # one score buffer for all chunks (fresh multi-MB tensors cost page faults); the
+        # weights overwrite the scores in it
+        size = max((i1 - i0) * run.keys(i1) for i0, i1 in run.chunks) * q.shape[0] * q.shape[1]
+        buf = q.new_empty(size)
         for i0, i1 in run.chunks:
             nk = run.keys(i1)
-            s = torch.matmul(q[:, :, i0:i1] * run.scale, k[:, :, :nk].transpose(-1, -2))
+            s = buf[: q.shape[0] * q.shape[1] * (i1 - i0) * nk].view(*q.shape[:2], i1 - i0, nk)
+            torch.matmul(q[:, :, i0:i1] * run.scale, k[:, :, :nk].transpose(-1, -2), out=s)
             p = run.map(alpha, i0, i1).forward_only(s, run.valid(i0, i1, q.device))
             keep = run.keep(p)
             if keep is not None:
