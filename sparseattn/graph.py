@@ -211,9 +211,10 @@ class AttentionGraph:
 
     @property
     def possible_edges(self) -> int:
-        """Denominator of density: n_q * n_k, or n(n + 1)/2 when causal (Sparsefinder eq. 5)."""
+        """Denominator of density: n_q * n_k, or n(n + 1)/2 when causal (Sparsefinder eq. 5);
+        causal with n_q < n_k (the last n_q queries of n_k positions): the keys j <= i."""
         if self.causal:
-            return self.n_q * (self.n_q + 1) // 2
+            return self.n_q * (self.n_k - self.n_q) + self.n_q * (self.n_q + 1) // 2
         return self.n_q * self.n_k
 
     @property

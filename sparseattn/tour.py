@@ -55,6 +55,10 @@ GALLERY_PARAMS: dict[str, dict[str, Any]] = {
     "global_tokens": {"tokens": 2},
     "random_blocks": {"random_blocks": 2, "block": 8},
     "topk": {"k": 8},
+    "causal_strided": {"w": 8},
+    "causal_fixed": {"w": 8},
+    "sliding_window": {"w": 8, "sinks": 2},
+    "causal_bigbird": {"w": 8, "global_tokens": 2, "random_blocks": 1, "block": 8},
 }
 
 

@@ -1,6 +1,7 @@
 """Sparsity patterns {A_k^l} (Yun et al. §3.1) and their compositions (§5.1)."""
 
 from .base import Causal, Pattern
+from .causal import causal_bigbird, causal_fixed, causal_strided, sliding_window
 from .compose import HeadSplit, PatternCycle, Union, as_cycle, cycle, split_heads, union
 from .diagonal import NoDiagonal, dense_no_diagonal, no_diagonal
 from .dynamic import TopK, topk
@@ -33,6 +34,12 @@ NAMED = {
     "global_tokens": (global_tokens, {"tokens": 2}),
     "random_blocks": (random_blocks, {"random_blocks": 2, "block": 16}),
     "topk": (topk, {"k": 32}),
+    "causal_strided": (causal_strided, {"w": 16}),
+    "causal_fixed": (causal_fixed, {"w": 16}),
+    "sliding_window": (sliding_window, {"w": 16, "sinks": 2}),
+    "causal_bigbird": (
+        causal_bigbird, {"w": 16, "global_tokens": 2, "random_blocks": 2, "block": 16}
+    ),
 }
 
 __all__ = [
@@ -47,6 +54,9 @@ __all__ = [
     "as_cycle",
     "bigbird",
     "block_local",
+    "causal_bigbird",
+    "causal_fixed",
+    "causal_strided",
     "cycle",
     "dense",
     "dense_no_diagonal",
@@ -56,6 +66,7 @@ __all__ = [
     "no_diagonal",
     "random",
     "random_blocks",
+    "sliding_window",
     "split_heads",
     "star",
     "strided",

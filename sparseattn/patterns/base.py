@@ -49,10 +49,51 @@ class Pattern(abc.ABC):
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor: ...
 
     # -- public ---------------------------------------------------------------------------
-    def graph(self, n: int) -> AttentionGraph:
-        """The AttentionGraph of this pattern at length n (cached per n)."""
+    def graph(self, n: int, n_q: int | None = None) -> AttentionGraph:
+        """The AttentionGraph of this pattern at length n (cached per n).
+
+        With ``n_q < n`` (causal patterns only): the graph of ``n_q`` queries at positions
+        n − n_q … n − 1 against all n keys, i.e. the last n_q rows of ``graph(n)`` — prefill in
+        pieces, or decoding one token (n_q = 1) against a cache of n keys. Cached per (n, n_q);
+        the named causal patterns build it in O(n_q·K) without the full graph (docs/causal.md).
+        A non-causal pattern raises a ValueError: its rows would depend on keys that a
+        decoder has not seen yet (use ``dense()`` or an AttentionGraph for cross-attention).
+        """
         check_positive("n", n)
-        return self._cached(n, self._graph)
+        if n_q is None or n_q == n:
+            return self._cached(n, self._graph)
+        self._check_offset(n, n_q)
+        return self._cached((n, n_q), self._offset_graph)
+
+    @property
+    def is_causal(self) -> bool:
+        """Whether every query i attends only to keys j <= i (then queries at an offset work)."""
+        return False
+
+    def _check_offset(self, n: int, n_q: int) -> None:
+        check_positive("n_q", n_q)
+        if n_q > n:
+            raise ValueError(f"n_q must be at most n_k = {n} (queries are the last n_q of the "
+                             f"n_k positions), got n_q={n_q}")
+        if not self.is_causal:
+            raise ValueError(
+                f"pattern {self!r} is not causal: queries at an offset (n_q={n_q} < n_k={n}) "
+                "are defined for causal patterns only — use pattern.causal(), a causal pattern "
+                "(causal_strided, causal_fixed, sliding_window, causal_bigbird), or for "
+                "cross-attention dense(), topk(k) or an AttentionGraph"
+            )
+
+    def _offset_graph(self, n: int, n_q: int) -> AttentionGraph:
+        return self._rows(n, n - n_q)
+
+    def _rows(self, n: int, start: int) -> AttentionGraph:
+        """Rows start … n − 1 of ``graph(n)`` (n − start queries, n keys). This default slices
+        the cached full graph's CSR rows; patterns that can build the rows directly override it
+        (O(rows·K), no full graph — what decoding against a growing cache needs)."""
+        full = self.graph(n)
+        crow = full.crow[start:]
+        col = full.col[int(crow[0]) :]
+        return AttentionGraph(crow - crow[0], col, n - start, n, (), full.causal)
 
     def _cached(self, key: Hashable, make: Callable[..., AttentionGraph]) -> AttentionGraph:
         """``make(*key)`` (or ``make(key)``), kept in this object's bounded LRU graph cache."""
@@ -78,8 +119,20 @@ class Pattern(abc.ABC):
         return inside & self._allows(q_idx.long(), kv_idx.long(), n)
 
     def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
-        """The graph for inputs q: (B, H, n_q, d), k: (B, H, n_k, d) — what engines call."""
-        return self.graph(self._self_attention_length(q, k))
+        """The graph for inputs q: (B, H, n_q, d), k: (B, H, n_k, d) — what engines call.
+        n_q < n_k puts the queries at positions n_k − n_q … n_k − 1 (causal patterns only)."""
+        return self.graph(*self._lengths(q, k))
+
+    def _lengths(self, q: Tensor, k: Tensor) -> tuple[int, int]:
+        """(n_k, n_q) for self-attention or, for a causal pattern, queries at an offset."""
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        if n_q != n_k and (n_q > n_k or not self.is_causal):
+            raise ValueError(
+                f"pattern {self!r} defines self-attention graphs (n_q == n_k), and for causal "
+                f"patterns the last n_q <= n_k queries; got n_q={n_q}, n_k={n_k}. For "
+                "cross-attention use dense(), topk(k) or an AttentionGraph."
+            )
+        return n_k, n_q
 
     def _self_attention_length(self, q: Tensor, k: Tensor) -> int:
         n_q, n_k = q.shape[-2], k.shape[-2]
@@ -95,10 +148,12 @@ class Pattern(abc.ABC):
         return Causal(self)
 
     def to_block_mask(self, n: int, block: int = 128, **graph_kwargs):
-        """This pattern at length n as a FlexAttention ``BlockMask`` (batch 1, heads 1 or the
-        graph's heads), built from the graph's block layout in O(E); its ``mask_mod`` is
-        exactly :meth:`allows`. ``graph_kwargs`` go to :meth:`graph` (e.g. ``num_heads``
-        for a head split). Pass it to ``torch.nn.attention.flex_attention.flex_attention``.
+        """This pattern at length n as a FlexAttention ``BlockMask`` of leading shape (1, 1)
+        (or (1, H) for a head split), built from the graph's block layout in O(E); size-1
+        dims broadcast over any batch and heads of q, in the block lists and in the
+        ``mask_mod``, which is exactly :meth:`allows`. ``graph_kwargs`` go to :meth:`graph`
+        (e.g. ``num_heads`` for a head split). Pass it to
+        ``torch.nn.attention.flex_attention.flex_attention``.
         """
         from ..engines.flex import graph_block_mask
 
@@ -131,8 +186,18 @@ class Causal(Pattern):
     def name(self) -> str:
         return f"causal {self.base.name}"
 
+    @property
+    def is_causal(self) -> bool:
+        return True
+
     def _graph(self, n: int) -> AttentionGraph:
         return self.base.graph(n).tril()
+
+    def _rows(self, n: int, start: int) -> AttentionGraph:
+        rows = self.base._rows(n, start)  # then keep keys j <= start + row
+        r = rows.row_indices()
+        keep = rows.col <= r + start
+        return AttentionGraph.from_edges(r[keep], rows.col[keep], n - start, n, (), causal=True)
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return self.base.allows(q_idx, kv_idx, n) & (kv_idx <= q_idx)

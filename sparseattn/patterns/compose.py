@@ -30,8 +30,15 @@ class Union(Pattern):
     def data_dependent(self) -> bool:  # type: ignore[override]
         return any(p.data_dependent for p in self.parts)
 
+    @property
+    def is_causal(self) -> bool:
+        return all(p.is_causal for p in self.parts)
+
     def _graph(self, n: int) -> AttentionGraph:
         return functools.reduce(AttentionGraph.union, (p.graph(n) for p in self.parts))
+
+    def _rows(self, n: int, start: int) -> AttentionGraph:
+        return functools.reduce(AttentionGraph.union, (p._rows(n, start) for p in self.parts))
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return functools.reduce(torch.logical_or, (p.allows(q_idx, kv_idx, n) for p in self.parts))
@@ -39,6 +46,7 @@ class Union(Pattern):
     def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
         if not self.data_dependent:
             return super().build(q, k)  # the cached graph of this length
+        self._lengths(q, k)  # offset queries only when every part is causal
         return functools.reduce(AttentionGraph.union, (p.build(q, k) for p in self.parts))
 
     def __repr__(self) -> str:
@@ -129,16 +137,25 @@ class HeadSplit(Pattern):
             torch.cat(rows), torch.cat(cols), first.n_q, first.n_k, (num_heads,), causal
         )
 
-    def graph(self, n: int, num_heads: int | None = None) -> AttentionGraph:  # type: ignore[override]
-        """Graph of leading shape (num_heads,), cached per (n, num_heads)."""
+    def graph(  # type: ignore[override]
+        self, n: int, num_heads: int | None = None, n_q: int | None = None
+    ) -> AttentionGraph:
+        """Graph of leading shape (num_heads,), cached per (n, num_heads, n_q); ``n_q < n``:
+        the last n_q queries, as in :meth:`Pattern.graph` (all parts causal)."""
         if num_heads is None:
             raise ValueError("a head split needs num_heads: graph(n, num_heads=H)")
         check_positive("n", n)
         check_positive("num_heads", num_heads)
-        return self._cached((n, num_heads), self._head_split_graph)
+        if n_q is not None and n_q != n:
+            self._check_offset(n, n_q)
+        return self._cached((n, num_heads, n if n_q is None else n_q), self._head_split_graph)
 
-    def _head_split_graph(self, n: int, num_heads: int) -> AttentionGraph:
-        return self.head_graph([p.graph(n) for p in self.patterns], num_heads)
+    @property
+    def is_causal(self) -> bool:
+        return all(p.is_causal for p in self.patterns)
+
+    def _head_split_graph(self, n: int, num_heads: int, n_q: int) -> AttentionGraph:
+        return self.head_graph([p.graph(n, n_q) for p in self.patterns], num_heads)
 
     def _graph(self, n: int) -> AttentionGraph:  # graph() is overridden
         raise TypeError("use graph(n, num_heads)")
@@ -163,7 +180,8 @@ class HeadSplit(Pattern):
     def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
         if self.data_dependent:
             raise ValueError("split_heads with data-dependent parts is not supported")
-        return self.graph(self._self_attention_length(q, k), num_heads=q.shape[1])
+        n_k, n_q = self._lengths(q, k)
+        return self.graph(n_k, num_heads=q.shape[1], n_q=n_q)
 
     def causal(self) -> Pattern:
         return HeadSplit(tuple(p.causal() for p in self.patterns), self.sizes)

@@ -64,6 +64,10 @@ class NoDiagonal(Pattern):
     def data_dependent(self) -> bool:  # type: ignore[override]
         return self.base.data_dependent
 
+    @property
+    def is_causal(self) -> bool:
+        return self.base.is_causal
+
     def _graph(self, n: int) -> AttentionGraph:
         return drop_diagonal(self.base.graph(n), repr(self))
 
@@ -72,7 +76,7 @@ class NoDiagonal(Pattern):
 
     def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
         if not self.data_dependent:
-            return self.graph(self._self_attention_length(q, k))
+            return self.graph(*self._lengths(q, k))
         return drop_diagonal(self.base.build(q, k), repr(self))
 
     def __repr__(self) -> str:

@@ -48,21 +48,23 @@ class TopK(Pattern):
 
     def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
         n_q, n_k = q.shape[-2], k.shape[-2]
-        if self.is_causal and n_q != n_k:
-            raise ValueError(f"causal topk needs n_q == n_k, got {n_q} and {n_k}")
+        if self.is_causal and n_q > n_k:
+            raise ValueError(f"causal topk needs n_q <= n_k (the last n_q positions), got "
+                             f"{n_q} and {n_k}")
+        offset = n_k - n_q if self.is_causal else 0  # causal: query i sits at n_k - n_q + i
         keep = min(self.k, n_k)
         tables = []
         with torch.no_grad():
             for start in range(0, n_q, self.chunk):
                 scores = q[..., start : start + self.chunk, :] @ k.transpose(-1, -2)
                 if self.is_causal:
-                    i = torch.arange(start, start + scores.shape[-2])[:, None]
+                    i = torch.arange(start, start + scores.shape[-2])[:, None] + offset
                     scores = scores.masked_fill(torch.arange(n_k) > i, float("-inf"))
                 tables.append(scores.topk(keep, dim=-1).indices)
         index = torch.cat(tables, -2)
         valid = None
-        if self.is_causal:  # rows i < keep - 1 have fewer than `keep` allowed keys
-            valid = torch.arange(keep) <= torch.arange(n_q)[:, None]
+        if self.is_causal:  # positions p < keep - 1 have fewer than `keep` allowed keys
+            valid = torch.arange(keep) <= torch.arange(offset, n_k)[:, None]
         return AttentionGraph.from_neighbours(index, valid, n_k, causal=self.is_causal)
 
     def _graph(self, n: int) -> AttentionGraph:

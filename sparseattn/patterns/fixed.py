@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..graph import AttentionGraph
+from ..validate import check_finite_float, check_int
 from .base import Pattern, check_positive
 
 __all__ = [
@@ -57,6 +58,10 @@ class Dense(Pattern):
         crow = torch.arange(n + 1) * n
         return AttentionGraph(crow, torch.arange(n).repeat(n), n, n)
 
+    def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
+        return AttentionGraph(torch.arange(n - start + 1) * n, torch.arange(n).repeat(n - start),
+                              n - start, n)
+
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return torch.ones_like(q_idx, dtype=torch.bool)
 
@@ -76,8 +81,12 @@ class Window(Pattern):
         check_positive("w", self.w)
 
     def _graph(self, n: int) -> AttentionGraph:
-        offsets = torch.arange(-math.ceil(self.w / 2), self.w // 2 + 1)
-        return _table(torch.arange(n)[:, None] + offsets, n)
+        # offsets past ±(n − 1) never land inside the sequence: clamp (no huge w allocations)
+        return self._rows(n, 0)
+
+    def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
+        offsets = torch.arange(-min(math.ceil(self.w / 2), n - 1), min(self.w // 2, n - 1) + 1)
+        return _table(torch.arange(start, n)[:, None] + offsets, n)
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         delta = kv_idx - q_idx
@@ -94,8 +103,11 @@ class Stride(Pattern):
         check_positive("w", self.w)
 
     def _graph(self, n: int) -> AttentionGraph:
-        steps = torch.arange(-(-n // self.w)) * self.w
-        return _table(torch.arange(n)[:, None] % self.w + steps, n)
+        return self._rows(n, 0)
+
+    def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
+        steps = torch.arange(-(-n // self.w)) * min(self.w, n)  # w >= n: the diagonal only
+        return _table(torch.arange(start, n)[:, None] % self.w + steps, n)
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return (kv_idx - q_idx) % self.w == 0
@@ -111,8 +123,11 @@ class BlockLocal(Pattern):
         check_positive("block", self.block)
 
     def _graph(self, n: int) -> AttentionGraph:
-        start = torch.arange(n)[:, None] // self.block * self.block
-        return _table(start + torch.arange(self.block), n)
+        return self._rows(n, 0)
+
+    def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
+        first = torch.arange(start, n)[:, None] // self.block * self.block
+        return _table(first + torch.arange(min(self.block, n)), n)
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return q_idx // self.block == kv_idx // self.block
@@ -128,8 +143,12 @@ class FixedSummary(Pattern):
         check_positive("w", self.w)
 
     def _graph(self, n: int) -> AttentionGraph:
-        summary = torch.arange(self.w - 1, max(n, self.w - 1), self.w).view(1, -1).expand(n, -1)
-        return _table(torch.cat([torch.arange(n)[:, None], summary], 1), n)
+        return self._rows(n, 0)
+
+    def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
+        w = min(self.w, n + 1)  # w > n: no segment end inside the sequence
+        summary = torch.arange(w - 1, n, w).view(1, -1).expand(n - start, -1)
+        return _table(torch.cat([torch.arange(start, n)[:, None], summary], 1), n)
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return (kv_idx == q_idx) | (kv_idx % self.w == self.w - 1)
@@ -152,7 +171,8 @@ class Star(Pattern):
         rows = [torch.full((n,), m)]
         cols = [torch.arange(n)]
         if m > 0:
-            ring = (torch.arange(m)[:, None] + torch.arange(-self.w, self.w + 1)) % m
+            w = min(self.w, m)  # a wider ring only repeats keys
+            ring = (torch.arange(m)[:, None] + torch.arange(-w, w + 1)) % m
             relay = torch.full((m, 1), m)
             table = torch.cat([ring, relay], 1)
             rows.append(_rows(m, table.shape[1]).reshape(-1))
@@ -176,12 +196,13 @@ class GlobalTokens(Pattern):
     tokens: int | tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if isinstance(self.tokens, int):
+        if not isinstance(self.tokens, (tuple, list)):
             check_positive("global_tokens", self.tokens)
         else:
-            object.__setattr__(self, "tokens", tuple(sorted(set(int(t) for t in self.tokens))))
-            if not self.tokens or self.tokens[0] < 0:
-                raise ValueError(f"global_tokens must be non-empty and >= 0, got {self.tokens}")
+            tokens = tuple(sorted({check_int("global_tokens[i]", t, 0) for t in self.tokens}))
+            object.__setattr__(self, "tokens", tokens)
+            if not self.tokens:
+                raise ValueError("global_tokens must be an int >= 1 or a non-empty list of ints")
 
     def positions(self, n: int) -> Tensor:
         if isinstance(self.tokens, int):
@@ -190,10 +211,14 @@ class GlobalTokens(Pattern):
         return pos[pos < n]
 
     def _graph(self, n: int) -> AttentionGraph:
-        g = self.positions(n)
-        rows = torch.cat([g.repeat_interleave(n), torch.arange(n).repeat_interleave(g.numel())])
-        cols = torch.cat([torch.arange(n).repeat(g.numel()), g.repeat(n)])
-        return AttentionGraph.from_edges(rows, cols, n, n)
+        return self._rows(n, 0)
+
+    def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
+        g, m = self.positions(n), n - start
+        gq = g[g >= start] - start  # global queries among the rows
+        rows = torch.cat([gq.repeat_interleave(n), torch.arange(m).repeat_interleave(g.numel())])
+        cols = torch.cat([torch.arange(n).repeat(gq.numel()), g.repeat(m)])
+        return AttentionGraph.from_edges(rows, cols, m, n)
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         g = self.positions(n)
@@ -262,8 +287,9 @@ class Random(Pattern):
             raise ValueError("random pattern: give exactly one of k or density")
         if self.k is not None:
             check_positive("k", self.k)
-        elif not 0 < self.density <= 1:
-            raise ValueError(f"density must lie in (0, 1], got {self.density}")
+        else:
+            check_finite_float("density", self.density, 0.0, 1.0, low_open=True)
+        check_int("seed", self.seed)
 
     def keys_per_query(self, n: int) -> int:
         k = self.k if self.k is not None else max(1, round(self.density * n))
@@ -300,6 +326,7 @@ class RandomBlocks(Pattern):
     def __post_init__(self) -> None:
         check_positive("random_blocks", self.random_blocks)
         check_positive("block", self.block)
+        check_int("seed", self.seed)
 
     def block_table(self, n: int) -> Tensor:
         """LongTensor[ceil(n/b), r]: the key blocks chosen by each query block (drawn once per
@@ -314,7 +341,7 @@ class RandomBlocks(Pattern):
 
     def _graph(self, n: int) -> AttentionGraph:
         table = self.block_table(n)  # (nb, r)
-        keys = (table[:, :, None] * self.block + torch.arange(self.block)).flatten(1)
+        keys = (table[:, :, None] * self.block + torch.arange(min(self.block, n))).flatten(1)
         per_query = keys[torch.arange(n) // self.block]
         return _table(per_query, n)
 
@@ -348,6 +375,7 @@ def fixed(w: int, part: int | None = None) -> Pattern:
     ends, ``None`` their union. ``fixed(w).parts`` gives (A¹, A²)."""
     from .compose import union
 
+    check_positive("w", w)  # named w here, not BlockLocal's block
     parts = (BlockLocal(w), FixedSummary(w))
     return _pick("fixed", parts, part, union)
 
@@ -371,6 +399,10 @@ def global_tokens(tokens: int | Sequence[int]) -> Pattern:
 
 
 def _global(tokens: int | Sequence[int]) -> GlobalTokens:
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (int, Sequence, Tensor)):
+        raise TypeError(
+            f"global_tokens must be an int or a sequence of ints, got {type(tokens).__name__}"
+        )
     return GlobalTokens(tokens if isinstance(tokens, int) else tuple(tokens))
 
 
