@@ -3,10 +3,12 @@
 
     python -m sparseattn.bench.fullrows [--n 4096] [--heads 8] [--threads 2] [--repeats 3]
 
-Times are medians of ``repeats`` calls after a warm-up (``sparseattn.measure.measure``), peak
-memory the largest C-heap increase during one call. The package baseline is timed on the
-ready score matrix (its map alone) and, for the whole attention, plus the two matrix
-products. Prints one JSON object: machine facts, times (s), peaks (MiB), ratios.
+SDPA and the dense-pattern calls are timed interleaved (round robin, ``repeats`` rounds after
+a warm-up call that also records the peak C-heap increase), so that a change of machine load
+hits every contender alike. The ``entmax`` package is timed on the ready score matrix (its map
+alone, without the two matrix products) with ``sparseattn.measure.measure`` (median of
+``repeats`` after a warm-up). Prints one JSON object: machine facts, times (s), peaks (MiB),
+ratios.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import argparse
 import json
 import os
 import platform
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 
 import sparseattn as sa
-from sparseattn.measure import measure
+from sparseattn.measure import measure, peak_memory
 
 
 def _cpu() -> str:
@@ -52,22 +56,32 @@ def run(n: int, heads: int, repeats: int, maps: list[str]) -> dict:
         "results": {},
     }
     res = out["results"]
+    calls = {"sdpa softmax": lambda: F.scaled_dot_product_attention(q, k, v)}
+    for name in maps:
+        calls[f"sparseattn {name}"] = lambda name=name: sa.sparse_attention(
+            q, k, v, sa.dense(), name
+        )
     with torch.no_grad():
-        res["sdpa softmax"] = measure(lambda: F.scaled_dot_product_attention(q, k, v), repeats, 1e9)
+        for label, fn in calls.items():  # warm-up and peak memory, one call each
+            with peak_memory() as mem:
+                fn()
+            res[label] = {"peak_mb": mem["mb"], "times_s": []}
+        for _ in range(repeats):  # interleaved: a load change hits every contender alike
+            for label, fn in calls.items():
+                start = time.perf_counter()
+                fn()
+                res[label]["times_s"].append(time.perf_counter() - start)
+        for label in calls:
+            res[label]["time_s"] = statistics.median(res[label]["times_s"])
         for name in maps:
-            res[f"sparseattn {name}"] = measure(
-                lambda name=name: sa.sparse_attention(q, k, v, sa.dense(), name), repeats, 1e9
-            )
             if name in package:
                 scores = (q @ k.transpose(-1, -2)) * scale
                 res[f"entmax package {name} (map only)"] = measure(
                     lambda name=name, s=scores: package[name](s, dim=-1), repeats, 1e9
                 )
                 del scores
-        res["sdpa softmax (again)"] = measure(
-            lambda: F.scaled_dot_product_attention(q, k, v), repeats, 1e9
-        )
-    sdpa = min(res["sdpa softmax"]["time_s"], res["sdpa softmax (again)"]["time_s"])
+    out["load after"] = os.getloadavg()
+    sdpa = res["sdpa softmax"]["time_s"]
     for name in maps:
         ours = res[f"sparseattn {name}"]["time_s"]
         out[f"{name}: ours / sdpa"] = ours / sdpa
