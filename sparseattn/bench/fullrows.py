@@ -38,7 +38,7 @@ def _cpu() -> str:
     return platform.processor()
 
 
-def run(n: int, heads: int, repeats: int, maps: list[str]) -> dict:
+def run(n: int, heads: int, repeats: int, maps: list[str], package_too: bool = True) -> dict:
     """Times and peaks for SDPA, the dense-pattern path and the entmax package at length n."""
     import entmax
 
@@ -74,7 +74,7 @@ def run(n: int, heads: int, repeats: int, maps: list[str]) -> dict:
         for label in calls:
             res[label]["time_s"] = statistics.median(res[label]["times_s"])
         for name in maps:
-            if name in package:
+            if package_too and name in package:
                 scores = (q @ k.transpose(-1, -2)) * scale
                 res[f"entmax package {name} (map only)"] = measure(
                     lambda name=name, s=scores: package[name](s, dim=-1), repeats, 1e9
@@ -99,9 +99,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--maps", default="entmax15", help="comma-separated map names")
+    parser.add_argument("--no-package", action="store_true", help="skip the entmax package")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(json.dumps(run(args.n, args.heads, args.repeats, args.maps.split(",")), indent=1))
+    print(
+        json.dumps(
+            run(args.n, args.heads, args.repeats, args.maps.split(","), not args.no_package),
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":
