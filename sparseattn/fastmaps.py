@@ -143,7 +143,8 @@ def _start(x: Tensor, alpha: float | Tensor, tiles: Tensor | None) -> Tensor:
     for _ in range(_START_STEPS):
         d = (tiles - t).clamp_min_(0.0)
         if isinstance(alpha, float) and alpha == 2.0:  # Michelot's step
-            t = t + (d.sum(-1, keepdim=True) - 1) / d.sign().sum(-1, keepdim=True)
+            count = d.sign().sum(-1, keepdim=True)  # 0 only on rows without valid entries
+            t = t + (d.sum(-1, keepdim=True) - 1) / count.clamp_min(1.0)
         elif isinstance(alpha, float) and alpha == 1.5:  # Newton on ‖[x − τ]₊‖₂ − 1
             norm = torch.linalg.vector_norm(d, 2, -1, keepdim=True)
             t = t + norm * (norm - 1) / d.sum(-1, keepdim=True).clamp_min(tiny)
