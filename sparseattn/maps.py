@@ -236,7 +236,7 @@ class _EntmaxAlphaFunction(torch.autograd.Function):
 
     ∂L/∂z is the closed form of :class:`_EntmaxFunction` with s = p^{2−α} per row. With
     ŝ = s / Σs and the Shannon terms h = p log p (0 off the support), the gradient in α is the
-    one of the ``entmax`` package's ``EntmaxBisectFunction`` (Correia et al. 2019, eq. 10):
+    one of the ``entmax`` package's ``EntmaxBisectFunction`` (Correia et al. 2019):
     ∂L/∂α = Σ_j g_j [(p_j − ŝ_j)/(α − 1)² − (h_j − ŝ_j Σ_i h_i)/(α − 1)].
     """
 
@@ -346,7 +346,7 @@ def entmax(alpha: float | Tensor) -> ProbabilityMap:
     ``alpha`` may also be a floating tensor, every entry finite and > 1, one α per row:
     broadcastable to ``scores.shape[:-1] + (1,)``, e.g. (H, 1, 1) per head against scores
     (B, H, n, K), as in the Adaptively Sparse Transformer (Correia et al. 2019). With
-    ``requires_grad`` the map gives ∂L/∂α (Correia et al. eq. 10; the ``entmax`` package's
+    ``requires_grad`` the map gives ∂L/∂α (Correia et al. 2019; the ``entmax`` package's
     ``entmax_bisect`` gradient). Threshold by safeguarded Newton with per-row α.
     """
     if isinstance(alpha, Tensor):
