@@ -11,9 +11,11 @@ import torch
 from torch import Tensor, nn
 
 from .engines import ENGINES
+from .engines.rows import full_rows_attention
 from .graph import AttentionGraph, broadcast_or_none
-from .maps import ProbabilityMap, resolve_prob_map
-from .patterns import HeadSplit, Pattern, PatternCycle, as_cycle, dense
+from .maps import ProbabilityMap, entmax, resolve_prob_map
+from .patterns import Causal, HeadSplit, Pattern, PatternCycle, as_cycle, dense
+from .patterns.fixed import Dense
 
 __all__ = [
     "sparse_attention",
@@ -145,7 +147,9 @@ def sparse_attention(
             n_k may differ from n_q (cross-attention) for patterns that allow it.
         pattern: a Pattern (static or data-dependent) or a ready AttentionGraph.
         prob_map: ρ — a ProbabilityMap or one of "softmax", "hardmax", "sparsemax", "entmax15".
-        engine: "auto" (:func:`choose_engine`), "dense" (masked n×n reference), "block"
+        engine: "auto" (:func:`choose_engine`; the dense pattern goes to SDPA for softmax and
+            to "rows" for other maps, without building its graph), "dense" (masked n×n
+            reference), "rows" (full rows in chunks of queries), "block"
             (block-sparse matrix products), "gather" (neighbour lists) or "flex" (compiled
             FlexAttention; softmax, and on CPU inference only). docs/engines.md.
         scale: score scale, default 1/√d.
@@ -159,17 +163,33 @@ def sparse_attention(
     """
     _check_qkv(q, k, v)
     rho = resolve_prob_map(prob_map)
-    graph = resolve_graph(pattern, q, k)
+    causal = _full_rows(pattern, q, k) if engine in ("auto", "rows") else None
+    graph = None if causal is not None else resolve_graph(pattern, q, k)
     if key_padding_mask is not None:
         _check_key_padding(key_padding_mask, q, k)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if graph is None:  # the dense pattern: no n² graph (docs/engines.md, "full rows")
+        return full_rows_attention(q, k, v, rho, scale, key_padding_mask, dropout_p, causal)
     if engine == "auto":
         engine = choose_engine(graph, q, k)
+        if rho.alpha is not None and engine == "gather":  # per-row α: dense, block, rows
+            engine = "block"
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {['auto', *ENGINES]}, got {engine!r}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if rho.alpha is not None and engine not in ("dense", "block", "rows"):
+        raise ValueError(f"engine {engine!r} does not take a tensor alpha; use block or rows")
     return ENGINES[engine](q, k, v, graph, rho, scale, key_padding_mask, dropout_p)
+
+
+def _full_rows(pattern: object, q: Tensor, k: Tensor) -> bool | None:
+    """For the dense pattern: whether it is causal (False: every key); else None."""
+    if type(pattern) is Dense:
+        return False
+    if isinstance(pattern, Causal) and type(pattern.base) is Dense and q.shape[-2] == k.shape[-2]:
+        return True
+    return None
 
 
 def attention_weights(
@@ -221,6 +241,10 @@ class SparseAttention(nn.Module):
         dropout: dropout on attention weights in training.
         bias: biases in the projections.
         layer_index: this layer's place in a stack (used by a cycle).
+        learn_alpha: learn one α per head (the Adaptively Sparse Transformer, Correia et al.
+            2019): ``prob_map`` must be α-entmax with α > 1 (e.g. ``"entmax15"``), its α the
+            initial value; α_h = 1 + softplus(θ_h) > 1 with θ the parameter ``alpha_logit``
+            (H,); :attr:`alpha` reads the current values.
     """
 
     def __init__(
@@ -233,6 +257,7 @@ class SparseAttention(nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         layer_index: int = 0,
+        learn_alpha: bool = False,
     ) -> None:
         super().__init__()
         if embed_dim < 1 or num_heads < 1 or embed_dim % num_heads:
@@ -251,6 +276,23 @@ class SparseAttention(nn.Module):
         self.dropout = dropout
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bias)
         self.out = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.alpha_logit = None
+        if learn_alpha:
+            is_sparsemax = self.prob_map.name == "sparsemax"
+            alpha = 2.0 if is_sparsemax else self.prob_map.params.get("alpha", 0.0)
+            if not (is_sparsemax or self.prob_map.name == "entmax") or not alpha > 1.0:
+                raise ValueError(
+                    f"learn_alpha needs prob_map α-entmax with α > 1, got {self.prob_map!r}"
+                )
+            theta = math.log(math.expm1(alpha - 1.0))  # softplus⁻¹(α − 1)
+            self.alpha_logit = nn.Parameter(torch.full((num_heads,), theta))
+
+    @property
+    def alpha(self) -> Tensor | None:
+        """The heads' α (H,) = 1 + softplus(alpha_logit) with ``learn_alpha``, else None."""
+        if self.alpha_logit is None:
+            return None
+        return 1.0 + nn.functional.softplus(self.alpha_logit)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         """x: (batch, n, embed_dim) → (batch, n, embed_dim); key_padding_mask: (batch, n)."""
@@ -265,7 +307,7 @@ class SparseAttention(nn.Module):
             k,
             v,
             self.pattern,
-            self.prob_map,
+            self.prob_map if self.alpha_logit is None else entmax(self.alpha.view(-1, 1, 1)),
             self.engine,
             key_padding_mask=key_padding_mask,
             dropout_p=self.dropout if self.training else 0.0,
