@@ -138,6 +138,28 @@ class AttentionGraph:
         return cls(crow, cols, n_q, n_k, batch_shape, causal)
 
     @classmethod
+    def from_ranges(
+        cls, start: Tensor, stop: Tensor, n_k: int, causal: bool = False
+    ) -> AttentionGraph:
+        """Graph whose query i attends to the keys start[i] … stop[i] − 1 (windows, blocks).
+
+        ``start``, ``stop``: LongTensor[n_q], clamped to [0, n_k]. O(n_q + E), written piece by
+        piece (``row_pieces``) into the edge array, without a (n_q, K) table.
+        """
+        start = start.clamp(0, n_k)
+        degrees = (stop.clamp(max=n_k) - start).clamp_min(0)
+        crow = torch.zeros(start.numel() + 1, dtype=torch.long)
+        torch.cumsum(degrees, 0, out=crow[1:])
+        graph = cls(crow, torch.empty(int(crow[-1]), dtype=torch.long), start.numel(), n_k,
+                    (), causal)
+        shift = start - crow[:-1]  # col[e] = e + shift[row of e]
+        for lo, hi in graph.row_pieces():
+            e0, e1 = int(crow[lo]), int(crow[hi])
+            piece = torch.arange(e0, e1, out=graph.col[e0:e1])
+            piece += torch.repeat_interleave(shift[lo:hi], degrees[lo:hi], output_size=e1 - e0)
+        return graph
+
+    @classmethod
     def from_neighbours(
         cls, index: Tensor, valid: Tensor | None, n_k: int, causal: bool = False
     ) -> AttentionGraph:
@@ -383,29 +405,45 @@ class AttentionGraph:
     def union(self, other: AttentionGraph) -> AttentionGraph:
         """G ∪ G' (Yun §5.1 UNION), broadcasting leading dims.
 
-        A merge, not a sort: the smaller graph's edge keys are located in the larger one's
-        sorted keys by binary search, O(E_small · log E_large + E_large).
+        A merge, not a sort, piece by piece (``row_pieces``): in each piece the smaller side's
+        sorted edge keys are located in the larger side's by binary search,
+        O(E_small · log E_large + E).
         """
         a, b = self._aligned(other)
-        causal = a.causal and b.causal
-        if a.col.numel() < b.col.numel():
-            a, b = b, a
-        keys, new = a._edge_keys(), b._edge_keys()
-        pos = torch.searchsorted(keys, new)
-        if keys.numel():
-            fresh = keys[pos.clamp(max=keys.numel() - 1)] != new
-            fresh |= pos == keys.numel()
-            pos, new = pos[fresh], new[fresh]
-        # the i-th fresh key (sorted) lands after pos[i] keys of a and i fresh keys
-        at = pos + torch.arange(pos.numel())
-        from_b = torch.zeros(keys.numel() + at.numel(), dtype=torch.bool)
-        from_b[at] = True
-        col = torch.empty(from_b.numel(), dtype=torch.long)
-        col[at] = new % a.n_k
-        col[~from_b] = a.col
-        crow = a.crow.clone()
-        crow[1:] += torch.cumsum(torch.bincount(new // a.n_k, minlength=a.num_rows), 0)
-        return AttentionGraph(crow, col, a.n_q, a.n_k, a.batch_shape, causal)
+        both = AttentionGraph(a.crow + b.crow, a.col, a.n_q, a.n_k, a.batch_shape)
+        cols, counts = [], []
+        for lo, hi in both.row_pieces():
+            big, small = (a, b) if a._piece_size(lo, hi) >= b._piece_size(lo, hi) else (b, a)
+            keys, new = big._piece_keys(lo, hi), small._piece_keys(lo, hi)
+            pos = torch.searchsorted(keys, new)
+            if keys.numel():
+                seen = keys[pos.clamp(max=keys.numel() - 1)] == new
+                pos, new = pos[~seen], new[~seen]
+            # the i-th fresh key (sorted) lands after pos[i] keys of the big side and i fresh
+            at = pos + torch.arange(pos.numel())
+            from_small = torch.zeros(keys.numel() + at.numel(), dtype=torch.bool)
+            from_small[at] = True
+            piece = torch.empty(from_small.numel(), dtype=torch.long)
+            piece[at] = new % a.n_k
+            piece[~from_small] = big.col[big.crow[lo] : big.crow[hi]]
+            cols.append(piece)
+            degrees = big.crow[lo + 1 : hi + 1] - big.crow[lo:hi]
+            counts.append(degrees + torch.bincount(new // a.n_k, minlength=hi - lo))
+        crow = torch.zeros_like(a.crow)
+        if counts:
+            torch.cumsum(torch.cat(counts), 0, out=crow[1:])
+        col = torch.cat(cols) if cols else a.col[:0]
+        return AttentionGraph(crow, col, a.n_q, a.n_k, a.batch_shape, a.causal and b.causal)
+
+    def _piece_size(self, lo: int, hi: int) -> int:
+        return int(self.crow[hi] - self.crow[lo])
+
+    def _piece_keys(self, lo: int, hi: int) -> Tensor:
+        """Sorted keys (row − lo)·n_k + col of the edges of flattened rows lo … hi − 1."""
+        e0, e1 = int(self.crow[lo]), int(self.crow[hi])
+        deg = self.crow[lo + 1 : hi + 1] - self.crow[lo:hi]
+        rows = torch.repeat_interleave(torch.arange(hi - lo), deg, output_size=e1 - e0)
+        return rows * self.n_k + self.col[e0:e1]
 
     def intersection(self, other: AttentionGraph) -> AttentionGraph:
         """G ∩ G', broadcasting leading dims."""

@@ -121,7 +121,8 @@ def test_extracted_pattern_reproduces_the_dam_attention(rho, structured, symmetr
 
 def brute_force_learned(dam, n):
     """The documented rule, with loops: keep (i, j) iff ℓ_ij > 0; DAM_u: an empty row keeps its
-    first argmax entry (and its mirror when ℓ is symmetric); DAM_s: if no offset d ≤ ⌈(n − 1)/2⌉ is kept, keep the best of those."""
+    first argmax entry (and its mirror when ℓ is symmetric); DAM_s: if no offset
+    d ≤ ⌈(n − 1)/2⌉ is kept, keep the best of those."""
     heads = dam.num_heads
     out = torch.zeros(heads, n, n, dtype=torch.bool)
     for h in range(heads):

@@ -85,8 +85,8 @@ class Window(Pattern):
         return self._rows(n, 0)
 
     def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
-        offsets = torch.arange(-min(math.ceil(self.w / 2), n - 1), min(self.w // 2, n - 1) + 1)
-        return _table(torch.arange(start, n)[:, None] + offsets, n)
+        i = torch.arange(start, n)  # offsets past ±(n − 1) are clamped: no huge w allocations
+        return AttentionGraph.from_ranges(i - min(math.ceil(self.w / 2), n), i + 1 + self.w // 2, n)
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         delta = kv_idx - q_idx
@@ -126,8 +126,8 @@ class BlockLocal(Pattern):
         return self._rows(n, 0)
 
     def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
-        first = torch.arange(start, n)[:, None] // self.block * self.block
-        return _table(first + torch.arange(min(self.block, n)), n)
+        first = torch.arange(start, n) // self.block * self.block
+        return AttentionGraph.from_ranges(first, first + min(self.block, n), n)
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return q_idx // self.block == kv_idx // self.block
