@@ -346,10 +346,11 @@ def block_pairs(graph: AttentionGraph, block: int, partial: bool = False) -> Blo
             index = torch.full((span * nbk,), -1, dtype=torch.long)
             index[nz[~whole]] = (~whole).nonzero().squeeze(1) + found
             pair = index[key]
-            sel = pair >= 0
-            e_pair.append(pair[sel])
-            e_q.append(torch.repeat_interleave(local % block, deg, output_size=e1 - e0)[sel])
-            e_k.append(col[sel] & (block - 1) if shift is not None else col[sel] % block)
+            at = (pair >= 0).nonzero().squeeze(1)  # the edges of partial pairs (few)
+            row = torch.searchsorted(graph.crow[lo + 1 : hi + 1], at + e0, right=True)
+            e_pair.append(pair[at])
+            e_q.append(local[row] % block)
+            e_k.append(col[at] % block)
         found += nz.numel()
     out = BlockPairs(_cat(keys), _cat(counts), _cat(full, torch.bool))
     if partial:
