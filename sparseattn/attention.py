@@ -13,9 +13,17 @@ from torch import Tensor, nn
 from .engines import ENGINES
 from .engines.rows import full_rows_attention
 from .graph import AttentionGraph, broadcast_or_none
-from .maps import ProbabilityMap, entmax, resolve_prob_map
+from .maps import NonFiniteScoresError, ProbabilityMap, entmax, resolve_prob_map
 from .patterns import Causal, HeadSplit, Pattern, PatternCycle, as_cycle, dense
 from .patterns.fixed import Dense
+from .validate import (
+    check_bool,
+    check_choice,
+    check_finite_float,
+    check_int,
+    check_positive,
+    check_probability,
+)
 
 __all__ = [
     "sparse_attention",
@@ -37,6 +45,8 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
             raise ValueError(f"{name} must have shape (batch, heads, n, d), got {tuple(t.shape)}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device; attention needs tensors with data")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.device == k.device == v.device:
@@ -48,6 +58,10 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must share the head dim d, got {q.shape[-1]} and {k.shape[-1]}")
+    if q.shape[-1] == 0:
+        raise ValueError("q and k must have a head dim d >= 1, got d = 0")
+    if k.shape[-2] == 0 and q.shape[-2] > 0:
+        raise ValueError("k must hold at least one key (n_k >= 1): every query needs a key")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k and v must share their length, got {k.shape[-2]} and {v.shape[-2]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -163,24 +177,29 @@ def sparse_attention(
     """
     _check_qkv(q, k, v)
     rho = resolve_prob_map(prob_map)
-    causal = _full_rows(pattern, q, k) if engine in ("auto", "rows") else None
-    graph = None if causal is not None else resolve_graph(pattern, q, k)
+    check_probability("dropout_p", dropout_p, allow_one=False)
+    check_choice("engine", engine, ["auto", *ENGINES])
+    scale = _resolve_scale(scale, q)
     if key_padding_mask is not None:
         _check_key_padding(key_padding_mask, q, k)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if graph is None:  # the dense pattern: no n² graph (docs/engines.md, "full rows")
-        return full_rows_attention(q, k, v, rho, scale, key_padding_mask, dropout_p, causal)
+    if _empty_output(q, v, pattern):
+        return _empty_result(q, k, v)
+    causal = _full_rows(pattern, q, k) if engine in ("auto", "rows") else None
+    if causal is not None:  # the dense pattern: no n² graph (docs/engines.md, "full rows")
+        out = full_rows_attention(q, k, v, rho, scale, key_padding_mask, dropout_p, causal)
+        return _check_overflow(out, scale)
+    graph = resolve_graph(pattern, q, k)
     if engine == "auto":
         engine = choose_engine(graph, q, k)
         if rho.alpha is not None and engine == "gather":  # per-row α: dense, block, rows
             engine = "block"
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {['auto', *ENGINES]}, got {engine!r}")
     if rho.alpha is not None and engine not in ("dense", "block", "rows"):
         raise ValueError(f"engine {engine!r} does not take a tensor alpha; use block or rows")
-    return ENGINES[engine](q, k, v, graph, rho, scale, key_padding_mask, dropout_p)
+    try:
+        out = ENGINES[engine](q, k, v, graph, rho, scale, key_padding_mask, dropout_p)
+    except NonFiniteScoresError:  # inputs were checked finite: scale · q·k overflowed
+        out = q.new_full((1,), math.nan)
+    return _check_overflow(out, scale)
 
 
 def _full_rows(pattern: object, q: Tensor, k: Tensor) -> bool | None:
@@ -207,17 +226,54 @@ def attention_weights(
     """
     _check_qkv(q, k, k)
     rho = resolve_prob_map(prob_map)
+    scale = _resolve_scale(scale, q)
+    if key_padding_mask is not None:
+        _check_key_padding(key_padding_mask, q, k)
+    if _empty_output(q, k, pattern):
+        return _empty_result(q, k, k, k.shape[-2])
     graph = resolve_graph(pattern, q, k)
     mask = graph.to_dense().to(q.device)
     if key_padding_mask is not None:
-        _check_key_padding(key_padding_mask, q, k)
         mask = mask & key_padding_mask[:, None, None, :]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return rho((q @ k.transpose(-1, -2)) * scale, mask)
+    scores = _check_overflow((q @ k.transpose(-1, -2)) * scale, scale)
+    return rho(scores, mask)
+
+
+def _resolve_scale(scale: float | None, q: Tensor) -> float:
+    """The score scale: 1/√d by default, else a finite real number."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_finite_float("scale", scale)
+
+
+def _empty_output(q: Tensor, v: Tensor, pattern: object) -> bool:
+    """Batch, heads, queries or value dim 0: the output is empty (defined, no graph built)."""
+    if not isinstance(pattern, (Pattern, AttentionGraph)):
+        resolve_graph(pattern, q, v)  # raises the TypeError
+    return q.shape[0] * q.shape[1] * q.shape[2] * v.shape[-1] == 0
+
+
+def _empty_result(q: Tensor, k: Tensor, v: Tensor, last: int | None = None) -> Tensor:
+    shape = (*q.shape[:3], v.shape[-1] if last is None else last)
+    # zero times every input keeps the (zero) gradient path to q, k and v
+    return q.new_zeros(shape) + (q.sum() + k.sum() + v.sum()) * 0
+
+
+def _check_overflow(out: Tensor, scale: float) -> Tensor:
+    """Finite inputs give a finite output unless scale · q·k overflows the dtype: refuse that."""
+    if not torch.isfinite(out.detach().sum()) and not bool(torch.isfinite(out).all()):
+        raise ValueError(
+            f"scale · q·kᵀ overflows {out.dtype} (scale = {scale:g}): the scores are not "
+            "finite; use a smaller scale, smaller inputs or a wider dtype"
+        )
+    return out
 
 
 def _check_key_padding(key_padding_mask: Tensor, q: Tensor, k: Tensor) -> None:
     expected = (q.shape[0], k.shape[-2])
+    if not isinstance(key_padding_mask, Tensor):
+        raise TypeError(
+            f"key_padding_mask must be a bool tensor of shape {expected}, "
+            f"got {type(key_padding_mask).__name__}"
+        )
     if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != expected:
         raise ValueError(
             f"key_padding_mask must be a bool tensor of shape {expected}, "
@@ -260,7 +316,13 @@ class SparseAttention(nn.Module):
         learn_alpha: bool = False,
     ) -> None:
         super().__init__()
-        if embed_dim < 1 or num_heads < 1 or embed_dim % num_heads:
+        check_positive("embed_dim", embed_dim)
+        check_positive("num_heads", num_heads)
+        check_choice("engine", engine, ["auto", *ENGINES])
+        check_probability("dropout", dropout, allow_one=False)
+        check_bool("bias", bias)
+        check_int("layer_index", layer_index, 0)
+        if embed_dim % num_heads:
             raise ValueError(
                 f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})"
             )
@@ -277,7 +339,7 @@ class SparseAttention(nn.Module):
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bias)
         self.out = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.alpha_logit = None
-        if learn_alpha:
+        if check_bool("learn_alpha", learn_alpha):
             is_sparsemax = self.prob_map.name == "sparsemax"
             alpha = 2.0 if is_sparsemax else self.prob_map.params.get("alpha", 0.0)
             if not (is_sparsemax or self.prob_map.name == "entmax") or not alpha > 1.0:
@@ -296,12 +358,17 @@ class SparseAttention(nn.Module):
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         """x: (batch, n, embed_dim) → (batch, n, embed_dim); key_padding_mask: (batch, n)."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != self.qkv.weight.dtype:
+            raise TypeError(f"x must have the layer's dtype {self.qkv.weight.dtype}, got {x.dtype}")
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(
                 f"x must have shape (batch, n, {self.embed_dim}), got {tuple(x.shape)}"
             )
         bsz, n, _ = x.shape
-        q, k, v = self.qkv(x).view(bsz, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        head_dim = self.embed_dim // self.num_heads
+        q, k, v = self.qkv(x).view(bsz, n, 3, self.num_heads, head_dim).permute(2, 0, 3, 1, 4)
         out = sparse_attention(
             q,
             k,
