@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..patterns import Pattern, PatternCycle
+from ..validate import check_choice, check_int, check_positive
 
 __all__ = [
     "Assumption1Report",
@@ -43,6 +44,8 @@ PatternLike = Pattern | PatternCycle | AttentionGraph | Sequence[Pattern | Atten
 
 #: Word budget of one gather buffer in the hop recursion (int64 words; 4 Mi words = 32 MiB).
 _GATHER_WORDS = 1 << 22
+#: Most int64 words the p + 1 bitset states of the hop recursion may take (8 GiB).
+_MAX_STATE_WORDS = 1 << 30
 
 
 # --------------------------------------------------------------------------- inputs
@@ -69,8 +72,8 @@ def cycle_graphs(patterns: PatternLike, n: int | None = None) -> tuple[Attention
         )
     if not items:
         raise ValueError("patterns must hold at least one pattern")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"n must be a positive int, got {n!r}")
+    if n is not None:
+        n = check_positive("n", n)
     graphs = []
     for item in items:
         if isinstance(item, AttentionGraph):
@@ -240,13 +243,21 @@ def hops(
     self-loops the sequence is eventually periodic; a repeated state at the same phase proves s
     does not exist, and ``max_hops`` (default 4·p·n + 16) bounds the search otherwise.
     """
+    start = check_int("start", start, 0)
+    if max_hops is not None:
+        max_hops = check_positive("max_hops", max_hops)
     cyc = _Cycle.of(patterns, n)
     p, n = len(cyc.graphs), cyc.n
-    if not 0 <= start < p:
+    if start >= p:
         raise ValueError(f"start must lie in [0, {p}), got {start}")
+    if (p + 1) * (n + 1) * -(-n // 64) > _MAX_STATE_WORDS:
+        raise ValueError(
+            f"n={n} tokens with p={p} layers need {(p + 1) * (n + 1) * -(-n // 64) * 8:,} bytes "
+            f"of reach sets; at most {_MAX_STATE_WORDS * 8:,} are allocated"
+        )
     graphs = cyc.graphs[start:] + cyc.graphs[:start]
     monotone = all(bool(mask.all()) for mask in cyc.loops)
-    limit = 4 * p * n + 16 if max_hops is None else int(max_hops)
+    limit = 4 * p * n + 16 if max_hops is None else max_hops
     words = -(-n // 64)
     full = _full_row(n, words).expand(n, words)
     plans: list[list[_Chunk] | None] = [None] * p
@@ -467,6 +478,7 @@ def find_chain(patterns: PatternLike, n: int | None = None, budget: int = 200_00
     disconnected graph, or hubs whose removal leaves too many components), then an exact
     depth-first search limited to ``budget`` expansions.
     """
+    budget = check_int("budget", budget, 0)
     cyc = _Cycle.of(patterns, n)
     n = cyc.n
     if n == 1:
@@ -590,6 +602,9 @@ def assumption1(
         An :class:`Assumption1Report`.
     """
     start = time.perf_counter()
+    chain_budget = check_int("chain_budget", chain_budget, 0)
+    if max_hops is not None:
+        max_hops = check_positive("max_hops", max_hops)
     cyc = _Cycle.of(patterns, n)
     n, graphs = cyc.n, cyc.graphs
     missing = tuple(int((~mask).sum()) for mask in cyc.loops)
@@ -633,8 +648,9 @@ def named_pattern(
     """
     from ..patterns import NAMED, Union, cycle
 
-    if name not in NAMED:
-        raise ValueError(f"pattern must be one of {sorted(NAMED)}, got {name!r}")
+    check_choice("name", name, sorted(NAMED))
+    if config is not None:
+        check_choice("config", config, ("union", "sequential"))
     factory, example = NAMED[name]
     accepted = set(inspect.signature(factory).parameters)
     unknown = sorted(set(params) - accepted)
@@ -647,8 +663,6 @@ def named_pattern(
         config = "sequential" if name in ("strided", "fixed") else "union"
     if config == "union":
         return pattern
-    if config != "sequential":
-        raise ValueError(f"config must be 'union' or 'sequential', got {config!r}")
     if not isinstance(pattern, Union):
         raise ValueError(f"{name} has a single part; 'sequential' needs a union of patterns")
     return cycle(*pattern.parts)

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from ..patterns import Pattern, PatternCycle
+from ..validate import check_bool, check_int, check_positive
 from .connectivity import PatternLike, assumption1, cycle_graphs
 
 __all__ = [
@@ -54,6 +55,9 @@ __all__ = [
 ]
 
 Matrix = list[list[Fraction]]  # n columns of d entries: Z[k][r] is Z_{r,k}
+
+#: Most layers (attention plus quantization) a construction builds; more is refused up front.
+MAX_LAYERS = 1 << 20
 
 
 # --------------------------------------------------------------------------- layers
@@ -195,14 +199,27 @@ class ContextualMapping:
         return self.column_ids(self.attention(h))
 
 
-def _check_sizes(n: int, d: int, delta: Fraction | float | str) -> Fraction:
-    for name, value in (("n", n), ("d", d)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    delta = Fraction(delta)
+def _check_sizes(n: int, d: int, delta: Fraction | float | str) -> tuple[int, int, Fraction]:
+    n, d = check_positive("n", n), check_positive("d", d)
+    if isinstance(delta, bool) or not isinstance(delta, Fraction | int | float | str):
+        raise TypeError(f"delta must be a Fraction, float or str like '1/2', got {delta!r}")
+    try:
+        delta = Fraction(delta)
+    except (ValueError, OverflowError, ZeroDivisionError) as err:
+        raise ValueError(f"delta must be 1/m for an integer m >= 2, got {delta!r}") from err
     if delta <= 0 or delta.numerator != 1 or delta.denominator < 2:
         raise ValueError(f"delta must be 1/m for an integer m >= 2, got {delta}")
-    return delta
+    if d * math.log2(delta.denominator) > math.log2(MAX_LAYERS):
+        raise ValueError(
+            f"d={d} and delta={delta} give δ^-d = {delta.denominator}^{d} grid values per "
+            f"token; at most {MAX_LAYERS:,} layers are built"
+        )
+    return n, d, delta
+
+
+def _check_layers(count: int) -> None:
+    if count > MAX_LAYERS:
+        raise ValueError(f"n, d and delta give {count:,} layers; at most {MAX_LAYERS:,} are built")
 
 
 def yun_contextual_mapping(
@@ -228,11 +245,20 @@ def yun_contextual_mapping(
     Returns:
         A :class:`ContextualMapping` with p(n − 1)/δ^d + s attention layers.
     """
-    delta = _check_sizes(n, d, delta)
+    n, d, delta = _check_sizes(n, d, delta)
+    strict = check_bool("strict", strict)
     if n < 2:
         raise ValueError(f"Lemma 7 needs n >= 2, got {n}")
+    _check_layers((n - 1) * delta.denominator**d + d * n * delta.denominator)
+    if gamma is not None:
+        if isinstance(gamma, str) or not isinstance(gamma, Sequence):
+            raise TypeError(f"gamma must be a sequence of ints, got {type(gamma).__name__}")
+        gamma = tuple(check_int(f"gamma[{i}]", g) for i, g in enumerate(gamma))
+        if sorted(gamma) != list(range(n)):
+            raise ValueError(f"gamma must be a permutation of 0..{n - 1}, got {gamma}")
     graphs = cycle_graphs(patterns, n)
     p = len(graphs)
+    _check_layers(p * (n - 1) * delta.denominator**d + d * n * delta.denominator)
     report = assumption1(graphs)
     if report.hops is None or not report.self_loops:
         raise ValueError(
@@ -313,13 +339,13 @@ def sparsebert_contextual_mapping(
     the default here (``global_shifts`` changes it). Needs n ≥ 3 (with n = 2 a token's max and
     min over the others coincide).
     """
-    delta = _check_sizes(n, d, delta)
+    n, d, delta = _check_sizes(n, d, delta)
     m = delta.denominator
     cells = m**d
     if n < 3:
         raise ValueError(f"Lemma 4 needs n >= 3, got {n}")
-    if isinstance(global_shifts, bool) or not isinstance(global_shifts, int) or global_shifts < 0:
-        raise ValueError(f"global_shifts must be an int >= 0, got {global_shifts!r}")
+    global_shifts = check_int("global_shifts", global_shifts, 0)
+    _check_layers(cells + global_shifts + d * m)
     if n > cells:
         raise ValueError(f"n={n} tokens cannot be pairwise distinct among δ^-d={cells} values")
     attend = (tuple(tuple(j for j in range(n) if j != k) for k in range(n)),)
@@ -431,6 +457,11 @@ def verify_contextual_mapping(
     ``check_quantization`` each input is also fed as X = G + a random offset in [0, δ)^{d×n}
     through g_q, which must return G + E exactly.
     """
+    if not isinstance(cm, ContextualMapping):
+        raise TypeError(f"cm must be a ContextualMapping, got {type(cm).__name__}")
+    max_inputs = check_positive("max_inputs", max_inputs)
+    seed = check_int("seed", seed)
+    check_quantization = check_bool("check_quantization", check_quantization)
     start = time.perf_counter()
     m = cm.delta.denominator
     grids, exhaustive = _grids(cm, max_inputs, seed)

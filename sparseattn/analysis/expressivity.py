@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..graph import AttentionGraph
+from ..validate import check_bool, check_finite_float, check_finite_tensor, check_int
 
 __all__ = [
     "RatioErrors",
@@ -55,6 +56,8 @@ __all__ = [
 
 F64 = torch.float64
 _REDRAW_CHUNK = 8  # Y matrices drawn and checked together in construct_sam
+#: Most float64 entries of one matrix these functions allocate (2 GiB); more is refused.
+MAX_ENTRIES = 1 << 28
 
 
 # ---------------------------------------------------------------------------- input checks
@@ -64,7 +67,15 @@ def _matrix(value: Any, name: str, dtype: torch.dtype = F64) -> Tensor:
         if value.batch_shape:
             raise ValueError(f"{name} must be a single graph, got batch shape {value.batch_shape}")
         value = value.to_dense()
-    t = torch.as_tensor(value)
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(
+            f"{name} must be a matrix (tensor, array or nested list of numbers), "
+            f"got {type(value).__name__}"
+        ) from err
+    if t.is_complex():
+        raise TypeError(f"{name} must be real, got {t.dtype}")
     if t.dim() != 2:
         raise ValueError(f"{name} must be a 2-D matrix, got shape {tuple(t.shape)}")
     t = t.to(dtype)
@@ -104,24 +115,28 @@ def _nonnegative(value: Any, name: str) -> Tensor:
 
 
 def _positive_int(value: Any, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return check_int(name, value, minimum)
+
+
+def _entries(count: int, names: str) -> None:
+    """Refuse a matrix of more than ``MAX_ENTRIES`` entries (sizes ``names``)."""
+    if count > MAX_ENTRIES:
+        raise ValueError(
+            f"{names} ask for {count:,} entries; at most {MAX_ENTRIES:,} are allocated"
+        )
 
 
 def _eps(eps1: float, eps2: float) -> tuple[float, float]:
-    if not (isinstance(eps1, (int, float)) and 0 < eps1 < 1):
-        raise ValueError(f"eps1 must lie in the open interval (0, 1), got {eps1!r}")
-    if not (isinstance(eps2, (int, float)) and 0 < eps2 < math.inf):
-        raise ValueError(f"eps2 must be a finite number > 0, got {eps2!r}")
-    return float(eps1), float(eps2)
+    eps1 = check_finite_float("eps1", eps1, 0.0, 1.0, low_open=True, high_open=True)
+    return eps1, check_finite_float("eps2", eps2, 0.0, low_open=True)
 
 
 def _generator(seed: int | torch.Generator) -> torch.Generator:
     if isinstance(seed, torch.Generator):
         return seed
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int or a torch.Generator, got {seed!r}")
+    seed = check_int("seed", seed)
+    if not -(1 << 63) <= seed < 1 << 64:
+        raise ValueError(f"seed must lie in [-2^63, 2^64), got {seed}")
     return torch.Generator().manual_seed(seed)
 
 
@@ -129,8 +144,12 @@ def _weights(X: Tensor, W_q: Tensor, W_k: Tensor) -> None:
     for name, t in (("X", X), ("W_q", W_q), ("W_k", W_k)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor")
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{name} must be finite (no NaN or inf)")
+        if t.dtype != X.dtype or t.device != X.device:
+            raise TypeError(
+                f"{name} must have X's dtype and device ({X.dtype}, {X.device}), "
+                f"got {t.dtype}, {t.device}"
+            )
+        check_finite_tensor(name, t)
     if X.dim() < 2:
         raise ValueError(f"X must have shape (..., n, d_hid), got {tuple(X.shape)}")
     if W_q.dim() != 2 or W_q.shape != W_k.shape:
@@ -487,10 +506,10 @@ def try_weak_approx(
         )
     restarts = _positive_int(restarts, "restarts")
     steps = _positive_int(steps, "steps")
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
+    lr = check_finite_float("lr", lr, 0.0, low_open=True)
     gen = _generator(seed)
     n = s.shape[0]
+    _entries(max(n, d) * d_hid, "n, d and d_hid")
     rows = ~s.all(1)
     if not rows.any():
         x = torch.zeros(n, d_hid, dtype=F64)
@@ -540,7 +559,10 @@ def theorem_d(n: int, k: int, gamma: float, eps1: float, eps2: float) -> int:
     """
     n = _positive_int(n, "n", 2)
     k, c = _theorem_constants(k, gamma, eps1, eps2)
-    return 2 * math.ceil(16 * k**2 * c**2 * (2 * math.log(n) + math.log(n - 1) + math.log(2)))
+    value = 16 * float(k) ** 2 * c**2 * (2 * math.log(n) + math.log(n - 1) + math.log(2))
+    if not math.isfinite(value):
+        raise ValueError(f"n={n} with these k, gamma, eps1, eps2 gives a d beyond the float range")
+    return 2 * math.ceil(value)
 
 
 def theorem_slope(k: int, gamma: float, eps1: float, eps2: float) -> float:
@@ -552,10 +574,19 @@ def theorem_slope(k: int, gamma: float, eps1: float, eps2: float) -> float:
 def _theorem_constants(k: int, gamma: float, eps1: float, eps2: float) -> tuple[int, float]:
     """k and c = (log gamma - log eps1) / eps2 + 1 of eq. (6), validated."""
     k = _positive_int(k, "k")
-    if not (isinstance(gamma, (int, float)) and 1 <= gamma < math.inf):
-        raise ValueError(f"gamma must be a finite number >= 1, got {gamma!r}")
+    gamma = check_finite_float("gamma", gamma, 1.0)
     eps1, eps2 = _eps(eps1, eps2)
-    return k, (math.log(gamma) - math.log(eps1)) / eps2 + 1.0
+    c = (math.log(gamma) - math.log(eps1)) / eps2 + 1.0
+    try:
+        bound = 96.0 * float(k) ** 2 * c**2
+    except OverflowError:
+        bound = math.inf
+    if not math.isfinite(bound):
+        raise ValueError(
+            f"k={k}, gamma={gamma:g}, eps1={eps1:g}, eps2={eps2:g} give a dimension beyond "
+            "the float range"
+        )
+    return k, c
 
 
 @dataclass(frozen=True)
@@ -588,6 +619,7 @@ def construction_weights(d: int, d_hid: int) -> tuple[Tensor, Tensor]:
     d_hid = _positive_int(d_hid, "d_hid")
     if d_hid < d:
         raise ValueError(f"d_hid must be >= d, got {d_hid} < {d}")
+    _entries(d * d_hid, "d and d_hid")
     h = d // 2
     w_q = torch.zeros(d_hid, d, dtype=F64)
     w_q[:d, :d] = torch.eye(d, dtype=F64)
@@ -651,7 +683,9 @@ def construct_sam(
     if d % 2 or d > 2 * n:
         raise ValueError(f"d must be even and at most 2n = {2 * n} (Theorem 0.4), got {d}")
     d_hid = d if d_hid is None else _positive_int(d_hid, "d_hid")
+    _entries(n * d_hid, "n and d_hid")
     redraws = n if redraws is None else _positive_int(redraws, "redraws")
+    causal = check_bool("causal", causal)
     if causal and bool(torch.triu(a, 1).any()):
         raise ValueError("A must be lower triangular when causal=True (Corollary 0.7)")
     w_q, w_k = construction_weights(d, d_hid)
@@ -741,15 +775,23 @@ def least_construct_d(
     """
     a = _nonnegative(A, "A")
     n = a.shape[0]
-    grid = range(2, 2 * n + 1, 2) if d_values is None else sorted({int(v) for v in d_values})
+    if d_values is None:
+        grid = range(2, 2 * n + 1, 2)
+    else:
+        try:
+            values = list(d_values)
+        except TypeError as err:
+            raise TypeError(f"d_values must be an iterable of ints, got {d_values!r}") from err
+        grid = sorted({check_int(f"d_values[{i}]", v) for i, v in enumerate(values)})
     for v in grid:
         if v < 2 or v % 2 or v > 2 * n:
             raise ValueError(f"d_values must be even numbers in [2, 2n = {2 * n}], got {v}")
-    if not q > 0:
-        raise ValueError(f"q must be > 0, got {q!r}")
-    redraws = max(1, round(q * n))
+    q = check_finite_float("q", q, 0.0, low_open=True)
+    seed = check_int("seed", seed)
+    causal = check_bool("causal", causal)
+    redraws = max(1, min(round(q * n), MAX_ENTRIES))
     for v in [*grid, 2 * n]:
-        gen = torch.Generator().manual_seed(int(seed) * 100_003 + v)
+        gen = _generator(seed * 100_003 + v)
         res = construct_sam(a, v, eps1, eps2, redraws=redraws, seed=gen, causal=causal)
         if res.success:
             return v, res
@@ -768,8 +810,9 @@ def random_sparse_stochastic(
     """
     n = _positive_int(n, "n")
     k = _positive_int(k, "k")
-    if not (isinstance(gamma, (int, float)) and 1 <= gamma < math.inf):
-        raise ValueError(f"gamma must be a finite number >= 1, got {gamma!r}")
+    gamma = check_finite_float("gamma", gamma, 1.0)
+    causal = check_bool("causal", causal)
+    _entries(n * n, "n")
     gen = _generator(seed)
     support = torch.zeros(n, n, dtype=torch.bool)
     rows = torch.arange(n)

@@ -19,22 +19,24 @@ import torch
 from torch import Tensor
 
 from ..maps import ProbabilityMap, hardmax, resolve_prob_map
+from ..validate import check_finite_float, check_int, check_positive
 
 __all__ = ["Assumption2Report", "assumption2", "closed_form_t", "margin_inputs"]
 
 #: Slack allowed on the two inequalities (float64 rounding of the map).
 TOL = 1e-9
+#: Most float64 entries of the test columns (rows × n) that :func:`margin_inputs` allocates.
+MAX_INPUT_ENTRIES = 1 << 27
 
 
-def _check_args(zeta: float, eta: float, n: int, top_k: int | None) -> None:
-    if not (isinstance(zeta, int | float) and math.isfinite(zeta) and zeta > 0):
-        raise ValueError(f"zeta must be a finite number > 0, got {zeta!r}")
-    if not (isinstance(eta, int | float) and 0 < eta <= 1):
-        raise ValueError(f"eta must lie in (0, 1], got {eta!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+def _check_args(
+    zeta: float, eta: float, n: int, top_k: int | None
+) -> tuple[float, float, int, int | None]:
+    zeta = check_finite_float("zeta", zeta, 0.0, low_open=True)
+    eta = check_finite_float("eta", eta, 0.0, 1.0, low_open=True)
+    n = check_positive("n", n)
+    top_k = None if top_k is None else check_positive("top_k", top_k)
+    return zeta, eta, n, top_k
 
 
 def closed_form_t(
@@ -52,7 +54,16 @@ def closed_form_t(
     Returns (t, which formula) or None for a map without a closed form here.
     """
     rho = resolve_prob_map(prob_map)
-    _check_args(zeta, eta, n, top_k)
+    zeta, eta, n, top_k = _check_args(zeta, eta, n, top_k)
+    found = _closed_form_t(rho, zeta, eta, n, top_k)
+    if found is not None and not math.isfinite(found[0]):
+        raise ValueError(f"zeta={zeta:g} is too small: the scale t of {found[1]} overflows")
+    return found
+
+
+def _closed_form_t(
+    rho: ProbabilityMap, zeta: float, eta: float, n: int, top_k: int | None
+) -> tuple[float, str] | None:
     m = n if top_k is None else min(top_k, n)
     name, params = rho.name, rho.params
     if name == "entmax" and params.get("alpha") == 1.0:
@@ -71,7 +82,8 @@ def closed_form_t(
         return (1 - eta) / zeta, "B.2: t = (1−η)/ζ"
     if name == "entmax":
         alpha = params["alpha"]
-        return 1 / (zeta * (alpha - 1)), f"B.3: t = 1/(ζ(α−1)), α = {alpha:g}"
+        step = zeta * (alpha - 1)
+        return (1 / step if step > 0 else math.inf), f"B.3: t = 1/(ζ(α−1)), α = {alpha:g}"
     if name == "hardmax":
         return 1 / zeta, "σ_H[t v] = σ_H[v] for every t > 0; 1/ζ"
     return None
@@ -86,6 +98,15 @@ def margin_inputs(n: int, zeta: float, samples: int = 256, seed: int = 0) -> tup
     10 and 100 with the maximum raised to ζ (half of them exactly, half with extra room) above
     the runner-up.
     """
+    n = check_positive("n", n)
+    zeta = check_finite_float("zeta", zeta, 0.0, low_open=True)
+    samples = check_int("samples", samples, 0)
+    seed = check_int("seed", seed, 0)
+    if (samples + 9) * n > MAX_INPUT_ENTRIES:
+        raise ValueError(
+            f"n={n} and samples={samples} need {(samples + 9) * n:,} test entries; "
+            f"at most {MAX_INPUT_ENTRIES:,} are allocated"
+        )
     gen = torch.Generator().manual_seed(seed)
     adversarial = []
     for offset in (0.0, 3.7, -250.0):
@@ -205,11 +226,11 @@ def assumption2(
         An :class:`Assumption2Report`; ``holds`` is the verdict, checked against σ_H[v].
     """
     rho = resolve_prob_map(prob_map)
-    _check_args(zeta, eta, n, top_k)
+    zeta, eta, n, top_k = _check_args(zeta, eta, n, top_k)
+    if t is not None:
+        t = check_finite_float("t", t, 0.0, low_open=True)
     v, flags = margin_inputs(n, zeta, samples, seed)
     if t is not None:
-        if not (isinstance(t, int | float) and math.isfinite(t) and t > 0):
-            raise ValueError(f"t must be a finite number > 0, got {t!r}")
         method = "given"
     else:
         found = closed_form_t(rho, zeta, eta, n, top_k)
@@ -219,10 +240,12 @@ def assumption2(
             t = 1 / zeta
             while not _passes(rho, v, t, eta, top_k):
                 t *= 2
-                if t > 1e12 / zeta:
+                if t * zeta > 1e12:
                     raise ValueError(f"no scale t ≤ 1e12/ζ satisfies Assumption 2 for {rho!r}")
             t = _least(rho, v, t, eta, top_k)
             method = "search: doubling from 1/ζ, then bisection on the test inputs"
+    if not math.isfinite(t * float(v.abs().max())):
+        raise ValueError(f"t={t:g} overflows float64 on the test inputs (zeta={zeta:g})")
     top, rest, l1 = _evaluate(rho, v, float(t), top_k)
     holds = bool((top >= 1 - eta - TOL).all() and (rest <= eta + TOL).all())
     adv = v[flags]

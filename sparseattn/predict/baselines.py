@@ -27,7 +27,17 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..patterns import global_tokens, random_blocks, strided
-from .predictors import FixedParts, GraphPredictor, bucket_graph, centroid_topk_buckets
+from ..validate import check_finite_float, check_int, check_positive, check_tensor
+from .predictors import (
+    FixedParts,
+    GraphPredictor,
+    _check_fitted_shape,
+    _check_projection,
+    _check_seed,
+    _check_train,
+    bucket_graph,
+    centroid_topk_buckets,
+)
 from .projection import QKProjection
 
 __all__ = [
@@ -40,24 +50,17 @@ __all__ = [
 ]
 
 
-def _check_count(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
 class WindowBaseline(GraphPredictor):
     """Keys |i − j| ≤ ``window`` (the paper's window size 2·window + 1)."""
 
     def __init__(self, window: int) -> None:
-        if window < 0:
-            raise ValueError(f"window must be >= 0, got {window}")
-        self.window = int(window)
+        self.window = check_int("window", window, 0)
 
     def params(self) -> dict:
         return {"window": self.window}
 
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
+        self._check(q, k, valid)
         return FixedParts(self.window, first=False).graph(q.shape[-2])
 
 
@@ -65,14 +68,15 @@ class BigBirdBaseline(GraphPredictor):
     """BigBird's random part: every query attends ``random_blocks`` random keys (block size 1)."""
 
     def __init__(self, random_blocks: int, block: int = 1, seed: int = 0) -> None:
-        self.random_blocks = _check_count("random_blocks", random_blocks)
-        self.block = _check_count("block", block)
-        self.seed = seed
+        self.random_blocks = check_positive("random_blocks", random_blocks)
+        self.block = check_positive("block", block)
+        self.seed = _check_seed(seed)
 
     def params(self) -> dict:
         return {"random_blocks": self.random_blocks, "block": self.block}
 
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
+        self._check(q, k, valid)
         return random_blocks(self.random_blocks, self.block, self.seed).graph(q.shape[-2])
 
 
@@ -81,13 +85,14 @@ class LongformerBaseline(GraphPredictor):
     from ``seed``): each attends to all keys and is attended by all queries."""
 
     def __init__(self, global_tokens: int, seed: int = 0) -> None:
-        self.global_tokens = _check_count("global_tokens", global_tokens)
-        self.seed = seed
+        self.global_tokens = check_positive("global_tokens", global_tokens)
+        self.seed = _check_seed(seed)
 
     def params(self) -> dict:
         return {"global_tokens": self.global_tokens}
 
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
+        self._check(q, k, valid)
         n = q.shape[-2]
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + n)
         positions = torch.randperm(n, generator=gen)[: self.global_tokens].tolist()
@@ -98,12 +103,13 @@ class StridedBaseline(GraphPredictor):
     """Strided attention (Child et al.): keys j with (j − i) divisible by ``stride``."""
 
     def __init__(self, stride: int) -> None:
-        self.stride = _check_count("stride", stride)
+        self.stride = check_positive("stride", stride)
 
     def params(self) -> dict:
         return {"stride": self.stride}
 
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
+        self._check(q, k, valid)
         return strided(self.stride, part=2).graph(q.shape[-2])
 
 
@@ -121,17 +127,21 @@ class LSHBaseline(GraphPredictor):
 
     def __init__(self, buckets: int, projection: QKProjection | None = None,
                  seed: int = 0) -> None:
-        self.buckets = _check_count("buckets", buckets)
-        self.projection, self.seed = projection, seed
+        self.buckets = check_positive("buckets", buckets)
+        self.projection, self.seed = _check_projection(projection), _check_seed(seed)
 
     def params(self) -> dict:
         return {"buckets": self.buckets}
 
     def hash(self, x: Tensor) -> Tensor:
         """x (B, H, n, dim) → LongTensor (B, H, n) bucket ids in [0, buckets)."""
+        check_tensor("x", x, dim=4, floating=True)
         heads, dim = x.shape[1], x.shape[-1]
         half = self.buckets % 2 == 0
         cols = self.buckets // 2 if half else self.buckets
+        if heads * dim * cols > 1 << 28:
+            raise ValueError(f"buckets={self.buckets} with {heads} heads of size {dim} needs a "
+                             f"{heads * dim * cols:,}-entry rotation; at most 2^28 are allocated")
         gen = torch.Generator().manual_seed(self.seed)
         rot = torch.randn(heads, dim, cols, generator=gen).to(x)
         proj = _unit(x) @ rot
@@ -140,7 +150,7 @@ class LSHBaseline(GraphPredictor):
         return proj.argmax(-1)
 
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
-        qp, kp = self._inputs(q, k)
+        qp, kp = self._inputs(q, k, valid)
         qb, kb = self.hash(qp)[..., None], self.hash(kp)[..., None]
         if valid is not None:
             pad = ~valid[:, None, :, None]
@@ -161,18 +171,18 @@ class RoutingBaseline(GraphPredictor):
     def __init__(self, n_clusters: int, projection: QKProjection | None = None,
                  decay: float = 0.99, epochs: int = 1, batch: int = 256,
                  max_points: int = 16384, seed: int = 0) -> None:
-        self.n_clusters = _check_count("n_clusters", n_clusters)
-        if not 0 <= decay < 1:
-            raise ValueError(f"decay must lie in [0, 1), got {decay}")
-        self.projection, self.decay, self.epochs, self.batch, self.seed = (
-            projection, decay, epochs, batch, seed)
-        self.max_points = max_points
+        self.n_clusters = check_positive("n_clusters", n_clusters)
+        self.decay = check_finite_float("decay", decay, 0.0, 1.0, high_open=True)
+        self.projection = _check_projection(projection)
+        self.epochs, self.batch = check_positive("epochs", epochs), check_positive("batch", batch)
+        self.max_points, self.seed = check_positive("max_points", max_points), _check_seed(seed)
 
     def params(self) -> dict:
         return {"n_clusters": self.n_clusters}
 
     def fit(self, q: Tensor, k: Tensor) -> RoutingBaseline:
         """q, k: (H, N, d) train queries and keys of one layer. Returns self."""
+        _check_train(q, k)
         if self.projection is not None:
             q, k = self.projection.transform(q, k)
         points = _unit(torch.cat([q, k], 1).detach().float())  # (H, N, dim)
@@ -180,6 +190,8 @@ class RoutingBaseline(GraphPredictor):
         if points.shape[1] > self.max_points:
             points = points[:, torch.randperm(points.shape[1], generator=gen)[: self.max_points]]
         total = points.shape[1]
+        if total < self.n_clusters:
+            raise ValueError(f"n_clusters={self.n_clusters} exceeds the {total} train points")
         cent = points[:, torch.randperm(total, generator=gen)[: self.n_clusters]].clone()
         for _ in range(self.epochs):
             order = torch.randperm(total, generator=gen)
@@ -197,7 +209,8 @@ class RoutingBaseline(GraphPredictor):
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
         if not hasattr(self, "centroids_"):
             raise RuntimeError("RoutingBaseline is not fitted: call fit(q, k) first")
-        qp, kp = self._inputs(q, k)
+        qp, kp = self._inputs(q, k, valid)
+        _check_fitted_shape(qp, self.centroids_)
         n = q.shape[-2]
         lengths = torch.full((q.shape[0],), n) if valid is None else valid.sum(-1)
         per = -(-lengths // self.n_clusters)  # ⌈L/C⌉: balanced clusters

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import hf
+from ..validate import check_positive
 
 __all__ = ["GraphBatch", "LayerGraphs", "TokenBatch", "extract_graphs", "token_batches"]
 
@@ -47,8 +48,10 @@ def token_batches(
     Neighbours in length order differ by about one token, so little text is lost; in return no
     batch holds padding. Every text appears in exactly one batch (``TokenBatch.index``).
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    batch_size = check_positive("batch_size", batch_size)
+    max_length = check_positive("max_length", max_length)
+    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        raise TypeError("texts must be a sequence of str")
     ids = [tokenizer(t, truncation=True, max_length=max_length)["input_ids"] for t in texts]
     order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
     out = []

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..patterns import Pattern
+from ..validate import check_positive, check_tensor
 from .predictors import FixedParts, GraphPredictor, union_fixed
 
 __all__ = ["PredictedPattern"]
@@ -33,6 +34,13 @@ class PredictedPattern(Pattern):
 
     data_dependent = True
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.predictor, GraphPredictor):
+            raise TypeError(f"predictor must be a GraphPredictor, got "
+                            f"{type(self.predictor).__name__}")
+        if self.fixed is not None and not isinstance(self.fixed, FixedParts):
+            raise TypeError(f"fixed must be a FixedParts or None, got {type(self.fixed).__name__}")
+
     @property
     def name(self) -> str:
         return f"sparsefinder {self.predictor.name}"
@@ -41,11 +49,16 @@ class PredictedPattern(Pattern):
         """The predicted graph for q: (B, H, n, d), k: (B, H, n, d)."""
         if q is None or k is None:
             raise TypeError("a predicted pattern is data-dependent: call graph(n, q, k)")
+        n = check_positive("n", n)
+        check_tensor("q", q, dim=4)
         if q.shape[-2] != n:
             raise ValueError(f"q has {q.shape[-2]} queries, expected n={n}")
         return self.build(q, k)
 
     def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
+        """Ĝ ∪ fixed parts for q, k (B, H, n, d), with every empty row given its own key."""
+        check_tensor("q", q, dim=4)
+        check_tensor("k", k, dim=4)
         n = self._self_attention_length(q, k)
         with torch.no_grad():
             graph = union_fixed(self.predictor.predict(q, k), self.fixed)

@@ -31,6 +31,16 @@ import torch
 from torch import Tensor
 
 from ..graph import AttentionGraph
+from ..validate import (
+    check_bool,
+    check_choice,
+    check_finite_float,
+    check_finite_tensor,
+    check_generator,
+    check_int,
+    check_positive,
+    check_tensor,
+)
 from .extract import GraphBatch, LayerGraphs
 from .projection import QKProjection
 
@@ -65,14 +75,27 @@ def bucket_graph(q_buckets: Tensor, k_buckets: Tensor, num_buckets: int) -> Atte
     Returns:
         AttentionGraph with ``batch_shape`` = batch. Cost O(Σ_b n_b m_b + E log E).
     """
+    num_buckets = check_positive("num_buckets", num_buckets)
+    used = 1  # bucket ids in use lie in [0, used): the slot tables need no more
+    for name, b in (("q_buckets", q_buckets), ("k_buckets", k_buckets)):
+        check_tensor(name, b)
+        if b.is_floating_point() or b.is_complex() or b.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {b.dtype}")
+        if b.dim() < 2:
+            raise ValueError(f"{name} must have shape (*batch, n, m), got {tuple(b.shape)}")
+        if b.numel():
+            low, high = int(b.min()), int(b.max())
+            if low < -1 or high >= num_buckets:
+                raise ValueError(f"{name} must lie in [-1, num_buckets={num_buckets}), "
+                                 f"got [{low}, {high}]")
+            used = max(used, high + 1)
     *batch, n_q, m_q = q_buckets.shape
     n_k = k_buckets.shape[-2]
     if tuple(k_buckets.shape[:-2]) != tuple(batch):
         raise ValueError(f"bucket tables disagree on batch dims: {q_buckets.shape}, "
                          f"{k_buckets.shape}")
-    for name, b in (("q_buckets", q_buckets), ("k_buckets", k_buckets)):
-        if b.numel() and int(b.max()) >= num_buckets:
-            raise ValueError(f"{name} holds bucket {int(b.max())} >= num_buckets={num_buckets}")
+    num_buckets = used
+    q_buckets, k_buckets = q_buckets.long(), k_buckets.long()
     graphs = math.prod(batch) if batch else 1
     qb = q_buckets.reshape(graphs, n_q, m_q)
     kb = k_buckets.reshape(graphs, n_k, -1)
@@ -121,8 +144,7 @@ def quantize(x: Tensor, bins: int, valid: Tensor | None = None) -> Tensor:
     a coordinate but the last holds exactly ⌈L/β⌉ tokens (L real tokens), as if padding had been
     appended to fill the last.
     """
-    if bins < 1:
-        raise ValueError(f"bins must be >= 1, got {bins}")
+    bins = check_positive("bins", bins)
     r = x.shape[-1]
     n = x.shape[-2]
     lengths = (torch.full((x.shape[0],), n) if valid is None else valid.sum(-1)).to(x.device)
@@ -180,10 +202,15 @@ def kmeans(x: Tensor, n_clusters: int, n_init: int = 3, max_iter: int = 100, tol
     mean per-coordinate variance (scikit-learn's rule), or after ``max_iter`` iterations. Empty
     clusters keep their centroid.
     """
+    check_tensor("x", x, dim=3, floating=True)
+    check_finite_tensor("x", x)
     groups, n_points, r = x.shape
-    if not 1 <= n_clusters <= n_points:
+    n_clusters = check_positive("n_clusters", n_clusters)
+    if n_clusters > n_points:
         raise ValueError(f"n_clusters must lie in [1, {n_points}], got {n_clusters}")
-    gen = torch.Generator().manual_seed(0) if gen is None else gen
+    n_init, max_iter = check_positive("n_init", n_init), check_positive("max_iter", max_iter)
+    tol = check_finite_float("tol", tol, 0.0)
+    gen = torch.Generator().manual_seed(0) if check_generator("gen", gen) is None else gen
     pts = x.repeat_interleave(n_init, 0)  # (G·I, N, r)
     runs = pts.shape[0]
     rows = torch.arange(runs)
@@ -235,8 +262,10 @@ class FixedParts:
     last: bool = False
 
     def __post_init__(self) -> None:
-        if self.window is not None and self.window < 0:
-            raise ValueError(f"window must be >= 0 or None, got {self.window}")
+        if self.window is not None:
+            check_int("window", self.window, 0)
+        check_bool("first", self.first)
+        check_bool("last", self.last)
 
     @property
     def empty(self) -> bool:
@@ -245,16 +274,25 @@ class FixedParts:
     def graph(self, n: int, lengths: Tensor | None = None) -> AttentionGraph | None:
         """The fixed graph at length n: ``batch_shape`` () — or (B, 1) when ``lengths`` (B,)
         differ from n and ``last`` is set. None when there is nothing to add. O(n·window)."""
+        n = check_int("n", n, 0)
+        if lengths is not None:
+            check_tensor("lengths", lengths, dim=1)
+            if lengths.is_floating_point() or lengths.dtype == torch.bool:
+                raise TypeError(f"lengths must be an integer tensor, got {lengths.dtype}")
+            if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > n):
+                raise ValueError(f"lengths must lie in [0, n={n}], got "
+                                 f"[{int(lengths.min())}, {int(lengths.max())}]")
         if self.empty:
             return None
+        window = None if self.window is None else min(int(self.window), n)  # |i − j| < n
         per_item = self.last and lengths is not None and bool((lengths != n).any())
         ends = lengths.tolist() if per_item else [n]
         rows, cols = [], []
         for b, length in enumerate(ends):
             ar = torch.arange(length)
             base = b * n
-            if self.window is not None:
-                off = torch.arange(-self.window, self.window + 1)
+            if window is not None:
+                off = torch.arange(-window, window + 1)
                 j = ar[:, None] + off
                 ok = (j >= 0) & (j < length)
                 rows.append((ar[:, None].expand_as(j) + base)[ok])
@@ -274,6 +312,9 @@ def merge_union(big: AttentionGraph, small: AttentionGraph) -> AttentionGraph:
     array below it (``searchsorted``). O(E_big log E_small + E_small log E_big) instead of
     O((E_big + E_small) log(E_big + E_small)). ``small``'s batch shape must broadcast to big's.
     """
+    for name, g in (("big", big), ("small", small)):
+        if not isinstance(g, AttentionGraph):
+            raise TypeError(f"{name} must be an AttentionGraph, got {type(g).__name__}")
     if (big.n_q, big.n_k) != (small.n_q, small.n_k):
         raise ValueError(f"graphs have different sizes: {(big.n_q, big.n_k)} vs "
                          f"{(small.n_q, small.n_k)}")
@@ -326,11 +367,26 @@ class GraphPredictor(abc.ABC):
     def __repr__(self) -> str:
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in self.params().items())})"
 
-    def _inputs(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        if q.dim() != 4 or k.dim() != 4:
-            raise ValueError(f"q and k must have shape (B, H, n, d), got {tuple(q.shape)}, "
-                             f"{tuple(k.shape)}")
-        return (q, k) if self.projection is None else self.projection.transform(q, k)
+    @staticmethod
+    def _check(q: Tensor, k: Tensor, valid: Tensor | None = None) -> None:
+        """q (B, H, n_q, d), k (B, H, n_k, d) floating; ``valid`` (B, n) bool with n_q = n_k."""
+        check_tensor("q", q, dim=4, floating=True)
+        check_tensor("k", k, dim=4, floating=True)
+        if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"q and k must have shape (B, H, n, d) with the same B, H and d, "
+                             f"got {tuple(q.shape)}, {tuple(k.shape)}")
+        if valid is not None:
+            if q.shape[-2] != k.shape[-2]:
+                raise ValueError(f"valid needs self-attention (n_q == n_k), got {q.shape[-2]}, "
+                                 f"{k.shape[-2]}")
+            check_tensor("valid", valid, dtype=torch.bool, shape=(q.shape[0], q.shape[-2]))
+
+    def _inputs(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Checked (and finite) q, k, projected when a projection is set."""
+        self._check(q, k, valid)
+        if self.projection is not None:  # transform checks q, k
+            return self.projection.transform(q, k)
+        return check_finite_tensor("q", q), check_finite_tensor("k", k)
 
     @abc.abstractmethod
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
@@ -341,15 +397,14 @@ class DistancePredictor(GraphPredictor):
     """§4.3: Ĝ = {(i, j) : ‖q′_i − k′_j‖₂ ≤ t}. Quadratic, but in r instead of d dimensions."""
 
     def __init__(self, threshold: float, projection: QKProjection | None = None) -> None:
-        if not threshold >= 0:
-            raise ValueError(f"threshold must be >= 0, got {threshold}")
-        self.threshold, self.projection = float(threshold), projection
+        self.threshold = check_finite_float("threshold", threshold, 0.0)
+        self.projection = _check_projection(projection)
 
     def params(self) -> dict:
         return {"threshold": self.threshold}
 
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
-        qp, kp = self._inputs(q, k)
+        qp, kp = self._inputs(q, k, valid)
         sq = ((qp * qp).sum(-1, keepdim=True) - 2 * qp @ kp.transpose(-1, -2)
               + (kp * kp).sum(-1).unsqueeze(-2))
         mask = sq <= self.threshold**2
@@ -363,15 +418,14 @@ class QuantizationPredictor(GraphPredictor):
     any coordinate (B = r·β buckets). No fitting beyond the projection."""
 
     def __init__(self, bins: int, projection: QKProjection | None = None) -> None:
-        if bins < 1:
-            raise ValueError(f"bins must be >= 1, got {bins}")
-        self.bins, self.projection = int(bins), projection
+        self.bins = check_positive("bins", bins)
+        self.projection = _check_projection(projection)
 
     def params(self) -> dict:
         return {"bins": self.bins}
 
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
-        qp, kp = self._inputs(q, k)
+        qp, kp = self._inputs(q, k, valid)
         r = qp.shape[-1]
         return bucket_graph(quantize(qp, self.bins, valid).cpu(),
                             quantize(kp, self.bins, valid).cpu(), r * self.bins)
@@ -390,10 +444,12 @@ class KMeansPredictor(GraphPredictor):
     def __init__(self, n_clusters: int, top_k: int = 1, projection: QKProjection | None = None,
                  n_init: int = 2, max_iter: int = 50, max_points: int = 2048,
                  seed: int = 0) -> None:
-        if n_clusters < 1 or top_k < 1:
-            raise ValueError(f"n_clusters and top_k must be >= 1, got {n_clusters}, {top_k}")
-        self.n_clusters, self.top_k, self.projection = int(n_clusters), int(top_k), projection
-        self.n_init, self.max_iter, self.max_points, self.seed = n_init, max_iter, max_points, seed
+        self.n_clusters = check_positive("n_clusters", n_clusters)
+        self.top_k = check_positive("top_k", top_k)
+        self.projection = _check_projection(projection)
+        self.n_init, self.max_iter = check_positive("n_init", n_init), check_positive(
+            "max_iter", max_iter)
+        self.max_points, self.seed = check_positive("max_points", max_points), _check_seed(seed)
 
     def params(self) -> dict:
         return {"n_clusters": self.n_clusters, "top_k": self.top_k}
@@ -401,6 +457,7 @@ class KMeansPredictor(GraphPredictor):
     def fit(self, q: Tensor, k: Tensor) -> KMeansPredictor:
         """q, k: (H, N, d) train queries and keys of one layer (projected here if a projection
         is set). Returns self."""
+        _check_train(q, k)
         if self.projection is not None:
             q, k = self.projection.transform(q, k)
         self.centroids_, self.inertia_ = _fit_centroids(
@@ -411,6 +468,8 @@ class KMeansPredictor(GraphPredictor):
 
     def with_top_k(self, top_k: int) -> KMeansPredictor:
         """The same fitted centroids with another top-k (a new object)."""
+        if not hasattr(self, "centroids_"):
+            raise RuntimeError("KMeansPredictor is not fitted: call fit(q, k) first")
         out = KMeansPredictor(self.n_clusters, top_k, self.projection, self.n_init,
                               self.max_iter, self.max_points, self.seed)
         out.centroids_, out.inertia_ = self.centroids_, self.inertia_
@@ -419,13 +478,46 @@ class KMeansPredictor(GraphPredictor):
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
         if not hasattr(self, "centroids_"):
             raise RuntimeError("KMeansPredictor is not fitted: call fit(q, k) first")
-        qp, kp = self._inputs(q, k)
+        qp, kp = self._inputs(q, k, valid)
+        _check_fitted_shape(qp, self.centroids_)
         qb = nearest_centroids(qp, self.centroids_, self.top_k)
         kb = nearest_centroids(kp, self.centroids_, self.top_k)
         if valid is not None:
             pad = ~valid[:, None, :, None]
             qb, kb = qb.masked_fill(pad, -1), kb.masked_fill(pad, -1)
         return bucket_graph(qb.cpu(), kb.cpu(), self.n_clusters)
+
+
+def _check_projection(projection: QKProjection | None) -> QKProjection | None:
+    if projection is not None and not isinstance(projection, QKProjection):
+        raise TypeError(f"projection must be a QKProjection or None, got "
+                        f"{type(projection).__name__}")
+    return projection
+
+
+def _check_seed(seed: int) -> int:
+    seed = check_int("seed", seed, 0)
+    if seed >= 1 << 40:
+        raise ValueError(f"seed must be < 2^40, got {seed}")
+    return seed
+
+
+def _check_fitted_shape(x: Tensor, centroids: Tensor) -> None:
+    """Projected queries (B, H, n, r) must have the H and r the centroids (H, C, r) were fit on."""
+    if x.shape[1] != centroids.shape[0] or x.shape[-1] != centroids.shape[-1]:
+        raise ValueError(f"q and k must have {centroids.shape[0]} heads of size "
+                         f"{centroids.shape[-1]} (as fitted), got {tuple(x.shape)}")
+
+
+def _check_train(q: Tensor, k: Tensor) -> None:
+    """Train queries and keys of one layer: finite (H, N, d) tensors with the same H and d."""
+    check_tensor("q", q, dim=3, floating=True)
+    check_tensor("k", k, dim=3, floating=True)
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must be (H, N, d) with the same H and d, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}")
+    check_finite_tensor("q", q)
+    check_finite_tensor("k", k)
 
 
 def _fit_centroids(points: Tensor, n_clusters: int, max_points: int, seed: int,
@@ -487,12 +579,13 @@ class ChunkedPredictor(GraphPredictor):
 
     def __init__(self, block: int, top_blocks: int, projection: QKProjection,
                  variant: str = "v1", n_clusters: int = 4, seed: int = 0) -> None:
-        if block < 1 or top_blocks < 1:
-            raise ValueError(f"block and top_blocks must be >= 1, got {block}, {top_blocks}")
-        if variant not in ("v1", "v2"):
-            raise ValueError(f"variant must be 'v1' or 'v2', got {variant!r}")
-        self.block, self.top_blocks, self.projection = int(block), int(top_blocks), projection
-        self.variant, self.n_clusters, self.seed = variant, int(n_clusters), seed
+        self.block = check_positive("block", block)
+        self.top_blocks = check_positive("top_blocks", top_blocks)
+        if not isinstance(projection, QKProjection):
+            raise TypeError(f"projection must be a QKProjection, got {type(projection).__name__}")
+        self.projection = projection
+        self.variant = check_choice("variant", variant, ("v1", "v2"))
+        self.n_clusters, self.seed = check_positive("n_clusters", n_clusters), _check_seed(seed)
 
     @property
     def name(self) -> str:
@@ -504,6 +597,9 @@ class ChunkedPredictor(GraphPredictor):
 
     def fit(self, chunks: LayerGraphs) -> ChunkedPredictor:
         """v2: fit the centroids on projected train chunks (a no-op for v1). Returns self."""
+        if not isinstance(chunks, LayerGraphs) or not chunks.batches:
+            raise TypeError(f"chunks must be a LayerGraphs with batches (see chunk_layer), got "
+                            f"{type(chunks).__name__}")
         if self.variant == "v2":
             q, k = chunks.tokens()
             q, k = self.projection.transform(q, k)
@@ -519,6 +615,10 @@ class ChunkedPredictor(GraphPredictor):
         return out
 
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
+        self._check(q, k, valid)
+        if q.shape[-2] != k.shape[-2]:
+            raise ValueError(f"chunked prediction needs n_q == n_k, got {q.shape[-2]}, "
+                             f"{k.shape[-2]}")
         n = q.shape[-2]
         qc, cvalid = chunk_means(q, self.block, valid)
         kc, _ = chunk_means(k, self.block, valid)
@@ -533,6 +633,7 @@ class ChunkedPredictor(GraphPredictor):
         else:
             if not hasattr(self, "centroids_"):
                 raise RuntimeError("ChunkedPredictor v2 is not fitted: call fit(chunks) first")
+            _check_fitted_shape(qp, self.centroids_)
             qb = centroid_topk_buckets(qp, self.centroids_, self.top_blocks, cvalid)
             kb = centroid_topk_buckets(kp, self.centroids_, self.top_blocks, cvalid)
             chunks = bucket_graph(qb.cpu(), kb.cpu(), self.centroids_.shape[1])

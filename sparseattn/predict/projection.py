@@ -24,6 +24,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..validate import (
+    check_finite_float,
+    check_finite_tensor,
+    check_int,
+    check_positive,
+    check_tensor,
+)
 from .extract import GraphBatch, LayerGraphs
 
 __all__ = ["Exclude", "QKProjection", "Triplets", "hinge_loss", "sample_triplets"]
@@ -34,6 +41,16 @@ def hinge_loss(q: Tensor, k_pos: Tensor, k_neg: Tensor, margin: float = 1.0) -> 
 
     q, k_pos, k_neg: (..., r) projected query, positive key, negative key → (...) losses.
     """
+    margin = check_finite_float("margin", margin)
+    for name, x in (("q", q), ("k_pos", k_pos), ("k_neg", k_neg)):
+        check_tensor(name, x, floating=True)
+        if x.dim() == 0 or x.shape[-1] != q.shape[-1]:
+            raise ValueError(f"{name} must have shape (..., r) with q's r, got {tuple(x.shape)}")
+    try:
+        torch.broadcast_shapes(q.shape, k_pos.shape, k_neg.shape)
+    except RuntimeError as err:
+        raise ValueError(f"q, k_pos and k_neg must broadcast, got {tuple(q.shape)}, "
+                         f"{tuple(k_pos.shape)}, {tuple(k_neg.shape)}") from err
     d_pos = (q - k_pos).square().sum(-1)
     d_neg = (q - k_neg).square().sum(-1)
     return (margin + d_pos - d_neg).clamp_min(0.0)
@@ -152,7 +169,7 @@ class QKProjection:
     Args:
         r: projected dimension (paper: 4).
         margin: ω of eq. 7 (paper: 1.0).
-        lr: Adam learning rate (paper: 0.01).
+        lr: Adam learning rate (paper: 0.01), in (0, 1e6].
         epochs: passes over the positive pairs (paper: 1); negatives are redrawn each epoch.
         batch_pairs: triplets per head per Adam step.
         max_pairs: at most this many triplets per head and epoch (None: all positive pairs).
@@ -164,10 +181,14 @@ class QKProjection:
 
     def __init__(self, r: int = 4, margin: float = 1.0, lr: float = 0.01, epochs: int = 1,
                  batch_pairs: int = 2048, max_pairs: int | None = None, seed: int = 0) -> None:
-        if r < 1 or epochs < 1 or batch_pairs < 1 or (max_pairs is not None and max_pairs < 1):
-            raise ValueError("r, epochs, batch_pairs and max_pairs must be >= 1")
-        if not margin > 0 or not lr > 0:
-            raise ValueError(f"margin and lr must be > 0, got {margin}, {lr}")
+        r, epochs = check_positive("r", r), check_positive("epochs", epochs)
+        batch_pairs = check_positive("batch_pairs", batch_pairs)
+        max_pairs = None if max_pairs is None else check_positive("max_pairs", max_pairs)
+        margin = check_finite_float("margin", margin, 0.0, low_open=True)
+        lr = check_finite_float("lr", lr, 0.0, 1e6, low_open=True)  # Adam's step ~ lr
+        seed = check_int("seed", seed, 0)
+        if seed >= 1 << 63:
+            raise ValueError(f"seed must be < 2^63, got {seed}")
         self.r, self.margin, self.lr, self.epochs = r, margin, lr, epochs
         self.batch_pairs, self.max_pairs, self.seed = batch_pairs, max_pairs, seed
 
@@ -184,10 +205,16 @@ class QKProjection:
 
         ``exclude`` (optional): the pairs a fixed pattern adds anyway (§4.7), left out of
         training so that the projection spends its r dimensions on the other edges."""
+        if not isinstance(graphs, LayerGraphs):
+            raise TypeError(f"graphs must be a LayerGraphs, got {type(graphs).__name__}")
         if not graphs.batches:
             raise ValueError("graphs holds no batches")
+        if exclude is not None and not callable(exclude):
+            raise TypeError(f"exclude must be callable or None, got {type(exclude).__name__}")
         gen = torch.Generator().manual_seed(self.seed)
         q_all, k_all = graphs.tokens()  # (H, N, d)
+        check_finite_tensor("graphs' q", q_all)
+        check_finite_tensor("graphs' k", k_all)
         heads, _, d = q_all.shape
         bound = 1 / math.sqrt(d)  # nn.Linear's default initialisation, from our generator
 
@@ -216,6 +243,9 @@ class QKProjection:
                 loss.backward()
                 opt.step()
                 curve.append(loss.detach().item() / heads)
+        diverged = not all(math.isfinite(x) for x in curve)
+        if diverged or not all(bool(torch.isfinite(p).all()) for p in params):
+            raise ValueError(f"training diverged to NaN/inf weights: lower lr (got {self.lr:g})")
         self.weight_q_, self.bias_q_, self.weight_k_, self.bias_k_ = (
             p.detach().clone() for p in params
         )
@@ -238,10 +268,12 @@ class QKProjection:
         self._check_fitted()
         heads, d = self.weight_q_.shape[:2]
         for name, x in (("q", q), ("k", k)):
+            check_tensor(name, x, floating=True)
             if x.dim() < 3 or x.shape[-3] != heads or x.shape[-1] != d:
                 raise ValueError(
                     f"{name} must have shape (..., {heads}, n, {d}), got {tuple(x.shape)}"
                 )
+            check_finite_tensor(name, x)
         wq, bq = self.weight_q_.to(q), self.bias_q_.to(q)
         wk, bk = self.weight_k_.to(k), self.bias_k_.to(k)
         return q @ wq + bq[:, None, :], k @ wk + bk[:, None, :]
