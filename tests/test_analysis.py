@@ -9,12 +9,14 @@ selective-shift stage of Lemma 7 from the paper's formula for the unique id z̃_
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import json
 import math
 import random
 from collections import deque
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,6 +160,78 @@ def test_strided_cycle_needs_three_hops_at_the_sequence_ends(n, w):
     assert 0 not in reach_sets(layers, 2)[w - 1]
     assert report.hops == 3 == hops_reference(layers)
     assert report.hops_by_start == (3, hops_reference(layers[::-1]))
+
+
+def _strided_rule():
+    """The closed rule for STRIDED's s that docs/analysis.md states (scripts/strided_hops.py)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "strided_hops.py"
+    spec = importlib.util.spec_from_file_location("strided_hops", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.rule
+
+
+def test_strided_hops_follow_the_stated_rule_in_both_orders_and_for_the_union():
+    """Issue 16 item 3: the rule of docs/analysis.md against the brute-force recursion on the
+    pattern predicates (eq. 4) and against the library's bitsets, w ≤ 8, n ≤ 32. It is not
+    "s = 3 from w = 3 on": the cycle started with the stride needs 4 layers for
+    ⌊w/2⌋ + 1 < n ≤ w + ⌈w/2⌉ − 2, and the union needs only 2 when n mod w lies in
+    [⌈w/2⌉ − 1, ⌊w/2⌋ + 1] (or n < w + ⌊w/2⌋ + 2)."""
+    rule = _strided_rule()
+    seen = set()
+    for w in range(1, 9):
+        a1, a2 = sa.strided(w, 1), sa.strided(w, 2)
+        for n in range(2, 33):
+            s1, s2, su = sets_of(a1, n), sets_of(a2, n), sets_of(sa.strided(w), n)
+            for config, layers, pattern in (
+                ("window-first", [s1, s2], sa.cycle(a1, a2)),
+                ("stride-first", [s2, s1], sa.cycle(a2, a1)),
+                ("union", [su], sa.strided(w)),
+            ):
+                expected = hops_reference(layers)
+                assert rule(w, n, config) == expected == hops(pattern, n).hops, (w, n, config)
+                seen.add((config, expected))
+    assert seen == {
+        ("window-first", 1), ("window-first", 2), ("window-first", 3),
+        ("stride-first", 1), ("stride-first", 2), ("stride-first", 3), ("stride-first", 4),
+        ("union", 1), ("union", 2), ("union", 3),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("d,delta", [(1, Fraction(1, 2)), (2, Fraction(1, 2))])
+def test_lemma7_for_strided_w4_fails_with_the_papers_two_hops_and_holds_with_three(d, delta):
+    """Issue 16 item 3, negative control: STRIDED w = 4 at n = 4 needs s = 3 (token 0 misses
+    token 3 after two layers). Built with Yun §3.4's s = 2 the contextual mapping breaks
+    Property 7.2, and the inputs that collide differ exactly at a token the column has not
+    reached; with s = 3 both properties hold on every input."""
+    n, pattern = 4, sa.cycle(sa.strided(4, 1), sa.strided(4, 2))
+    layers = [sets_of(p, n) for p in pattern]
+    assert hops_reference(layers) == 3
+    good = yun_contextual_mapping(pattern, n, d=d, delta=delta)
+    assert good.hops == 3
+    report = verify_contextual_mapping(good)
+    assert report.holds and report.inputs == "exhaustive"
+    assert report.attention_layers == 2 * (n - 1) * delta.denominator**d + 3
+    paper = yun_contextual_mapping(pattern, n, d=d, delta=delta, hops=2)
+    assert paper.hops == 2 and sum(isinstance(x, AllMaxShift) for x in paper.layers) == 2
+    broken = verify_contextual_mapping(paper)
+    assert broken.inputs == "exhaustive" and broken.property_7_1 and not broken.property_7_2
+    # Why: the selective shifts put the unique id into column γ(n) only, and the Ω layers
+    # spread it along the reach sets. After two layers some column k has not seen γ(n), so
+    # changing only G_γ(n) leaves q(H)_k unchanged — two different inputs share an id.
+    reach, j = reach_sets(layers, 2), paper.gamma[-1]
+    unseen = [k for k in range(n) if j not in reach[k]]
+    assert unseen
+    zero = [[Fraction(0)] * d for _ in range(n)]
+    for k in unseen:
+        other = [list(col) for col in zero]
+        other[j][0] = delta
+        h0 = [[x + paper.embedding[i] for x in col] for i, col in enumerate(zero)]
+        h1 = [[x + paper.embedding[i] for x in col] for i, col in enumerate(other)]
+        assert paper.context_ids(h0)[k] == paper.context_ids(h1)[k]
+        assert good.context_ids(h0)[k] != good.context_ids(h1)[k]
+    with pytest.raises(ValueError, match="hops"):
+        yun_contextual_mapping(pattern, n, d=d, delta=delta, hops=0)
 
 
 @pytest.mark.parametrize("n,w", [(40, 1), (41, 2), (12, 3)])

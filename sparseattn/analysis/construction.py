@@ -230,6 +230,7 @@ def yun_contextual_mapping(
     *,
     gamma: Sequence[int] | None = None,
     strict: bool = True,
+    hops: int | None = None,
 ) -> ContextualMapping:
     """Build g_c ∘ g_q of Yun et al. Lemmas 6–7 (appendix E.1–E.2) for a pattern cycle.
 
@@ -242,6 +243,9 @@ def yun_contextual_mapping(
             ``gamma`` that is not one is accepted, using pattern 1 where γ(i−1) ∉ ∪_l
             A_{γ(i)}^l — to watch the construction fail. Assumptions 1.1 and 1.3 are always
             required (ValueError otherwise).
+        hops: the s of the all-max-shifts Ω (their count, and c = 2snδ^{−nd−1}); default the
+            least s of Assumption 1.3. A smaller s than that builds the network a wrong hop
+            count would give (e.g. Yun §3.4's s = 2 for STRIDED) — to watch Property 7.2 fail.
     Returns:
         A :class:`ContextualMapping` with p(n − 1)/δ^d + s attention layers.
     """
@@ -265,7 +269,7 @@ def yun_contextual_mapping(
             f"Assumption 1 fails: self_loops={report.self_loops}, hops={report.hops} "
             f"({report.hops_reason})"
         )
-    s = report.hops
+    s = report.hops if hops is None else check_positive("hops", hops)
     attend = tuple(
         tuple(tuple(g.col[g.crow[k] : g.crow[k + 1]].tolist()) for k in range(n)) for g in graphs
     )
