@@ -30,7 +30,7 @@ __all__ = ["PIECE_EDGES", "AttentionGraph"]
 #: Edges per piece of the O(E) passes over a graph (union, block planning). Temporaries of a
 #: few MiB are re-used by the C allocator, while larger ones come as fresh pages every time
 #: (glibc maps blocks over 32 MiB anew): whole-graph passes ran ~7x slower than their
-#: arithmetic at n = 8192 (docs/engines.md, "planning").
+#: arithmetic at n = 8192 (docs/engines.md, "The user path").
 PIECE_EDGES = 1 << 20
 
 
