@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`. Each creates .venv when missing.
-# `make demo` runs the tour: results/tour/index.html, about 5 minutes on one thread.
+# `make demo` runs the tour: results/tour/index.html (2–5 minutes on 2 cores, see README).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
