@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_boundary import BAD_SIZE  # the same bad sizes as the core's boundary tests
 
 import sparseattn as sa
 from sparseattn.analysis import (
@@ -71,13 +72,6 @@ from sparseattn.predict import (
 FAST = settings(max_examples=10, deadline=None)
 F64 = torch.float64
 
-BAD_SIZE = st.one_of(
-    st.text(max_size=3),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.booleans(),
-    st.integers(max_value=0),
-    st.lists(st.integers(), max_size=2),
-)
 BAD_COUNT = st.one_of(  # not an int >= 0
     st.text(max_size=3),
     st.floats(allow_nan=True, allow_infinity=True),
