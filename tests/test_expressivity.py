@@ -290,6 +290,81 @@ def test_construct_csam_corollary_0_7():
         construct_sam(A.T.contiguous(), 8, eps1, eps2, causal=True)
 
 
+def eq18_worst(logits, B, causal=False):
+    """Lemma 0.6, eq. (18): max over i and j1 != j2 of |L_ij1 - L_ij2 - B_ij1 + B_ij2|, which is
+    the largest spread max_j - min_j of (L - B)_i over the row (columns j <= i when causal)."""
+    worst = 0.0
+    for i, row in enumerate((logits - B).tolist()):
+        cols = row[: i + 1] if causal else row
+        worst = max(worst, max(cols) - min(cols))
+    return worst
+
+
+def ratio_worst(M, A, causal=False):
+    """Eqs. (7), (8) (causal: (23), (24)) row by row in O(n^2): the worst zero/nonzero ratio
+    max_{A=0} M / min_{A!=0} M and the worst pair error max - min of log(M / A) over nonzeros."""
+    worst7 = worst8 = 0.0
+    for i, (m_row, a_row) in enumerate(zip(M.tolist(), A.tolist(), strict=True)):
+        cols = range(i + 1) if causal else range(len(a_row))
+        on = [j for j in cols if a_row[j] > 0]
+        off = [m_row[j] for j in cols if a_row[j] == 0]
+        if off:
+            worst7 = max(worst7, max(off) / min(m_row[j] for j in on))
+        r = [math.log(m_row[j] / a_row[j]) for j in on]
+        worst8 = max(worst8, max(r) - min(r))
+    return worst7, worst8
+
+
+def _theorem_at_its_own_d(A, d, eps1, eps2, draws, causal):
+    """The construction at d = eq. (6): eqs. (7)/(8) (or (23)/(24)) from M and eq. (18) from
+    L = X W_q W_k^T X^T, then the per-draw rate of Lemma 0.6 over ``draws`` single-draw runs."""
+    n = A.shape[0]
+    B = b_loops(A, eps1, eps2)
+    res = construct_sam(A, d, eps1, eps2, seed=0, causal=causal)
+    M = (csam if causal else sam)(res.X, res.W_q, res.W_k)
+    w7, w8 = ratio_worst(M, A, causal)
+    logits = res.X @ res.W_q @ res.W_k.T @ res.X.T
+    assert res.success and w7 < eps1 and w8 < eps2
+    assert eq18_worst(logits, B, causal) < eps2
+    hits = 0
+    for seed in range(draws):  # each run draws one Y: its X either meets eq. (18) or not
+        one = construct_sam(A, d, eps1, eps2, redraws=1, seed=seed, causal=causal)
+        hits += eq18_worst(one.X @ one.W_q @ one.W_k.T @ one.X.T, B, causal) < eps2
+    assert hits / draws >= 1 / (n + 2)  # Lemma 0.6
+    return hits
+
+
+def test_theorem_0_4_at_its_own_d_smallest_feasible_n():
+    """Issue 16 item 5: Theorem 0.4 applied where it makes a claim, d = eq. (6) <= 2n. For
+    k = 1, gamma = 2, eps = (0.9, 20) the least such n is 310 (d = 620); at n = 320, d = 624.
+    k = 1 makes eq. (8) vacuous (one nonzero per row), so eqs. (7) and (18) carry the test;
+    k = 2 needs n >= 1577 (the slow test). Causal: the only lower-triangular, right stochastic,
+    1-nonzero-bounded A is the identity (row i must use column i, the others being taken)."""
+    n, k, gamma, eps1, eps2 = 320, 1, 2.0, 0.9, 20.0
+    d = theorem_d(n, k, gamma, eps1, eps2)
+    assert d == 624 <= 2 * n
+    assert (
+        theorem_d(310, k, gamma, eps1, eps2) == 620 and theorem_d(309, k, gamma, eps1, eps2) > 618
+    )
+    A = random_sparse_stochastic(n, k, gamma, seed=0)
+    assert _theorem_at_its_own_d(A, d, eps1, eps2, draws=12, causal=False) == 12
+    eye = torch.eye(n, dtype=F64)
+    assert _theorem_at_its_own_d(eye, d, eps1, eps2, draws=4, causal=True) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+def test_theorem_0_4_at_its_own_d_with_two_nonzeros(causal):
+    """k = 2 (causal: one permutation plus the diagonal, at most 2 nonzeros per row and column),
+    gamma = 2, eps = (0.9, 20) at the least n with eq. (6) <= 2n: n = 1577, d = 3154 = 2n."""
+    n, gamma, eps1, eps2 = 1577, 2.0, 0.9, 20.0
+    d = theorem_d(n, 2, gamma, eps1, eps2)
+    assert d == 3154 <= 2 * n and theorem_d(n - 1, 2, gamma, eps1, eps2) > 2 * (n - 1)
+    A = random_sparse_stochastic(n, 1 if causal else 2, gamma, seed=1, causal=causal)
+    assert int((A > 0).sum(1).max()) == 2 and int((A > 0).sum(0).max()) <= 2
+    assert _theorem_at_its_own_d(A, d, eps1, eps2, draws=2, causal=causal) == 2
+
+
 def test_construct_sam_reports_failure_honestly():
     A = random_sparse_stochastic(24, 1, 2.0, seed=0)
     res = construct_sam(A, 2, 0.1, 0.5, redraws=4, seed=0)
