@@ -37,6 +37,7 @@ The plan (block pairs, groups, element masks of partial blocks) is built once pe
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -615,10 +616,7 @@ class _BlockAttention(torch.autograd.Function):
         ap = ctx.saved_tensors[3]
         want_alpha = ap is not None and ctx.needs_input_grad[3]
         dap = torch.zeros_like(ap) if want_alpha else None
-        cuda = [qp.device.index or 0] if qp.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda, enabled=bool(run.dropout_p)):
-            if run.dropout_p:
-                _set_rng_state(qp.device, ctx.rng)
+        with replayed_rng(qp.device, ctx.rng if run.dropout_p else None):
             for ch in run.chunks:
                 rows = ch.rows
                 keys, blk, ok = run.general_inputs(ch.full, ch.part, ch.keep)
@@ -779,6 +777,18 @@ def _rng_state(device: torch.device) -> Tensor:
     if device.type == "cuda":
         return torch.cuda.get_rng_state(device)
     return torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def replayed_rng(device: torch.device, state: Tensor | None):
+    """Backward's dropout masks drawn again as in forward: the RNG of ``device`` set to
+    ``state`` (saved by :func:`_rng_state` before the forward's draws) inside, and restored
+    after; ``state`` None (no dropout) does nothing."""
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, enabled=state is not None):
+        if state is not None:
+            _set_rng_state(device, state)
+        yield
 
 
 def _set_rng_state(device: torch.device, state: Tensor) -> None:

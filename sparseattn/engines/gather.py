@@ -24,7 +24,7 @@ from torch.autograd.function import FunctionCtx
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
-from .block import _masked_exp, _rng_state, _set_rng_state
+from .block import _masked_exp, _rng_state, replayed_rng
 
 __all__ = ["gather_attention", "chunk_rows", "PIECE"]
 
@@ -151,10 +151,7 @@ class _GatherAttention(torch.autograd.Function):
         b, d, d_v = q_src.shape[0], q_src.shape[-1], v_src.shape[-1]
         kbuf, vbuf = q_src.new_empty(b * run.most * d), q_src.new_empty(b * run.most * d_v)
         dq, dk, dv = torch.zeros_like(q_src), torch.zeros_like(k_src), torch.zeros_like(v_src)
-        cuda = [q_src.device.index or 0] if q_src.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda, enabled=bool(run.dropout_p)):
-            if run.dropout_p:
-                _set_rng_state(q_src.device, ctx.rng)
+        with replayed_rng(q_src.device, ctx.rng if run.dropout_p else None):
             for rows, idx, valid in run.chunks:
                 flat = idx.reshape(-1)
                 qc = q_src.index_select(1, rows).mul_(run.scale)  # (b, m, d)

@@ -29,7 +29,7 @@ from torch.autograd.function import FunctionCtx
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
-from .block import _rng_state, _set_rng_state
+from .block import _rng_state, replayed_rng
 
 __all__ = ["full_rows_attention", "rows_attention"]
 
@@ -128,10 +128,7 @@ class _RowsAttention(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         want_alpha = alpha is not None and ctx.needs_input_grad[3]
         d_alpha = torch.zeros_like(alpha) if want_alpha else None
-        cuda = [q.device.index or 0] if q.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda, enabled=bool(run.dropout_p)):
-            if run.dropout_p:
-                _set_rng_state(q.device, ctx.rng)
+        with replayed_rng(q.device, ctx.rng if run.dropout_p else None):
             for i0, i1 in run.chunks:
                 nk = run.keys(i1)
                 qs, kc, vc = q[:, :, i0:i1] * run.scale, k[:, :, :nk], v[:, :, :nk]
