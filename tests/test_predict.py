@@ -319,16 +319,63 @@ def test_chunked_predictor_v1_keeps_top_blocks_and_expands_to_tokens():
 
 
 # --------------------------------------------------------------------------- baselines
-def test_lsh_extremes_and_bucket_equality():
-    q, k, _ = _qkv(b=2, h=2, n=12, d=5, seed=8, dtype=torch.float32)
-    one = LSHBaseline(1).predict(q, k)
-    assert bool(one.to_dense().all())  # one bucket → complete graph
+def _lsh_reference(x: list[float], rot: torch.Tensor, buckets: int) -> list[int]:
+    """Reformer's hash written out: per round, the dot products with R's columns by hand, then
+    the index of the largest of [xR, −xR] (even buckets) or of xR (odd)."""
+    out = []
+    for r in range(rot.shape[0]):
+        vals = [sum(x[d] * float(rot[r, d, c]) for d in range(len(x)))
+                for c in range(rot.shape[2])]
+        if buckets % 2 == 0:
+            vals += [-v for v in vals]
+        out.append(max(range(len(vals)), key=vals.__getitem__))
+    return out
+
+
+@pytest.mark.parametrize("buckets,rounds", [(1, 1), (2, 1), (7, 1), (16, 1), (8, 3)])
+def test_lsh_shared_qk_as_the_authors_run_it(buckets, rounds):
+    """Issue 16 item 7: token i is hashed once as [q_i; k_i]; query i and key i share its bucket,
+    so Ĝ is symmetric, every token attends to itself, and (i, j) is an edge iff the two tokens
+    collide in some round — checked against the hash written out pair by pair."""
+    q, k, _ = _qkv(b=2, h=2, n=12, d=3, seed=8)
+    lsh = LSHBaseline(buckets, seed=3, rounds=rounds)
+    graph = lsh.predict(q, k).to_dense()
+    rot = lsh.rotations(2, 6).double()
+    expected = torch.zeros_like(graph)
+    for b, h in itertools.product(range(2), range(2)):
+        ids = [_lsh_reference(torch.cat([q[b, h, i], k[b, h, i]]).tolist(), rot[h], buckets)
+               for i in range(12)]
+        for i, j in itertools.product(range(12), range(12)):
+            expected[b, h, i, j] = any(a == c for a, c in zip(ids[i], ids[j], strict=True))
+    assert torch.equal(graph, expected)
+    assert torch.equal(graph, graph.transpose(-1, -2))  # symmetric
+    assert bool(graph.diagonal(dim1=-2, dim2=-1).all())  # every token attends to itself
+    if buckets == 1:
+        assert bool(graph.all())
+    if rounds == 1:  # one round partitions the tokens: transitive too (a union of cliques)
+        two_hops = (graph.double() @ graph.double()) > 0
+        assert torch.equal(two_hops, graph)
+
+
+def test_lsh_separate_hashing_variant():
+    """The separate variant: h(q_i) and h(k_j) with one rotation; an edge iff they are equal.
+    Neither symmetric nor reflexive in general (unlike the shared-QK default)."""
+    q, k, _ = _qkv(b=2, h=2, n=12, d=5, seed=8)
     for buckets in (2, 7, 100):
-        lsh = LSHBaseline(buckets, seed=3)
-        graph = lsh.predict(q, k)
-        hq, hk = lsh.hash(q), lsh.hash(k)
-        assert int(hq.max()) < buckets and int(hk.min()) >= 0
-        assert torch.equal(graph.to_dense(), hq[..., :, None] == hk[..., None, :])
+        lsh = LSHBaseline(buckets, seed=3, mode="separate")
+        graph = lsh.predict(q, k).to_dense()
+        rot = lsh.rotations(2, 5).double()
+        expected = torch.zeros_like(graph)
+        for b, h in itertools.product(range(2), range(2)):
+            hq = [_lsh_reference(q[b, h, i].tolist(), rot[h], buckets) for i in range(12)]
+            hk = [_lsh_reference(k[b, h, j].tolist(), rot[h], buckets) for j in range(12)]
+            for i, j in itertools.product(range(12), range(12)):
+                expected[b, h, i, j] = hq[i] == hk[j]
+        assert torch.equal(graph, expected)
+    g = LSHBaseline(8, seed=3, mode="separate").predict(q, k).to_dense()
+    assert not torch.equal(g, g.transpose(-1, -2))
+    assert not bool(g.diagonal(dim1=-2, dim2=-1).all())
+    assert bool(LSHBaseline(1, mode="separate").predict(q, k).to_dense().all())
 
 
 def test_routing_extremes_and_balanced_clusters():

@@ -5,7 +5,8 @@
 * :mod:`.predictors` — distance, quantization, k-means and chunked predictors, fixed parts
   (§4.3–4.7, §6.1); :mod:`.baselines` — window, BigBird, Longformer, strided, Reformer LSH, Routing;
 * :mod:`.evaluate` — recall (eq. 4), sparsity (eq. 5), exact queries, Pareto frontiers, the
-  downstream effect inside a model; :mod:`.pattern` — a data-dependent Pattern for ``hf.sparsify``;
+  downstream effect inside a model; :mod:`.pattern` — a data-dependent Pattern for ``hf.sparsify``
+  (and ``key_padding``, the padding mask for it);
 * :mod:`.teacher` — the 1.5-entmax MiniLM teacher.
 
 The experiment is :mod:`sparseattn.experiments.sparsefinder` (``sparseattn sparsefinder``).
@@ -31,7 +32,7 @@ from .evaluate import (
     sweep,
 )
 from .extract import GraphBatch, LayerGraphs, TokenBatch, extract_graphs, token_batches
-from .pattern import PredictedPattern
+from .pattern import PredictedPattern, key_padding
 from .predictors import (
     ChunkedPredictor,
     DistancePredictor,
@@ -73,6 +74,7 @@ __all__ = [
     "extract_graphs",
     "frontier_value",
     "hinge_loss",
+    "key_padding",
     "kmeans",
     "load_teacher",
     "merge_union",

@@ -9,9 +9,10 @@ on the same extracted graphs with the same metrics, and unioned with the same
   (appendix C.2), from :func:`sparseattn.patterns.random_blocks`.
 * :class:`LongformerBaseline` — ``global_tokens`` global tokens at random positions.
 * :class:`StridedBaseline` — keys j ≡ i (mod s) (Child et al.; the stride half of ``strided``).
-* :class:`LSHBaseline` — Reformer: angular LSH, one random rotation R shared by queries and keys,
-  bucket = argmax([xR; −xR]) of the unit-normalised vector (Kitaev et al. 2020); shared buckets
-  for queries and keys.
+* :class:`LSHBaseline` — Reformer: angular LSH, bucket = argmax([xR; −xR]) (Kitaev et al. 2020).
+  Default: shared-QK, as the Sparsefinder authors run it — each token hashed once as the
+  concatenation [q′; k′], its query and key in the same bucket (a symmetric graph with the
+  diagonal); ``mode="separate"`` hashes queries and keys apart with the same rotation.
 * :class:`RoutingBaseline` — Routing Transformer: spherical k-means centroids learned online
   (mini-batch exponential moving averages) on unit-normalised train queries and keys; each
   centroid takes its ⌈L/C⌉ nearest queries and keys (balanced clusters, top-k per centroid).
@@ -22,12 +23,20 @@ does) or on the raw q, k (``projection=None``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..patterns import global_tokens, random_blocks, strided
-from ..validate import check_finite_float, check_int, check_positive, check_tensor
+from ..validate import (
+    check_choice,
+    check_finite_float,
+    check_int,
+    check_positive,
+    check_tensor,
+)
 from .predictors import (
     FixedParts,
     GraphPredictor,
@@ -50,6 +59,22 @@ __all__ = [
 ]
 
 
+def _per_length(make: Callable[[int], AttentionGraph], n: int,
+                valid: Tensor | None) -> AttentionGraph:
+    """A static baseline on real tokens only: ``make(n)``, or with ``valid`` (B, n) (right
+    padding) each sequence's ``make(L_b)`` in the top-left L_b × L_b corner of its n × n graph
+    (``batch_shape`` (B, 1)), so padding changes nothing among real tokens."""
+    if valid is None or bool(valid.all()):
+        return make(n)
+    rows, cols = [torch.zeros(0, dtype=torch.long)], [torch.zeros(0, dtype=torch.long)]
+    for b, length in enumerate(valid.sum(-1).tolist()):
+        if length:
+            graph = make(int(length))
+            rows.append(graph.row_indices() + b * n)
+            cols.append(graph.col)
+    return AttentionGraph.from_edges(torch.cat(rows), torch.cat(cols), n, n, (valid.shape[0], 1))
+
+
 class WindowBaseline(GraphPredictor):
     """Keys |i − j| ≤ ``window`` (the paper's window size 2·window + 1)."""
 
@@ -61,7 +86,7 @@ class WindowBaseline(GraphPredictor):
 
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
         self._check(q, k, valid)
-        return FixedParts(self.window, first=False).graph(q.shape[-2])
+        return _per_length(FixedParts(self.window, first=False).graph, q.shape[-2], valid)
 
 
 class BigBirdBaseline(GraphPredictor):
@@ -77,7 +102,8 @@ class BigBirdBaseline(GraphPredictor):
 
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
         self._check(q, k, valid)
-        return random_blocks(self.random_blocks, self.block, self.seed).graph(q.shape[-2])
+        pattern = random_blocks(self.random_blocks, self.block, self.seed)
+        return _per_length(pattern.graph, q.shape[-2], valid)
 
 
 class LongformerBaseline(GraphPredictor):
@@ -93,7 +119,9 @@ class LongformerBaseline(GraphPredictor):
 
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
         self._check(q, k, valid)
-        n = q.shape[-2]
+        return _per_length(self._graph, q.shape[-2], valid)
+
+    def _graph(self, n: int) -> AttentionGraph:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + n)
         positions = torch.randperm(n, generator=gen)[: self.global_tokens].tolist()
         return global_tokens(positions).graph(n)
@@ -110,7 +138,7 @@ class StridedBaseline(GraphPredictor):
 
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
         self._check(q, k, valid)
-        return strided(self.stride, part=2).graph(q.shape[-2])
+        return _per_length(strided(self.stride, part=2).graph, q.shape[-2], valid)
 
 
 def _unit(x: Tensor) -> Tensor:
@@ -118,44 +146,75 @@ def _unit(x: Tensor) -> Tensor:
 
 
 class LSHBaseline(GraphPredictor):
-    """Reformer LSH: ``buckets`` angular hash buckets shared by queries and keys.
+    """Reformer's angular LSH (Kitaev et al. 2020, §2 "LSH attention"), as a graph predictor.
 
-    Per head one Gaussian rotation R (dim × ⌈buckets/2⌉) drawn from ``seed``; bucket(x) =
-    argmax([x̂R; −x̂R]) (even ``buckets``) or argmax(x̂R) (odd), with x̂ = x/‖x‖. One bucket gives
-    the complete graph.
+    Per head and hashing round a Gaussian rotation R (dim × ⌈buckets/2⌉) drawn from ``seed``;
+    h(x) = argmax([x̂R; −x̂R]) for even ``buckets`` (Reformer's rule) or argmax(x̂R) for odd ones,
+    x̂ = x/‖x‖ (the argmax does not depend on ‖x‖). ``rounds`` > 1 hashes with that many rotations
+    and keeps an edge when any round collides (Reformer's multi-round hashing).
+
+    ``mode="shared"`` (default) — shared-QK attention, as the Sparsefinder authors run their
+    Reformer baseline: token i is hashed once, as the concatenation x_i = [q′_i; k′_i] ∈ R^{2r},
+    and query i and key i share that bucket, so Ĝ = {(i, j) : h(x_i) = h(x_j)} is symmetric and
+    holds the diagonal — the cause of Reformer's "high recall, low sparsity" (Sparsefinder §5).
+    ``mode="separate"`` — queries and keys hashed apart with the same rotation:
+    Ĝ = {(i, j) : h(q′_i) = h(k′_j)}, neither symmetric nor reflexive.
+
+    One bucket gives the complete graph. Padding (``valid``) gets no bucket.
     """
 
+    MODES = ("shared", "separate")
+
     def __init__(self, buckets: int, projection: QKProjection | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, mode: str = "shared", rounds: int = 1) -> None:
         self.buckets = check_positive("buckets", buckets)
         self.projection, self.seed = _check_projection(projection), _check_seed(seed)
+        self.mode = check_choice("mode", mode, self.MODES)
+        self.rounds = check_positive("rounds", rounds)
 
     def params(self) -> dict:
-        return {"buckets": self.buckets}
+        out = {"buckets": self.buckets, "mode": self.mode}
+        return out | ({"rounds": self.rounds} if self.rounds > 1 else {})
+
+    def rotations(self, heads: int, dim: int) -> Tensor:
+        """The random rotations: (heads, rounds, dim, ⌈buckets/2⌉) (even buckets) or
+        (heads, rounds, dim, buckets) (odd), the same for the same seed."""
+        cols = self.buckets // 2 if self.buckets % 2 == 0 else self.buckets
+        size = heads * self.rounds * dim * cols
+        if size > 1 << 28:
+            raise ValueError(f"buckets={self.buckets}, rounds={self.rounds} with {heads} heads of "
+                             f"size {dim} needs a {size:,}-entry rotation; at most 2^28 are "
+                             "allocated")
+        gen = torch.Generator().manual_seed(self.seed)
+        return torch.randn(heads, self.rounds, dim, cols, generator=gen)
 
     def hash(self, x: Tensor) -> Tensor:
-        """x (B, H, n, dim) → LongTensor (B, H, n) bucket ids in [0, buckets)."""
+        """x (B, H, n, dim) → LongTensor (B, H, n, rounds): bucket ids in [0, buckets)."""
         check_tensor("x", x, dim=4, floating=True)
-        heads, dim = x.shape[1], x.shape[-1]
-        half = self.buckets % 2 == 0
-        cols = self.buckets // 2 if half else self.buckets
-        if heads * dim * cols > 1 << 28:
-            raise ValueError(f"buckets={self.buckets} with {heads} heads of size {dim} needs a "
-                             f"{heads * dim * cols:,}-entry rotation; at most 2^28 are allocated")
-        gen = torch.Generator().manual_seed(self.seed)
-        rot = torch.randn(heads, dim, cols, generator=gen).to(x)
-        proj = _unit(x) @ rot
-        if half:
+        rot = self.rotations(x.shape[1], x.shape[-1]).to(x)  # (H, R, dim, c)
+        proj = torch.einsum("bhnd,hrdc->bhnrc", _unit(x), rot)
+        if self.buckets % 2 == 0:
             proj = torch.cat([proj, -proj], -1)
         return proj.argmax(-1)
 
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
         qp, kp = self._inputs(q, k, valid)
-        qb, kb = self.hash(qp)[..., None], self.hash(kp)[..., None]
+        if self.mode == "shared":
+            if qp.shape[-2] != kp.shape[-2]:
+                raise ValueError(f"shared-QK hashing needs n_q == n_k, got {qp.shape[-2]}, "
+                                 f"{kp.shape[-2]}")
+            qb = kb = self._offset(self.hash(torch.cat([qp, kp], -1)), valid)
+        else:
+            qb, kb = self._offset(self.hash(qp), valid), self._offset(self.hash(kp), valid)
+        return bucket_graph(qb.cpu(), kb.cpu(), self.rounds * self.buckets)
+
+    def _offset(self, ids: Tensor, valid: Tensor | None) -> Tensor:
+        """Bucket ids (B, H, n, rounds) → distinct ids per round (round · buckets + id), −1 for
+        padding."""
+        ids = ids + torch.arange(self.rounds, device=ids.device) * self.buckets
         if valid is not None:
-            pad = ~valid[:, None, :, None]
-            qb, kb = qb.masked_fill(pad, -1), kb.masked_fill(pad, -1)
-        return bucket_graph(qb.cpu(), kb.cpu(), self.buckets)
+            ids = ids.masked_fill(~valid[:, None, :, None].to(ids.device), -1)
+        return ids
 
 
 class RoutingBaseline(GraphPredictor):

@@ -53,6 +53,7 @@ __all__ = [
     "QuantizationPredictor",
     "bucket_graph",
     "centroid_topk_buckets",
+    "check_right_padding",
     "chunk_layer",
     "chunk_means",
     "expand_blocks",
@@ -351,6 +352,15 @@ def union_fixed(graph: AttentionGraph, fixed: FixedParts | None,
 
 
 # --------------------------------------------------------------------------- predictors
+def check_right_padding(name: str, valid: Tensor) -> Tensor:
+    """``valid`` (B, n) bool must mark right padding: each row True on a prefix, then False
+    (the layout of Hugging Face tokenizers; fixed parts and chunks rely on it)."""
+    if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+        raise ValueError(f"{name} must mark right padding (each row: real tokens first, then "
+                         "padding); got a row with a real token after padding")
+    return valid
+
+
 class GraphPredictor(abc.ABC):
     """Predicts Ĝ_h from q (B, H, n_q, d), k (B, H, n_k, d); ``projection`` (if any) first."""
 
@@ -380,6 +390,7 @@ class GraphPredictor(abc.ABC):
                 raise ValueError(f"valid needs self-attention (n_q == n_k), got {q.shape[-2]}, "
                                  f"{k.shape[-2]}")
             check_tensor("valid", valid, dtype=torch.bool, shape=(q.shape[0], q.shape[-2]))
+            check_right_padding("valid", valid)
 
     def _inputs(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Checked (and finite) q, k, projected when a projection is set."""
