@@ -1,26 +1,44 @@
-"""Hugging Face integration: any sparseattn configuration inside a pretrained encoder.
+"""Hugging Face integration: any sparseattn configuration inside a transformers model.
 
-``sparsify(model, pattern, prob_map, engine)`` replaces the self-attention kernel of a BERT,
-RoBERTa or DistilBERT model (MiniLM is a BERT) by Yun et al. eq. (3),
-out_i = Σ_{j ∈ A_i} ρ(scale · q_i·k_j)_j v_j, computed by :func:`sparseattn.sparse_attention`
-or by any method with its signature. It uses transformers' public extension points only:
+``sparsify(model, pattern, prob_map, engine)`` replaces the self-attention kernel of any
+transformers model whose attention modules dispatch through ``transformers.AttentionInterface``
+by Yun et al. eq. (3), out_i = Σ_{j ∈ A_i} ρ(scale · q_i·k_j)_j v_j, computed by
+:func:`sparseattn.sparse_attention` or by any method with its signature. Tested (transformers
+5.24) on BERT, RoBERTa, DistilBERT (MiniLM is a BERT), ModernBERT, and the decoders Llama,
+Qwen2, Qwen3, Mistral, GPT-2 and GPT-NeoX, including ``model.generate()`` with its KV cache.
+It uses transformers' public extension points only:
 
-* ``transformers.AttentionInterface.register("sparseattn", fn)`` + ``model.set_attn_implementation``
-  — the three architectures look their kernel up in that registry (checked for transformers 5.24);
+* ``transformers.AttentionInterface.register("sparseattn", fn)`` and
+  ``model.set_attn_implementation``; the layers are the modules whose ``forward`` looks its
+  kernel up in that registry, in the order the model registers them (cross-attention modules
+  keep exact attention);
 * ``transformers.AttentionMaskInterface.register("sparseattn", sdpa_mask)`` — without a mask
   function the padding mask would arrive as ``None``; the sdpa mask is a boolean
-  (batch, 1, n_q, n_k) tensor that we turn into ``key_padding_mask`` (batch, n_k).
+  (batch, 1, n_q, n_k) tensor that we split into ``key_padding_mask`` (batch, n_k), the
+  causal structure and, where the model has more (ModernBERT's local layers), that structure,
+  which is intersected with the pattern's graph.
 
-Per-layer settings live on the model (an attribute on each self-attention module names its
+Decoders (docs/causal.md, "Hugging Face decoders"): a causal layer applies the pattern causally —
+a causal pattern (``sliding_window``, ``causal_strided``, …) as it is, any other pattern
+intersected with the lower triangle (``pattern.causal()``; ``dense()`` becomes exact causal
+attention). Queries at an offset (a KV cache: n_q < n_k) sit at positions n_k − n_q … n_k − 1.
+Grouped-query attention (fewer key/value heads) is expanded per head group. With left padding
+(generation's padding side) the pattern is laid over each item's real tokens, so sink tokens are
+its first real tokens and a padded item computes what it computes alone. Refused with a
+ValueError: static caches, and a model's own sliding window once its cache drops keys.
+
+Per-layer settings live on the model (an attribute on each attention module names its
 layer), so a ``cycle(A1, A2)`` gives layer l the pattern A_{l mod 2} (Yun §5.1 SEQUENTIAL) and
-``split_heads`` gives head groups different patterns (MULTIHEAD). Patterns are laid over the
-padded length with right padding (the tokenizers' default); padding keys are masked out.
+``split_heads`` gives head groups different patterns (MULTIHEAD). In encoders, patterns are
+laid over the padded length with right padding (the tokenizers' default); padding keys are
+masked out.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -37,7 +55,7 @@ from .validate import check_choice, check_int, check_positive, check_tensor
 
 __all__ = [
     "ATTN_NAME",
-    "SUPPORTED",
+    "VALUE_PROJECTIONS",
     "AttentionRecord",
     "LayerContext",
     "LayerSpec",
@@ -54,14 +72,9 @@ __all__ = [
 #: The name under which the kernel and its mask function are registered with transformers.
 ATTN_NAME = "sparseattn"
 
-#: model_type → (path of the layer list under ``model.base_model``, path of the self-attention
-#: module inside one layer, name of its value projection). Each of these modules dispatches
-#: through ``AttentionInterface``.
-SUPPORTED: dict[str, tuple[str, str, str]] = {
-    "bert": ("encoder.layer", "attention.self", "value"),
-    "roberta": ("encoder.layer", "attention.self", "value"),
-    "distilbert": ("transformer.layer", "attention", "v_lin"),
-}
+#: Attribute names of a separate value projection (an nn.Linear) on an attention module, tried in
+#: order; a method hook's :class:`LayerContext` needs one.
+VALUE_PROJECTIONS: tuple[str, ...] = ("value", "v_lin", "v_proj")
 
 Method = Callable[..., Tensor]
 """A method hook: ``method(q, k, v, pattern, prob_map=, engine=, scale=, key_padding_mask=,
@@ -84,13 +97,30 @@ class LayerContext:
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """The attention configuration of one layer (the cycle already resolved to this layer)."""
+    """The attention configuration of one layer (the cycle already resolved to this layer).
+
+    ``causal_pattern`` is what a causal (decoder) layer uses: ``pattern`` itself when it is
+    causal, else ``pattern.causal()`` (the pattern ∩ the lower triangle), made once so that its
+    graph cache lives as long as the spec."""
 
     pattern: Pattern | AttentionGraph
     prob_map: ProbabilityMap
     engine: str
     method: Method
     wants_context: bool = False
+    causal_pattern: Pattern | AttentionGraph | None = None
+
+    def __post_init__(self) -> None:
+        if self.causal_pattern is None:
+            object.__setattr__(self, "causal_pattern", _causal_variant(self.pattern))
+
+
+def _causal_variant(pattern: Pattern | AttentionGraph) -> Pattern | AttentionGraph:
+    """The pattern a decoder layer applies: causal patterns as they are, any other one
+    intersected with causality (``.causal()``; a graph: ``.tril()`` when it is square)."""
+    if isinstance(pattern, AttentionGraph):
+        return pattern if pattern.causal or pattern.n_q != pattern.n_k else pattern.tril()
+    return pattern if pattern.is_causal else pattern.causal()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,21 +187,51 @@ def _check_layers(layers: object, num_layers: int | None = None) -> list[int] | 
     return out
 
 
+@functools.cache
+def _dispatches(cls: type) -> bool:
+    """Whether ``cls.forward`` looks its kernel up in transformers' ``ALL_ATTENTION_FUNCTIONS``
+    (the registry behind ``AttentionInterface``): the names its code object refers to."""
+    forward = getattr(cls, "forward", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def _is_cross_attention(module: nn.Module) -> bool:
+    return bool(getattr(module, "is_cross_attention", False)) or (
+        "CrossAttention" in type(module).__name__
+    )
+
+
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention module of every layer, in layer order; ValueError if unsupported."""
+    """The self-attention modules that dispatch through ``AttentionInterface``, in the order
+    the model registers them (layer order); cross-attention modules are left out (they keep
+    exact attention). ValueError if there are none."""
     _check_model(model)
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED or not hasattr(model, "set_attn_implementation"):
+    modules = []
+    if hasattr(model, "set_attn_implementation"):
+        modules = [
+            m for m in model.modules() if _dispatches(type(m)) and not _is_cross_attention(m)
+        ]
+    if not modules:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
         raise ValueError(
-            f"sparsify supports Hugging Face encoders of type {sorted(SUPPORTED)} (MiniLM is a "
-            f"bert); got {type(model).__name__} with model_type {model_type!r}"
+            "sparsify needs a transformers model whose self-attention dispatches through "
+            "transformers.AttentionInterface (e.g. bert, roberta, distilbert, modernbert, "
+            f"llama, mistral, qwen2, qwen3, gpt2, gpt_neox); got {type(model).__name__} with "
+            f"model_type {model_type!r}, which has no such module"
         )
-    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
-        raise ValueError("sparsify supports encoders only; this config is a decoder")
-    layers_path, attn_path, _ = SUPPORTED[model_type]
-    layers = model.base_model.get_submodule(layers_path)
-    return [layer.get_submodule(attn_path) for layer in layers]
+    return modules
+
+
+def _value_projection(module: nn.Module) -> nn.Linear | None:
+    """The module's separate value projection (BERT ``value``, DistilBERT ``v_lin``, Llama-style
+    ``v_proj``), or None where q, k and v come from one fused projection (GPT-2, GPT-NeoX,
+    ModernBERT)."""
+    for name in VALUE_PROJECTIONS:
+        proj = getattr(module, name, None)
+        if isinstance(proj, nn.Linear):
+            return proj
+    return None
 
 
 def _stash_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -208,7 +268,7 @@ def sparsify(
     layers: Iterable[int] | None = None,
     **method_options,
 ) -> nn.Module:
-    """Give ``layers`` (default all) of a Hugging Face encoder the attention (pattern, ρ, engine).
+    """Give ``layers`` (default all) of a Hugging Face model the attention (pattern, ρ, engine).
 
     Yun et al. eq. (3) per layer. ``pattern``: a Pattern (every layer), a ``cycle(...)`` or a
     sequence of patterns (layer l uses pattern l mod p, Yun §5.1 SEQUENTIAL), ``split_heads``
@@ -219,9 +279,15 @@ def sparsify(
     returns it; :func:`restore` undoes it. A method may also be named: ``method="mca"`` with
     ``method_options`` for :class:`sparseattn.montecarlo.MCAMethod` (e.g. ``alpha=0.2``).
 
+    In a decoder (a causal attention module) the pattern is applied causally: a non-causal
+    pattern is intersected with the lower triangle (``pattern.causal()``; note that Yun's
+    ``window(w)`` then keeps ⌈w/2⌉ previous tokens — ``sliding_window(w, sinks)`` is the causal
+    window), and ``generate()`` runs with its KV cache (queries at an offset).
+
     Raises:
-        ValueError for an unsupported architecture (names the supported ones), a bad layer index,
-        an unknown engine or a head split that does not fit the model's heads;
+        ValueError for a model without an AttentionInterface attention module, a bad layer
+        index, an unknown engine, a head split that does not fit the model's heads, or a
+        context method on a model whose q, k, v come from one fused projection;
         TypeError for a pattern or method of the wrong type.
     """
     modules = _attention_modules(model)
@@ -255,13 +321,18 @@ def sparsify(
         )
     chosen = _check_layers(layers, num_layers)
     chosen_layers = range(num_layers) if chosen is None else chosen
-    heads = model.config.num_attention_heads
+    heads = model.config.get_text_config().num_attention_heads
     wants_context = _wants_context(method)
     specs = {}
     for layer in chosen_layers:
         layer_pattern = per_layer(layer)
         if isinstance(layer_pattern, HeadSplit):
             layer_pattern.head_sizes(heads)
+        if wants_context and _value_projection(modules[layer]) is None:
+            raise ValueError(
+                f"method {method!r} takes a LayerContext with the layer's value projection, but "
+                f"{type(modules[layer]).__name__} computes q, k, v in one fused projection"
+            )
         specs[layer] = LayerSpec(layer_pattern, rho, engine, method, wants_context)
 
     state = _state(model)
@@ -272,9 +343,8 @@ def sparsify(
         if model.config._attn_implementation != ATTN_NAME:
             raise ValueError(f"{type(model).__name__} refused set_attn_implementation")
         model.__dict__["_sparseattn"] = state
-        value_name = SUPPORTED[model.config.model_type][2]
         for index, module in enumerate(modules):
-            module.__dict__["_sparseattn"] = (state, index, getattr(module, value_name))
+            module.__dict__["_sparseattn"] = (state, index, _value_projection(module))
             state.hooks.append(module.register_forward_pre_hook(_stash_input, with_kwargs=True))
     state.specs.update(specs)
     return model
@@ -352,23 +422,147 @@ def capture_attention(
 
 
 # --------------------------------------------------------------------------- the kernel
-def _key_padding_mask(mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
-    """HF's 4-D mask (bool, True = attend; or additive, 0 = attend) → (batch, n_k) bool."""
+@dataclasses.dataclass(frozen=True)
+class _MaskView:
+    """What a layer call's HF mask says, split into the parts sparseattn applies.
+
+    kpm: (batch, n_k) bool, True for real keys, or None (no padding);
+    causal: the layer is causal (queries at n_k − n_q … n_k − 1 see keys j ≤ their position);
+    structure: (batch, 1, n_q, n_k) bool or None — the model's own mask beyond causality and
+        padding (e.g. ModernBERT's local layers), padding keys re-allowed (kpm masks them);
+    pads: (batch,) long or None — left padding of a causal layer (patterns start after it).
+    """
+
+    kpm: Tensor | None
+    causal: bool
+    structure: Tensor | None
+    pads: Tensor | None
+
+
+def _lower_right_tril(n_q: int, n_k: int, device: torch.device) -> Tensor:
+    """(n_q, n_k) bool: query i (at position n_k − n_q + i) may see keys j ≤ its position."""
+    rows = torch.arange(n_k - n_q, n_k, device=device)[:, None]
+    return torch.arange(n_k, device=device)[None, :] <= rows
+
+
+def _check_decoder_call(
+    mask: Tensor | None, n_q: int, n_k: int, sliding_window: int | None
+) -> None:
+    """Refuse the cache layouts in which key index ≠ position (static, sliding-window caches)."""
+    if n_q > n_k:
+        raise ValueError(f"a decoder call needs n_q <= n_k, got n_q={n_q}, n_k={n_k}")
+    if sliding_window is not None and n_q < n_k and n_k >= sliding_window:
+        raise ValueError(
+            f"this model has its own sliding window ({sliding_window} keys) and its cache drops "
+            "older keys, so key positions are unknown to sparseattn; set "
+            "model.config.sliding_window = None and pass the window as the pattern, e.g. "
+            f"sliding_window({sliding_window})"
+        )
+    if mask is None and 1 < n_q < n_k:
+        raise ValueError(
+            f"{n_q} queries against {n_k} keys without a mask: a static cache, whose keys past "
+            "the current position are unfilled; sparsify supports dynamic caches (the default "
+            "of generate())"
+        )
+
+
+def _mask_view(
+    mask: Tensor | None, q: Tensor, k: Tensor, causal: bool, sliding_window: int | None = None
+) -> _MaskView:
+    """Split HF's 4-D mask (bool, True = attend; or additive, 0 = attend; None = no masking
+    beyond causality) into key padding, left padding and any further structure.
+
+    Raises ValueError for masks of another shape and, for causal layers, for caches whose key
+    indices are not positions (static caches, a model's own truncating sliding window)."""
+    bsz, n_q, n_k = q.shape[0], q.shape[-2], k.shape[-2]
+    if causal:
+        _check_decoder_call(mask, n_q, n_k, sliding_window)
     if mask is None:
-        return None
+        return _MaskView(None, causal, None, None)
     if mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2
-    bsz, n_q, n_k = q.shape[0], q.shape[-2], k.shape[-2]
     if mask.dim() != 4 or mask.shape[1] != 1:
         raise ValueError(f"expected a (batch, 1, n_q, n_k) attention mask, got {tuple(mask.shape)}")
-    mask = mask.expand(bsz, 1, n_q, n_k)
-    kpm = mask[:, 0, 0, :]
-    if not torch.equal(mask, kpm[:, None, None, :].expand_as(mask)):
+    mask = mask.expand(bsz, 1, n_q, n_k)[:, 0]
+    kpm = mask.any(-2)  # a real key is seen by some query (its own, in a causal layer)
+    expected = kpm[:, None, :].expand_as(mask)
+    if causal:
+        expected = expected & _lower_right_tril(n_q, n_k, mask.device)
+        if n_q < n_k and not bool(kpm[:, -1].all()):
+            raise ValueError(
+                "the newest key is masked for a query at an offset: a static cache (keys past "
+                "the current position unfilled); sparsify supports dynamic caches"
+            )
+    structure = None if torch.equal(mask, expected) else (mask | ~kpm[:, None, :])[:, None]
+    pads = None
+    if causal:
+        pads = (kpm.cumsum(-1) == 0).sum(-1).cpu()
+        pads = pads if bool(pads.any()) else None
+    return _MaskView(None if bool(kpm.all()) else kpm, causal, structure, pads)
+
+
+def _expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Grouped-query attention: k, v (batch, kv_heads, n_k, d) → (batch, heads, n_k, d), head
+    h reading key/value head h // (heads / kv_heads), as transformers' ``repeat_kv``."""
+    groups, rest = divmod(q.shape[1], k.shape[1])
+    if rest or k.shape[1] != v.shape[1]:
         raise ValueError(
-            "sparseattn supports key-padding masks only (the same for every query); got a "
-            "general 4-D attention mask"
+            f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]}, "
+            f"{v.shape[1]})"
         )
-    return None if bool(kpm.all()) else kpm
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+
+
+def _shifted_graph(pattern: Pattern, q: Tensor, k: Tensor, pads: Tensor) -> AttentionGraph:
+    """A causal pattern laid over each batch item's real tokens (left padding skipped).
+
+    Item b has ``pads[b]`` padding keys in front: its real queries get the pattern's rows for
+    keys pads[b] … n_k − 1 (so sink tokens are the first *real* tokens, as for the item alone),
+    its padding queries their own key only (a padding key: a zero row). q (batch, heads, n_q,
+    d), k (batch, heads, n_k, d) → graph of batch shape (batch, 1) or (batch, heads)."""
+    bsz, heads, n_q, _ = q.shape
+    n_k = k.shape[-2]
+    start = n_k - n_q
+    items = []
+    for b in range(bsz):
+        pad = min(int(pads[b]), n_k)
+        skip = min(max(0, pad - start), n_q)  # leading queries that are padding
+        graph = None
+        if skip < n_q:
+            graph = resolve_graph(pattern, q[b : b + 1, :, skip:], k[b : b + 1, :, pad:])
+        items.append((pad, skip, graph))
+    per_head = any(g is not None and g.batch_shape[-1:] == (heads,) for _, _, g in items)
+    g_h = heads if per_head and heads > 1 else 1
+    rows, cols = [], []
+    for b, (pad, skip, graph) in enumerate(items):
+        own = torch.arange(skip)
+        for h in range(g_h):
+            rows.append((b * g_h + h) * n_q + own)
+            cols.append(start + own)
+        if graph is not None:
+            graph = graph.expand((1, g_h))
+            m = n_q - skip
+            r = graph.row_indices()
+            rows.append((b * g_h + r // m) * n_q + skip + r % m)
+            cols.append(graph.col + pad)
+    return AttentionGraph.from_edges(
+        torch.cat(rows), torch.cat(cols), n_q, n_k, (bsz, g_h), causal=True
+    )
+
+
+def _layer_graph(spec: LayerSpec, q: Tensor, k: Tensor, view: _MaskView) -> AttentionGraph:
+    """The layer's graph for this call: the (causal) pattern, laid over real tokens when a
+    decoder batch is left-padded, ∩ the model's own structure."""
+    pattern = spec.causal_pattern if view.causal else spec.pattern
+    if view.pads is not None and isinstance(pattern, Pattern):
+        graph = _shifted_graph(pattern, q, k, view.pads)
+    else:
+        graph = resolve_graph(pattern, q, k)
+    if view.structure is not None:
+        graph = graph & AttentionGraph.from_dense(view.structure.cpu())
+    return graph
 
 
 def _real_key_counts(graph: AttentionGraph, kpm: Tensor | None, bsz: int) -> Tensor:
@@ -393,27 +587,37 @@ def _real_key_counts(graph: AttentionGraph, kpm: Tensor | None, bsz: int) -> Ten
     return counts.expand(bsz, g_h, n_q)
 
 
+def _possible_keys(view: _MaskView, real: Tensor, n_q: int) -> Tensor:
+    """(batch, n_q) float64: the real keys the model's own mask lets each query see (all real
+    keys; j ≤ i in a causal layer; the model's structure where it has one). real: (batch, n_k)."""
+    if view.structure is not None:
+        return (view.structure[:, 0].cpu() & real[:, None, :]).sum(-1).double()
+    if view.causal:
+        return real.double().cumsum(-1)[:, real.shape[-1] - n_q :]
+    return real.double().sum(-1, keepdim=True).expand(-1, n_q)
+
+
 def _account(
     state: _State,
     layer: int,
     graph: AttentionGraph | None,
     q: Tensor,
     k: Tensor,
-    kpm: Tensor | None,
+    view: _MaskView,
     spec: LayerSpec,
 ) -> None:
-    """Check every real query keeps a real key; add the layer's real-token edge counts."""
-    bsz, heads, n = q.shape[0], q.shape[1], q.shape[-2]
-    real = torch.ones(bsz, n, dtype=torch.bool) if kpm is None else kpm.cpu()
-    lengths = real.sum(-1).double()
-    pairs = float(heads * (lengths * lengths).sum())
+    """Check every real query keeps a real key; add the layer's real-token edge counts (the
+    pairs counted are those the model's own mask allows: j ≤ i in a decoder)."""
+    bsz, heads, n_q = q.shape[:3]
+    n_k = k.shape[-2]
+    real = torch.ones(bsz, n_k, dtype=torch.bool) if view.kpm is None else view.kpm.cpu()
+    real_q = real[:, n_k - n_q :]
+    pairs = float((_possible_keys(view, real, n_q) * real_q).sum()) * heads
     if graph is None:  # exact attention
         edges = pairs
     else:
-        if n != k.shape[-2]:
-            raise ValueError("sparsify handles self-attention only (n_q == n_k)")
-        counts = _real_key_counts(graph, kpm, bsz)
-        starved = (counts == 0) & real[:, None, :]
+        counts = _real_key_counts(graph, view.kpm, bsz)
+        starved = (counts == 0) & real_q[:, None, :]
         if starved.any():
             b, h, i = (int(x) for x in starved.nonzero()[0])
             raise ValueError(
@@ -422,7 +626,7 @@ def _account(
                 "which every token sees at least one non-padding token (e.g. include the token "
                 "itself)"
             )
-        edges = float((counts * real[:, None, :]).sum()) * heads / counts.shape[1]
+        edges = float((counts * real_q[:, None, :]).sum()) * heads / counts.shape[1]
     state.edges[layer] = state.edges.get(layer, 0.0) + edges
     state.pairs[layer] = state.pairs.get(layer, 0.0) + pairs
 
@@ -453,6 +657,12 @@ def _record(
         capture.callback(record)
 
 
+def _is_causal(module: nn.Module, kwargs: dict) -> bool:
+    """A call is causal when the model says so (``is_causal`` kwarg, else the module's flag)."""
+    flag = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", False) if flag is None else flag)
+
+
 def _attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -463,12 +673,14 @@ def _attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """The kernel registered as ``ATTN_NAME``: q, k, v (batch, heads, n, d) → (batch, n, heads, d).
+    """The kernel registered as ``ATTN_NAME``: q (batch, heads, n_q, d), k and v (batch,
+    kv_heads, n_k, d) → (batch, n_q, heads, d). Decoder calls (``module.is_causal``) apply the
+    layer's pattern causally with queries at n_k − n_q … n_k − 1 (a KV cache).
 
     Non-configured layers run torch SDPA (exact) unless attention is being captured."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    for unsupported in ("position_bias", "softcap", "sliding_window"):
+    for unsupported in ("position_bias", "softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"sparseattn attention does not support {unsupported!r}")
     hook = module.__dict__.get("_sparseattn")
@@ -481,19 +693,27 @@ def _attention_forward(
     capture = state.capture
     capturing = capture is not None and (capture.layers is None or layer in capture.layers)
     spec = state.specs.get(layer)
-    kpm = _key_padding_mask(attention_mask, query, key)
+    view = _mask_view(
+        attention_mask, query, key, _is_causal(module, kwargs), kwargs.get("sliding_window")
+    )
     if spec is None and not capturing:
-        _account(state, layer, None, query, key, kpm, _EXACT)
+        _account(state, layer, None, query, key, view, _EXACT)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     spec = spec or _EXACT
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    graph = resolve_graph(spec.pattern, query, key)
-    _account(state, layer, graph, query, key, kpm, spec)
     extra = {}
     if spec.wants_context:
+        if key.shape[1] != query.shape[1]:
+            raise ValueError(
+                f"layer {layer}: method {spec.method!r} takes the value projection, which here "
+                f"gives {key.shape[1]} key/value heads for {query.shape[1]} query heads"
+            )
         extra["context"] = LayerContext(layer, module, hidden_states, value_proj)
+    key, value = _expand_kv(query, key, value)
+    graph = _layer_graph(spec, query, key, view)
+    _account(state, layer, graph, query, key, view, spec)
     out = spec.method(
         query,
         key,
@@ -502,12 +722,12 @@ def _attention_forward(
         prob_map=spec.prob_map,
         engine=spec.engine,
         scale=scale,
-        key_padding_mask=kpm,
+        key_padding_mask=view.kpm,
         dropout_p=dropout,
         **extra,
     )
     if capturing:
-        _record(capture, layer, graph, query, key, kpm, spec, scale)
+        _record(capture, layer, graph, query, key, view.kpm, spec, scale)
     return out.transpose(1, 2).contiguous(), None
 
 

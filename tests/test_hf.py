@@ -341,11 +341,13 @@ def test_capture_minilm_probabilities_sum_to_one_on_real_keys(minilm, minilm_bat
 
 
 # --------------------------------------------------------------------------- errors
-def test_unsupported_architecture_names_the_supported_ones():
-    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99)
-    model = transformers.AutoModel.from_config(config)
-    with pytest.raises(ValueError, match="bert.*distilbert.*roberta.*gpt2"):
+def test_model_without_attention_interface_names_examples():
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1])
+    model = transformers.AutoModel.from_config(config)  # a CNN: no attention module at all
+    with pytest.raises(ValueError, match="AttentionInterface.*bert.*llama.*gpt2.*'resnet'"):
         hf.sparsify(model, window(4))
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        hf.sparsify("bert", window(4))
 
 
 def test_real_query_without_real_key_is_a_value_error():
