@@ -15,7 +15,15 @@ import transformers
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
-from sparseattn import dense, hf, sliding_window, sparse_attention, window
+from sparseattn import (
+    causal_strided,
+    dense,
+    hf,
+    sliding_window,
+    sparse_attention,
+    split_heads,
+    window,
+)
 
 TOL = 1e-5
 IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -266,3 +274,57 @@ def test_context_methods_need_a_separate_value_projection_and_equal_heads():
     ids = torch.randint(3, 100, (1, 5))
     with pytest.raises(ValueError, match="2 key/value heads for 4 query heads"), torch.no_grad():
         model(input_ids=ids)
+
+
+# --------------------------------------------------------------------------- evicting cache
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_window_cache_generates_the_full_cache_tokens_and_keeps_a_bounded_cache(kind):
+    model = _decoder(kind)
+    ids, mask = _prompt((10, 6, 8))  # left padding 4 and 2: kept in front with the sinks
+    hf.sparsify(model, sliding_window(4, sinks=2))
+    steps = 30
+    full_tokens, full_logits = _generate(model, ids, mask, steps)
+    cache = hf.window_cache(model, mask)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            cache=cache,
+            do_sample=False,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert torch.equal(out.sequences, full_tokens)
+    assert float((torch.stack(out.logits, 1) - full_logits).abs().max()) < TOL
+    assert cache.get_seq_length() == ids.shape[1] + steps - 1  # positions count every token
+    kept = 2 + 4 + (4 - 1)  # sinks + left padding in front, the last window − 1
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [kept, kept]
+
+
+def test_evictable_extent_and_window_cache_errors():
+    assert hf.evictable_extent(sliding_window(8, sinks=4)) == (4, 8)
+    assert hf.evictable_extent(sliding_window(8, sinks=[0, 5])) == (6, 8)
+    assert hf.evictable_extent(sliding_window(8)) == (0, 8)
+    assert hf.evictable_extent(split_heads(sliding_window(8, 2), sliding_window(4))) == (2, 8)
+    for pattern in (
+        causal_strided(4),
+        window(4).causal(),
+        dense().causal(),
+        sliding_window(8) | causal_strided(4),
+    ):
+        assert hf.evictable_extent(pattern) is None
+    model = _decoder("llama")
+    with pytest.raises(ValueError, match="layer 0 uses exact attention"):
+        hf.window_cache(model)
+    hf.sparsify(model, causal_strided(4), layers=[1])
+    hf.sparsify(model, sliding_window(4), layers=[0])
+    with pytest.raises(ValueError, match=r"layer 1 uses causal_strided"):
+        hf.window_cache(model)
+    hf.sparsify(model, sliding_window(8), layers=[1])
+    with pytest.raises(ValueError, match="one \\(front, window\\)"):
+        hf.window_cache(model)
+    hf.sparsify(model, sliding_window(4))
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        hf.window_cache(model).layers[0].crop(-1)
