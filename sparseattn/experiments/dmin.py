@@ -4,8 +4,10 @@ For each n on a grid and each of ``draws`` random k-nonzero-bounded, gamma-varia
 right stochastic matrices A (union of k random permutation matrices, values 1 or gamma by a coin
 flip), scan an ascending grid of even d and record the least d for which the Theorem 0.4
 construction (redrawing the Stiefel matrix Y up to round(Q·n) times) meets eqs. (7) and (8).
-Then fit d_min = a·log n + b and compare the slope a with the slope of the theoretical d of
-eq. (6)/(22). Several Q give Figure 4.
+Then fit d_min = a·ln n + b and d_min = a·sqrt(n) + b (R² of each), and compare d_min with the
+bound the theorem actually gives, min(eq. (6)/(22), 2n): eq. (6) is a claim only where it is at
+most 2n, and at d = 2n the construction is exact. A causal A keeps the diagonal, so it has up to
+k + 1 nonzeros per row and column, and the theory columns use k + 1. Several Q give Figure 4.
 
 Writes ``<out_dir>/<run>/config.json``, ``metrics.json`` (after every finished cell, atomically;
 a re-run with the same config skips finished cells) and ``dmin.png``.
@@ -54,15 +56,19 @@ class DminConfig:
     qs: tuple[float, ...] = (1.0,)  # redraws of Y per d = round(Q·n) (paper: Q = 1; Fig. 4)
     causal: bool = False  # Corollary 0.7: lower-triangular A (diagonal kept), CSAM
     seed: int = 0
+    coarse: int = 1  # 1: ascending d scan (paper); m > 1: every m-th d first, then fill in
+    device: str = "cpu"  # where the Y draws run ("cuda": other random numbers than the CPU's)
     run: str | None = None  # run folder name; default derived from the fields above
     out_dir: str = "results/expressivity/dmin"
     threads: int = 1  # torch threads (the machine is shared)
     progress: bool = True
+    time_limit_s: float | None = None  # stop starting new cells after this long (resumable)
 
     def identity(self) -> dict[str, Any]:
-        """The fields that determine the results (a re-run with equal identity resumes)."""
+        """The fields that determine the results (a re-run with equal identity resumes; draws
+        is left out, so a run with more draws extends one with fewer)."""
         d = asdict(self)
-        for key in ("run", "out_dir", "threads", "progress"):
+        for key in ("draws", "run", "out_dir", "threads", "progress", "time_limit_s"):
             d.pop(key)
         d["ns"], d["qs"] = list(self.ns), list(self.qs)
         return d
@@ -91,6 +97,9 @@ class DminConfig:
         for q in self.qs:
             check_finite_float("qs[i] (a factor Q)", q, 0.0, low_open=True)
         check_positive("threads", self.threads)
+        check_positive("coarse", self.coarse)
+        if self.time_limit_s is not None:
+            check_finite_float("time_limit_s", self.time_limit_s, 0.0, low_open=True)
         return self
 
 
@@ -105,11 +114,13 @@ class _Cell:
         self.key = f"q={self.q:g}/n={self.n}/draw={self.draw}"
 
 
-def _fit(points: list[tuple[int, int]]) -> dict[str, float] | None:
-    """Least squares d = a·log n + b over (n, d) points (natural log)."""
+def _fit(points: list[tuple[int, int]], law: str = "log") -> dict[str, float] | None:
+    """Least squares d = a·f(n) + b over (n, d) points, f = ln (``law="log"``) or sqrt
+    (``law="sqrt"``); returns slope a, intercept b and R² (None with fewer than two n)."""
     if len({n for n, _ in points}) < 2:
         return None
-    x = torch.tensor([math.log(n) for n, _ in points], dtype=torch.float64)
+    f = math.log if law == "log" else math.sqrt
+    x = torch.tensor([f(n) for n, _ in points], dtype=torch.float64)
     y = torch.tensor([float(d) for _, d in points], dtype=torch.float64)
     design = torch.stack([x, torch.ones_like(x)], 1)
     sol = torch.linalg.lstsq(design, y[:, None]).solution.flatten()
@@ -132,23 +143,38 @@ def summarise(config: DminConfig, cells: dict[str, dict[str, Any]]) -> dict[str,
         for n in config.ns:
             ds = sorted(c["d_min"] for c in done if c["n"] == n)
             if ds:
+                eq6 = theorem_d(n, k, config.gamma, config.eps1, config.eps2)
                 table.append(
                     {
                         "n": n,
                         "d_min": ds,
                         "mean": sum(ds) / len(ds),
-                        "theorem_d": theorem_d(n, k, config.gamma, config.eps1, config.eps2),
+                        "theorem_d": eq6,
                         "2n": 2 * n,
+                        "bound": min(eq6, 2 * n),
+                        "theorem_applies": eq6 <= 2 * n,
+                        "mean_over_bound": sum(ds) / len(ds) / min(eq6, 2 * n),
                     }
                 )
-        fit = _fit([(c["n"], c["d_min"]) for c in done])
+        points = [(c["n"], c["d_min"]) for c in done]
+        fit = _fit(points)
+        applies = [(c["n"], c["d_min"]) for c in done if _applies(config, k, c["n"])]
         out[f"{q:g}"] = {
             "table": table,
             "fit": fit,
+            "fit_sqrt": _fit(points, "sqrt"),
+            "k_in_theory": k,
             "theory_slope": slope,
             "theory_over_fit": slope / fit["slope"] if fit and fit["slope"] > 0 else None,
+            "theorem_applies_at": [n for n in config.ns if _applies(config, k, n)],
+            "fit_where_theorem_applies": _fit(applies),
         }
     return out
+
+
+def _applies(config: DminConfig, k: int, n: int) -> bool:
+    """Whether Theorem 0.4 makes a claim at n: eq. (6) with these constants is at most 2n."""
+    return theorem_d(n, k, config.gamma, config.eps1, config.eps2) <= 2 * n
 
 
 def plot(config: DminConfig, summary: dict[str, Any], path: Path) -> None:
@@ -172,18 +198,12 @@ def plot(config: DminConfig, summary: dict[str, Any], path: Path) -> None:
         grid = [ns[0] * (ns[-1] / ns[0]) ** (t / 50) for t in range(51)]
         fit_label = f"fit {a:.1f}·ln n {b:+.1f}"
         ax.plot(grid, [a * math.log(g) + b for g in grid], "k:", label=fit_label)
-        y0 = a * math.log(ns[0]) + b
-        slope = s["theory_slope"]
-        top = max(ys) * 1.15
-        ends = [g for g in grid if y0 + slope * math.log(g / ns[0]) <= top]
-        ax.plot(
-            ends,
-            [y0 + slope * math.log(g / ns[0]) for g in ends],
-            "b--",
-            label=f"theory slope {slope:.0f}",
-        )
-        cap = [g for g in grid if 2 * g <= top]
-        ax.plot(cap, [2 * g for g in cap], color="0.6", lw=0.8, label="d = 2n (exact)")
+        if s["fit_sqrt"]:
+            a2, b2 = s["fit_sqrt"]["slope"], s["fit_sqrt"]["intercept"]
+            sq_label = f"fit {a2:.2f}·√n {b2:+.1f}"
+            ax.plot(grid, [a2 * math.sqrt(g) + b2 for g in grid], "g-.", lw=0.9, label=sq_label)
+        bound = [row["bound"] for row in s["table"]]
+        ax.plot(ns, bound, "b--", label="min(eq. 6, 2n)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("n")
     ax.set_ylabel("least d meeting (7), (8)")
@@ -192,6 +212,7 @@ def plot(config: DminConfig, summary: dict[str, Any], path: Path) -> None:
         f"{kind}: k={config.k}, γ={config.gamma:g}, ε1={config.eps1:g}, ε2={config.eps2:g}, Q={q0}",
         fontsize=9,
     )
+    ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     if panels == 2:
         ax2 = axes[0][1]
@@ -231,7 +252,15 @@ def _cell(config: DminConfig, cell: _Cell) -> dict[str, Any]:
     d_values = range(config.d_step, 2 * cell.n + 1, config.d_step)  # 2n is tried last anyway
     y_seed = config.seed * 7_919 + cell.n * 31 + cell.draw * 3 + round(cell.q * 1000) * 100_019
     d_min, res = least_construct_d(
-        a, config.eps1, config.eps2, d_values, q=cell.q, seed=y_seed, causal=config.causal
+        a,
+        config.eps1,
+        config.eps2,
+        d_values,
+        q=cell.q,
+        seed=y_seed,
+        causal=config.causal,
+        coarse=config.coarse,
+        device=config.device,
     )
     return {
         "q": cell.q,
@@ -281,6 +310,7 @@ def run(config: DminConfig) -> dict[str, Any]:
             "run": config.run_name(),
         }
 
+    started = time.perf_counter()
     try:
         bar = tqdm(
             pending,
@@ -290,12 +320,14 @@ def run(config: DminConfig) -> dict[str, Any]:
             disable=not config.progress,
         )
         for cell in bar:
+            if config.time_limit_s and time.perf_counter() - started > config.time_limit_s:
+                break
             bar.set_postfix_str(cell.key)
             cells[cell.key] = _cell(config, cell)
             write_json(metrics_path, metrics(False))
     finally:
         torch.set_num_threads(threads)
-    result = metrics(True)
+    result = metrics(all(c.key in cells for c in todo))
     result["total_seconds"] = sum(c["seconds"] for c in cells.values())
     write_json(metrics_path, result)
     plot(config, result["summary"], folder / "dmin.png")
