@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import threading
@@ -110,17 +111,56 @@ def _rounds(args: argparse.Namespace, cfgs: dict[str, DminConfig], deadline: flo
 
 
 def replot(folder: Path) -> None:
-    """Recompute summaries and figures from copied ``<run>.json`` files (cells only)."""
+    """Recompute summaries and figures from copied ``<run>.json`` files (cells only) and print
+    a Markdown table per set. Where ``coarse_check.json`` (from ``dmin_coarse_check.py``) holds
+    a full ascending-scan d_min for a cell, that value (the paper's definition) replaces the
+    coarse-to-fine one. Also prints the growth of the mean d_min per doubling of n (constant for
+    a ln n law, growing by sqrt 2 per doubling for a sqrt n law) and the exponent p of a fit
+    d = a n^p."""
+    check = folder / "coarse_check.json"
+    full = json.loads(check.read_text()) if check.exists() else []
     for path in sorted(folder.glob("paper-*.json")):
         name = path.stem.removeprefix("paper-")
         metrics = json.loads(path.read_text())
-        params = SETS[name]
-        cfg = DminConfig(**params, ns=PAPER_NS, d_step=8, coarse=8, run=path.stem)
+        for row in full:
+            cell = metrics["cells"].get(row["cell"])
+            if row["set"] == name and cell and cell["d_min"] != row["full"]:
+                print(f"{name} {row['cell']}: coarse {cell['d_min']} -> full scan {row['full']}")
+                cell["d_min_coarse"], cell["d_min"] = cell["d_min"], row["full"]
+        cfg = DminConfig(**SETS[name], ns=PAPER_NS, d_step=8, coarse=8, run=path.stem)
         summary = summarise(cfg, metrics["cells"])
         metrics["summary"] = summary
         path.write_text(json.dumps(metrics, indent=2) + "\n")
         plot(cfg, summary, folder / f"{path.stem}.png")
-        print(f"{path.stem}: {len(metrics['cells'])} cells -> {folder / path.stem}.png")
+        _print_table(name, summary["1"])
+
+
+def _print_table(name: str, s: dict) -> None:
+    print(
+        f"\n{name}: k in eq. (6) = {s['k_in_theory']}, eq. (6) <= 2n at {s['theorem_applies_at']}"
+    )
+    print("| n | d_min (5 matrices) | mean | eq. (6) | min(eq. 6, 2n) | mean / bound |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for r in s["table"]:
+        print(
+            f"| {r['n']} | {' '.join(map(str, r['d_min']))} | {r['mean']:.1f} | "
+            f"{r['theorem_d']} | {r['bound']} | {r['mean_over_bound']:.3f} |"
+        )
+    means = {r["n"]: r["mean"] for r in s["table"]}
+    steps = [(n, means[2 * n] - means[n]) for n in sorted(means) if 2 * n in means]
+    xs = [math.log(n) for n in means]
+    ys = [math.log(m) for m in means.values()]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    p = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    p /= sum((x - mx) ** 2 for x in xs)
+    f, q = s["fit"], s["fit_sqrt"]
+    print(
+        f"ln n fit: {f['slope']:.1f} ln n {f['intercept']:+.1f}, R² {f['r2']:.3f}; "
+        f"sqrt n fit: {q['slope']:.2f} sqrt n {q['intercept']:+.1f}, R² {q['r2']:.3f}; "
+        f"eq. (6) slope {s['theory_slope']:.1f} = {s['theory_slope'] / f['slope']:.1f} x fit; "
+        f"power law exponent {p:.3f}; mean increase per doubling "
+        + ", ".join(f"{n}->{2 * n}: {d:+.1f}" for n, d in steps)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -453,6 +453,80 @@ def test_dmin_experiment_writes_and_resumes(tmp_path):
         run(DminConfig(ns=(8,), draws=1, out_dir=str(tmp_path), run=config.run_name()))
 
 
+def test_coarse_to_fine_scan_follows_its_rule():
+    """Issue 16 item 4: with per-d seeds, success(d) is fixed; the ascending scan returns the
+    least d that succeeds, the coarse-to-fine scan the least success at or below the first
+    succeeding coarse value, above the last failing one. Reference: success(d) of every d from
+    construct_sam with the same seed, scanned by hand."""
+    for n, k, seed, causal in ((40, 1, 0, False), (48, 2, 1, False), (40, 1, 3, True)):
+        A = random_sparse_stochastic(n, k, 2.0, seed=seed, causal=causal)
+        grid = list(range(4, 2 * n + 1, 4))
+        ok = {
+            v: construct_sam(
+                A,
+                v,
+                0.25,
+                2.0,
+                redraws=n,
+                seed=torch.Generator().manual_seed(seed * 100_003 + v),
+                causal=causal,
+            ).success
+            for v in grid
+        }
+        assert least_construct_d(A, 0.25, 2.0, grid, seed=seed, causal=causal)[0] == min(
+            v for v in grid if ok[v]
+        )
+        for coarse in (3, 8):
+            lo = 0
+            for hi in [*range(coarse - 1, len(grid), coarse), len(grid) - 1]:
+                if ok[grid[hi]]:
+                    expect = next(v for v in grid[lo : hi + 1] if ok[v])
+                    break
+                lo = hi + 1
+            d, res = least_construct_d(A, 0.25, 2.0, grid, seed=seed, coarse=coarse, causal=causal)
+            assert d == expect and res.success
+
+
+def test_least_construct_d_device_argument():
+    A = random_sparse_stochastic(16, 1, 2.0, seed=0)
+    assert least_construct_d(A, 0.25, 2.0, device="cpu")[0] == least_construct_d(A, 0.25, 2.0)[0]
+    with pytest.raises(ValueError, match="device"):
+        least_construct_d(A, 0.25, 2.0, device="nonsense")
+    with pytest.raises(ValueError, match="coarse"):
+        least_construct_d(A, 0.25, 2.0, coarse=0)
+
+
+def test_dmin_summary_bound_fits_and_causal_k():
+    """The theory columns: min(eq. 6, 2n), where eq. (6) <= 2n, k + 1 for causal A; both fits'
+    slope, intercept and R² against numpy least squares."""
+    import numpy as np
+
+    from sparseattn.experiments.dmin import DminConfig, summarise
+
+    cells = {}
+    for i, (n, d) in enumerate([(512, 160), (1024, 190), (2048, 226), (3072, 250), (1024, 196)]):
+        cells[str(i)] = {"q": 1.0, "n": n, "draw": i, "d_min": d}
+    for causal, k_theory in ((False, 1), (True, 2)):
+        config = DminConfig(ns=(512, 1024, 2048, 3072), eps1=0.9, eps2=20.0, causal=causal)
+        s = summarise(config, cells)["1"]
+        assert s["k_in_theory"] == k_theory
+        for row in s["table"]:
+            eq6 = theorem_d(row["n"], k_theory, 2.0, 0.9, 20.0)
+            assert row["theorem_d"] == eq6 and row["bound"] == min(eq6, 2 * row["n"])
+            assert row["theorem_applies"] == (eq6 <= 2 * row["n"])
+        expect = [n for n in config.ns if theorem_d(n, k_theory, 2.0, 0.9, 20.0) <= 2 * n]
+        assert s["theorem_applies_at"] == expect
+        ns = np.array([c["n"] for c in cells.values()], dtype=float)
+        ds = np.array([c["d_min"] for c in cells.values()], dtype=float)
+        for key, x in (("fit", np.log(ns)), ("fit_sqrt", np.sqrt(ns))):
+            slope, intercept = np.polyfit(x, ds, 1)
+            r2 = 1 - ((ds - slope * x - intercept) ** 2).sum() / ((ds - ds.mean()) ** 2).sum()
+            assert s[key]["slope"] == pytest.approx(slope)
+            assert s[key]["intercept"] == pytest.approx(intercept)
+            assert s[key]["r2"] == pytest.approx(r2)
+    assert theorem_d(1024, 2, 2.0, 0.9, 20.0) > 2048 >= theorem_d(1024, 1, 2.0, 0.9, 20.0)
+
+
 def test_cli_bound_and_dmin(tmp_path):
     from typer.testing import CliRunner
 
