@@ -6,7 +6,9 @@
   :func:`verify_contextual_mapping` — the constructions of Yun Lemma 7 and SparseBERT Lemma 4,
   run in exact arithmetic on every grid input;
 * :mod:`.expressivity` — which patterns a self-attention matrix can express (Likhosherstov
-  et al.): SAM, weak approximation, Algorithm 1, the Theorem 0.4 construction.
+  et al.): SAM, weak approximation, Algorithm 1, the Theorem 0.4 construction;
+* :mod:`.order_types` — the exact d = 2 decider of weak approximation for n <= 6 (planar order
+  types), against which the d > 1 search is checked.
 """
 
 from .connectivity import (
@@ -46,6 +48,15 @@ from .expressivity import (
     weakly_approximates,
 )
 from .maps import Assumption2Report, assumption2, closed_form_t, margin_inputs
+from .order_types import (
+    OrderType,
+    candidate_chirotopes,
+    chirotope,
+    order_types,
+    representable_families,
+    separable_subsets,
+    weak_sam_approx_d2,
+)
 
 __all__ = [
     "RatioErrors",
@@ -65,6 +76,13 @@ __all__ = [
     "weak_sam_approx_d1",
     "weak_sam_approx_d1_lp",
     "weakly_approximates",
+    "OrderType",
+    "candidate_chirotopes",
+    "chirotope",
+    "order_types",
+    "representable_families",
+    "separable_subsets",
+    "weak_sam_approx_d2",
     "Assumption1Report",
     "Assumption2Report",
     "ChainResult",
