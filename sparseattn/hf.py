@@ -26,6 +26,8 @@ Grouped-query attention (fewer key/value heads) is expanded per head group. With
 (generation's padding side) the pattern is laid over each item's real tokens, so sink tokens are
 its first real tokens and a padded item computes what it computes alone. Refused with a
 ValueError: static caches, and a model's own sliding window once its cache drops keys.
+``window_cache(model)`` is a KV cache that drops, for good, the keys a sliding window with sink
+tokens will never read again: generation then holds O(window + sinks) keys per layer.
 
 Per-layer settings live on the model (an attribute on each attention module names its
 layer), so a ``cycle(A1, A2)`` gives layer l the pattern A_{l mod 2} (Yun §5.1 SEQUENTIAL) and
