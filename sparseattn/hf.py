@@ -52,8 +52,9 @@ from .attention import resolve_graph, sparse_attention
 from .engines import ENGINES
 from .graph import AttentionGraph
 from .maps import ProbabilityMap, resolve_prob_map, softmax
-from .patterns import HeadSplit, Pattern, PatternCycle, Union, as_cycle, dense
+from .patterns import Causal, HeadSplit, Pattern, PatternCycle, Union, as_cycle, dense
 from .patterns.causal import CausalGlobal, CausalWindow
+from .patterns.fixed import Dense
 from .validate import check_choice, check_int, check_positive, check_tensor
 
 __all__ = [
@@ -570,6 +571,19 @@ def _layer_graph(spec: LayerSpec, q: Tensor, k: Tensor, view: _MaskView) -> Atte
     return graph
 
 
+def _graph_free(spec: LayerSpec, view: _MaskView) -> Pattern | None:
+    """The layer's pattern when :func:`sparse_attention` runs it without building a graph:
+    ``dense()`` or its causal form (SDPA for softmax, the rows engine for other maps, O(n)
+    memory instead of an n² graph), with the library's own method and no model structure
+    beyond causality and padding (left padding needs no shift: every real key before a query
+    is allowed anyway). None otherwise."""
+    if spec.method is not sparse_attention or view.structure is not None:
+        return None
+    pattern = spec.causal_pattern if view.causal else spec.pattern
+    base = pattern.base if isinstance(pattern, Causal) else pattern
+    return pattern if type(base) is Dense else None
+
+
 def _real_key_counts(graph: AttentionGraph, kpm: Tensor | None, bsz: int) -> Tensor:
     """(batch, graph heads, n_q) float64: how many real keys each query may attend to."""
     shape = graph.batch_shape
@@ -717,13 +731,14 @@ def _attention_forward(
             )
         extra["context"] = LayerContext(layer, module, hidden_states, value_proj)
     key, value = _expand_kv(query, key, value)
-    graph = _layer_graph(spec, query, key, view)
-    _account(state, layer, graph, query, key, view, spec)
+    free = _graph_free(spec, view)
+    graph = None if free is not None and not capturing else _layer_graph(spec, query, key, view)
+    _account(state, layer, None if free is not None else graph, query, key, view, spec)
     out = spec.method(
         query,
         key,
         value,
-        graph,
+        graph if free is None else free,
         prob_map=spec.prob_map,
         engine=spec.engine,
         scale=scale,
