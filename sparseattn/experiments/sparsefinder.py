@@ -15,9 +15,13 @@ when the run is repeated with the same config):
    its knob grid × window sizes, on the test passages, averaged over layers and heads.
 5. ``downstream.json`` — the teacher with predicted graphs plugged into every layer (exact entmax
    on Ĝ, Proposition 1): embedding cosine to the full-entmax teacher and retrieval accuracy.
-6. ``timing.json`` — prediction + attention on Ĝ vs full entmax attention, at the teacher's length
-   and at n = 4096 (test tokens of one layer concatenated).
-7. ``summary.json``, ``table.md``, ``sparsity_recall.png``, ``sparsity_downstream.png``.
+6. ``padding.json`` — the test passages in padded batches: for a few predictors, the real × real
+   entries of Ĝ that differ from the unpadded sequence's graph without and with the key padding
+   mask (issue 16 item 8), and the recall of each.
+7. ``timing.json`` — prediction + attention on Ĝ vs full entmax attention (one batched call), at
+   the teacher's length and at n = 1024, 2048, 4096 (test tokens of one layer concatenated);
+   measured again when the timing settings change.
+8. ``summary.json``, ``table.md``, ``sparsity_recall.png``, ``sparsity_downstream.png``.
 
 Run: ``sparseattn sparsefinder`` (``--quick`` for a ~2 minute smoke version).
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -82,7 +87,8 @@ METHODS: dict[str, tuple[str, str]] = {
     "bigbird": ("BigBird", "random_blocks"),
     "longformer": ("Longformer", "global_tokens"),
     "strided": ("strided", "stride"),
-    "reformer": ("Reformer (LSH)", "buckets"),
+    "reformer": ("Reformer (LSH, shared QK)", "buckets"),
+    "reformer_separate": ("Reformer, q and k hashed apart", "buckets"),
     "routing": ("Routing Transformer", "n_clusters"),
     "sf_distance": ("Sparsefinder distance", "threshold"),
     "sf_distance_all_edges": ("Sparsefinder distance, eq. 7 on all edges", "threshold"),
@@ -91,13 +97,16 @@ METHODS: dict[str, tuple[str, str]] = {
     "sf_chunked_v1": ("Sparsefinder chunked v1", "top_blocks"),
     "sf_chunked_v2": ("Sparsefinder chunked v2", "top_blocks"),
 }
+#: Config fields of the timing step (kept out of the run identity).
+TIMING_FIELDS = ("timing_lengths", "timing_layer", "timing_methods", "timing_repeats")
 #: Sparsity levels at which the table also reads every method's frontier.
 COMMON_SPARSITY = (0.9, 0.8)
 
 #: Plot colours: baselines (dashed lines) and Sparsefinder variants (solid lines).
 COLORS: dict[str, str] = {
     "window": "black", "bigbird": "tab:olive", "longformer": "tab:pink",
-    "strided": "tab:gray", "reformer": "tab:purple", "routing": "tab:brown",
+    "strided": "tab:gray", "reformer": "tab:purple", "reformer_separate": "plum",
+    "routing": "tab:brown",
     "sf_distance": "tab:red", "sf_distance_all_edges": "salmon", "sf_quantization": "tab:green",
     "sf_kmeans": "tab:blue", "sf_chunked_v1": "tab:orange", "sf_chunked_v2": "tab:cyan",
 }
@@ -143,12 +152,20 @@ class SparsefinderConfig:
         ("window", (1, 3, 7)),
         ("bigbird", (4, 16)),
         ("reformer", (8, 32)),
+        ("reformer_separate", (8,)),
         ("routing", (2, 4)),
         ("sf_distance", (1.0, 1.5, 2.0)),
         ("sf_kmeans", (4, 8, 16)),
     )
-    # timing
-    timing_lengths: tuple[int, ...] = (0, 4096)  # 0: the teacher's length (a test batch)
+    # padding (issue 16 item 8): these (method, knob) pairs on padded test batches, window
+    # ``downstream_window``: the graph on real tokens with and without the key padding mask
+    padding_knobs: tuple[tuple[str, float], ...] = (
+        ("sf_quantization", 4), ("routing", 4), ("sf_kmeans", 8), ("reformer", 8),
+        ("sf_distance", 1.5), ("sf_chunked_v1", 2),
+    )
+    # timing (not part of the run's identity: timing.json records its own settings and is
+    # measured again when they change)
+    timing_lengths: tuple[int, ...] = (0, 1024, 2048, 4096)  # 0: the teacher's length
     timing_layer: int = 2
     timing_methods: tuple[str, ...] = ("sf_kmeans", "sf_distance")
     timing_repeats: int = 3
@@ -160,9 +177,13 @@ class SparsefinderConfig:
 
     def identity(self) -> dict:
         d = asdict(self)
-        for key in ("run", "out_dir", "threads", "progress"):
+        for key in ("run", "out_dir", "threads", "progress", *TIMING_FIELDS):
             d.pop(key)
         return json.loads(json.dumps(d))  # tuples → lists
+
+    def timing_settings(self) -> dict:
+        """The fields that define ``timing.json`` (JSON-normalised)."""
+        return json.loads(json.dumps({key: getattr(self, key) for key in TIMING_FIELDS}))
 
     def run_name(self) -> str:
         if self.run:
@@ -174,7 +195,8 @@ class SparsefinderConfig:
         return {
             "window": self.window_grid, "bigbird": self.bigbird_blocks,
             "longformer": self.longformer_tokens, "strided": self.strides,
-            "reformer": self.lsh_buckets, "routing": self.routing_clusters,
+            "reformer": self.lsh_buckets, "reformer_separate": self.lsh_buckets,
+            "routing": self.routing_clusters,
             "sf_distance": self.thresholds, "sf_distance_all_edges": self.thresholds,
             "sf_quantization": self.bins,
             "sf_kmeans": self.clusters, "sf_chunked_v1": self.chunk_top,
@@ -186,7 +208,7 @@ class SparsefinderConfig:
             raise ValueError("batch_size, r, threads and timing_repeats must be >= 1")
         if any(w < 0 for w in (*self.windows, *self.window_grid)):
             raise ValueError("windows must be >= 0")
-        unknown = {m for m, _ in self.downstream_knobs} - set(METHODS)
+        unknown = {m for m, _ in (*self.downstream_knobs, *self.padding_knobs)} - set(METHODS)
         unknown |= set(self.timing_methods) - {"sf_kmeans", "sf_distance"}
         if unknown:
             raise ValueError(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
@@ -205,6 +227,7 @@ def quick_config(**overrides) -> SparsefinderConfig:
         bins=(4, 8), clusters=(4, 8), bigbird_blocks=(4, 16), longformer_tokens=(4, 16),
         strides=(4, 16), lsh_buckets=(4, 16), routing_clusters=(4, 8), chunk_top=(2, 4),
         downstream_knobs=(("window", (3,)), ("sf_kmeans", (4,))),
+        padding_knobs=(("sf_quantization", 4), ("routing", 4), ("reformer", 4)),
         timing_lengths=(0, 1024), timing_methods=("sf_kmeans",), timing_repeats=1,
     )
     return replace(base, **overrides)
@@ -307,8 +330,9 @@ class _Fitted:
             return lambda _l: LongformerBaseline(int(knob), seed)
         if method == "strided":
             return lambda _l: StridedBaseline(int(knob))
-        if method == "reformer":
-            return lambda l: LSHBaseline(int(knob), self.proj[l], seed)
+        if method in ("reformer", "reformer_separate"):
+            mode = "shared" if method == "reformer" else "separate"
+            return lambda l: LSHBaseline(int(knob), self.proj[l], seed, mode)
         if method == "routing":
             def routing(l: int) -> GraphPredictor:
                 out = RoutingBaseline(int(knob), self.proj[l], seed=seed)
@@ -379,12 +403,17 @@ def _teacher_reference(data: _Data, sets: dict) -> dict:
 
 
 def _full_entmax(q, k, v, scale: float):
-    """Full 1.5-entmax attention, one head at a time (bounded memory): the baseline."""
+    """Full 1.5-entmax attention, the baseline: one batched call over every batch item and head,
+    q, k, v (B, H, n, d) → (B, H, n, d); (B, H, n, n) scores in memory."""
+    return entmax15_rows((q @ k.transpose(-1, -2)) * scale) @ v
+
+
+def _full_entmax_per_head(q, k, v, scale: float):
+    """The same, one head at a time (the loop the first timing table compared against)."""
     out = torch.empty(*q.shape[:-1], v.shape[-1])
     for b in range(q.shape[0]):
         for h in range(q.shape[1]):
-            p = entmax15_rows((q[b, h] @ k[b, h].T) * scale)
-            out[b, h] = p @ v[b, h]
+            out[b, h] = entmax15_rows((q[b, h] @ k[b, h].T) * scale) @ v[b, h]
     return out
 
 
@@ -408,6 +437,7 @@ def _timing(data: _Data, fitted: _Fitted, config: SparsefinderConfig, sweep_poin
             gold_sparsity: float, bar) -> dict:
     from ..attention import sparse_attention
 
+    load_before = os.getloadavg()
     layer = data.test[min(config.timing_layer, len(data.test) - 1)]
     q_all, k_all = layer.tokens()  # (H, N, d)
     scale = q_all.shape[-1] ** -0.5
@@ -424,6 +454,8 @@ def _timing(data: _Data, fitted: _Fitted, config: SparsefinderConfig, sweep_poin
         bar.set_postfix_str(f"timing full entmax, n={q.shape[-2]}")
         t_full, full = _median_time(lambda q=q, k=k, v=v: _full_entmax(q, k, v, scale),
                                     config.timing_repeats)
+        t_loop, _ = _median_time(lambda q=q, k=k, v=v: _full_entmax_per_head(q, k, v, scale),
+                                 config.timing_repeats)
         gold = None
         if n != 0:  # the gold graph of the synthetic sequence, for recall there
             gold = torch.stack([entmax15_rows((q[0, h] @ k[0, h].T) * scale) > 0
@@ -451,7 +483,8 @@ def _timing(data: _Data, fitted: _Fitted, config: SparsefinderConfig, sweep_poin
             rows.append({
                 "n": q.shape[-2], "batch": q.shape[0], "heads": q.shape[1],
                 "method": method, "knob": knob, "window": config.downstream_window,
-                "full_entmax_seconds": t_full, "predict_seconds": t_pred,
+                "full_entmax_seconds": t_full, "full_entmax_per_head_loop_seconds": t_loop,
+                "predict_seconds": t_pred,
                 "attention_seconds": t_att, "total_seconds": t_pred + t_att,
                 "ratio_total_to_full": (t_pred + t_att) / t_full,
                 "sparsity": float(1 - dense_graph.sum() / dense_graph.numel()),
@@ -462,7 +495,82 @@ def _timing(data: _Data, fitted: _Fitted, config: SparsefinderConfig, sweep_poin
                     (out - full).abs().amax(-1)[covered].max()) if bool(covered.any()) else None,
             })
     return {"layer": layer.layer, "rows": rows, "machine": machine_facts(),
-            "note": "median of timing_repeats runs; torch threads as in machine; shared machine"}
+            "load_average_before": load_before, "settings": config.timing_settings(),
+            "note": "median of timing_repeats runs; full entmax: one batched call over all "
+                    "heads; torch threads as in machine; load averages: 1, 5, 15 min"}
+
+
+PADDING_COUNTS = ("sequences", "padded_sequences", "pairs", "gold", "hit_alone",
+                  "changed_without_mask", "hit_without_mask", "changed_with_mask",
+                  "hit_with_mask")
+
+
+def _padded_batches(tokenizer, texts: list[str], size: int, length: int) -> list[dict]:
+    """The texts in corpus order, ``size`` per batch, padded to the batch's longest (right
+    padding, as a tokenizer pads for a user) — unlike ``token_batches``, which cuts instead."""
+    out = []
+    for start in range(0, len(texts), size):
+        enc = tokenizer(texts[start : start + size], padding=True, truncation=True,
+                        max_length=length, return_tensors="pt")
+        out.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    return out
+
+
+def _padding_tally(pattern: PredictedPattern, batch, counts: dict) -> None:
+    """Add one padded batch to ``counts``: per sequence, its real × real block of the graph
+    built without and with the key padding mask against the graph of the sequence alone."""
+    blind = pattern.build(batch.q, batch.k).to_dense()
+    seen = pattern.build(batch.q, batch.k, batch.valid).to_dense()
+    for b, length in enumerate(batch.lengths.tolist()):
+        alone = pattern.build(batch.q[b : b + 1, :, :length],
+                              batch.k[b : b + 1, :, :length]).to_dense()[0]
+        gold = batch.gold[b, :, :length, :length]
+        counts["sequences"] += 1
+        counts["padded_sequences"] += int(length < batch.n)
+        counts["pairs"] += alone.numel()
+        counts["gold"] += int(gold.sum())
+        counts["hit_alone"] += int((alone & gold).sum())
+        for name, graph in (("without_mask", blind), ("with_mask", seen)):
+            real = graph[b, :, :length, :length]
+            counts[f"changed_{name}"] += int((real != alone).sum())
+            counts[f"hit_{name}"] += int((real & gold).sum())
+
+
+@torch.no_grad()
+def _padding_check(data: _Data, fitted: _Fitted, config: SparsefinderConfig, bar) -> dict:
+    """Issue 16 item 8 on the teacher: test passages in padded batches; for each (method, knob)
+    of ``padding_knobs`` (window ``downstream_window`` + [CLS] + [SEP]) the real × real entries
+    that differ from the unpadded sequence's graph, without and with the key padding mask, and
+    the pooled recall of each (every layer and head; q, k of the real tokens are the padded
+    batch's, so only the predictor's treatment of padding differs)."""
+    _, test = _passages(config)
+    bar.set_postfix_str("padding: gold graphs of padded batches")
+    batches = _padded_batches(data.tokenizer, [p.text for p in test], config.batch_size,
+                              config.teacher.max_length)
+    hf.sparsify(data.model, dense(), data.rho, engine="dense")
+    try:
+        layers = extract_graphs(data.model, batches)
+    finally:
+        hf.restore(data.model)
+    fixed = FixedParts(config.downstream_window, True, config.last_token)
+    rows = []
+    for method, knob in config.padding_knobs:
+        bar.set_postfix_str(f"padding {method}={knob}")
+        make = fitted.make(method, knob)
+        counts = dict.fromkeys(PADDING_COUNTS, 0)
+        for layer in layers:
+            pattern = PredictedPattern(make(layer.layer), fixed)
+            for batch in layer.batches:
+                _padding_tally(pattern, batch, counts)
+        counts["sequences"] //= len(layers)
+        counts["padded_sequences"] //= len(layers)
+        rows.append({"method": method, "knob": knob, "window": config.downstream_window,
+                     **counts,
+                     **{f"recall_{name}": counts[f"hit_{name}"] / max(counts["gold"], 1)
+                        for name in ("alone", "without_mask", "with_mask")}})
+    return {"rows": rows, "batches": len(batches), "layers": len(layers),
+            "note": "pairs, gold and hits summed over layers, heads and real × real pairs; "
+                    "recall pooled (hits / gold edges)"}
 
 
 # --------------------------------------------------------------------------- summary + plots
@@ -491,7 +599,8 @@ def _summary(sweeps: dict, gold: dict, downstream_rows: dict) -> dict:
             "methods": table, "downstream_points": sum(len(v) for v in downstream_rows.values())}
 
 
-def _table_md(summary: dict, teacher: dict, timing: dict | None) -> str:
+def _table_md(summary: dict, teacher: dict, timing: dict | None,
+              padding: dict | None = None) -> str:
     s = summary["gold_sparsity"]
     lines = []
     for when in ("before", "after"):
@@ -520,14 +629,31 @@ def _table_md(summary: dict, teacher: dict, timing: dict | None) -> str:
         lines.append(f"| {row['label']} | {fmt(row['recall_at_gold_sparsity'])} | "
                      f"{fmt(row['best_recall_with_sparsity_at_least_gold'])} | "
                      f"{sp['sparsity']:.3f}, {sp['recall']:.3f} | {at} | {dom} | {gap} |")
-    if timing:
-        lines += ["", "| n | method | knob | sparsity | recall | full entmax s | predict s | "
-                  "attention s | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    if timing and timing["rows"]:
+        lines += ["", f"Timing, load average before {timing.get('load_average_before')}, "
+                  f"after {timing['machine'].get('load_average')}", "",
+                  "| n | method | knob | sparsity | recall | full entmax s (batched) | "
+                  "per-head loop s | predict s | attention s | ratio to batched |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in timing["rows"]:
+            loop = r.get("full_entmax_per_head_loop_seconds")
             lines.append(
                 f"| {r['n']} | {r['method']} | {r['knob']} | {r['sparsity']:.3f} | "
-                f"{r['recall']:.3f} | {r['full_entmax_seconds']:.3f} | {r['predict_seconds']:.3f}"
+                f"{r['recall']:.3f} | {r['full_entmax_seconds']:.3f} | "
+                f"{fmt(loop)} | {r['predict_seconds']:.3f}"
                 f" | {r['attention_seconds']:.3f} | {r['ratio_total_to_full']:.2f} |")
+    if padding:
+        lines += ["", "Padded batches (real × real entries that differ from the unpadded "
+                  "sequence's graph; pooled recall)", "",
+                  "| method | knob | padded sequences | real pairs | changed, no mask | "
+                  "changed, with mask | recall alone | recall, no mask | recall, with mask |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in padding["rows"]:
+            lines.append(
+                f"| {METHODS[r['method']][0]} | {r['knob']} | {r['padded_sequences']} of "
+                f"{r['sequences']} | {r['pairs']} | {r['changed_without_mask']} | "
+                f"{r['changed_with_mask']} | {r['recall_alone']:.4f} | "
+                f"{r['recall_without_mask']:.4f} | {r['recall_with_mask']:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -609,7 +735,8 @@ def _run(config: SparsefinderConfig) -> dict:
         raise ValueError(f"{folder} holds a different config; choose another run name")
     write_json(folder / "config.json", identity)
     paths = {name: folder / f"{name}.json" for name in
-             ("teacher", "gold", "fits", "sweep", "downstream", "timing", "summary", "steps")}
+             ("teacher", "gold", "fits", "sweep", "downstream", "timing", "padding", "summary",
+              "steps")}
     clock: dict = read_json(paths["steps"]) or {}
 
     @contextlib.contextmanager
@@ -628,7 +755,12 @@ def _run(config: SparsefinderConfig) -> dict:
                  if str(kn) not in down["methods"].get(m, {})]
     sweep_todo = [m for m in METHODS if m not in sweeps]
     timing = read_json(paths["timing"])
-    steps = 2 + len(sweep_todo) + len(down_todo) + (timing is None)
+    if timing is not None and timing.get("settings") != config.timing_settings():
+        timing = None  # measured with other timing settings: measure again
+    time_it = timing is None and bool(config.timing_lengths)
+    padding = read_json(paths["padding"])
+    check_padding = padding is None and bool(config.padding_knobs)
+    steps = 2 + len(sweep_todo) + len(down_todo) + time_it + check_padding
     with tqdm(total=steps, desc="sparsefinder", disable=not config.progress) as bar:
         bar.set_postfix_str("teacher")
         with step("teacher"):
@@ -638,7 +770,7 @@ def _run(config: SparsefinderConfig) -> dict:
         write_json(paths["teacher"], {k: v for k, v in tmetrics.items() if k != "distill_loss"}
                    | {"folder": str(teacher_folder(config.teacher, config.out_dir))})
         bar.update(1)
-        need_graphs = bool(sweep_todo) or timing is None or not paths["gold"].exists() \
+        need_graphs = bool(sweep_todo) or time_it or not paths["gold"].exists() \
             or not fits_path.exists()
         if need_graphs:
             with step("extract"):
@@ -698,7 +830,12 @@ def _run(config: SparsefinderConfig) -> dict:
                 down["methods"].setdefault(method, {})[str(knob)] = row
                 write_json(paths["downstream"], down)
                 bar.update(1)
-        if timing is None:
+        if check_padding:
+            with step("padding"):
+                padding = _padding_check(data, fitted, config, bar)
+            write_json(paths["padding"], padding)
+            bar.update(1)
+        if time_it:
             with step("timing"):
                 timing = _timing(data, fitted, config, sweeps, gold["sparsity"], bar)
             write_json(paths["timing"], timing)
@@ -707,12 +844,13 @@ def _run(config: SparsefinderConfig) -> dict:
     summary = _summary(sweeps, gold, down_rows)
     summary["teacher"] = {k: tmetrics[k] for k in ("before", "after", "distill_seconds")}
     summary["downstream_reference"] = down["reference"]
+    summary["padding"] = padding
     summary["steps"] = clock
     summary["seconds_after_teacher"] = {
         key: sum(v[key] for name, v in clock.items() if name != "teacher")
         for key in ("wall_seconds", "cpu_seconds")}
     write_json(paths["summary"], summary)
-    table = _table_md(summary, tmetrics, timing)
+    table = _table_md(summary, tmetrics, timing, padding)
     atomic_write(folder / "table.md", lambda tmp: Path(tmp).write_text(table))
     _plot_recall(sweeps, gold["sparsity"], folder / "sparsity_recall.png")
     if down_rows:
