@@ -616,6 +616,12 @@ def _possible_keys(view: _MaskView, real: Tensor, n_q: int) -> Tensor:
     return real.double().sum(-1, keepdim=True).expand(-1, n_q)
 
 
+def _edges_without_padding(graph: AttentionGraph, bsz: int, heads: int) -> float:
+    """Edges of a graph broadcast over (batch, heads) when every key is real."""
+    g_b, g_h = (1,) * (2 - len(graph.batch_shape)) + graph.batch_shape
+    return float(graph.col.numel()) * (bsz // g_b) * (heads // g_h)
+
+
 def _account(
     state: _State,
     layer: int,
@@ -629,6 +635,13 @@ def _account(
     pairs counted are those the model's own mask allows: j ≤ i in a decoder)."""
     bsz, heads, n_q = q.shape[:3]
     n_k = k.shape[-2]
+    if view.kpm is None and view.structure is None:  # every token real: closed forms
+        per_item = n_q * (n_k - n_q) + n_q * (n_q + 1) // 2 if view.causal else n_q * n_k
+        pairs = float(per_item * bsz * heads)
+        edges = pairs if graph is None else _edges_without_padding(graph, bsz, heads)
+        state.edges[layer] = state.edges.get(layer, 0.0) + edges
+        state.pairs[layer] = state.pairs.get(layer, 0.0) + pairs
+        return
     real = torch.ones(bsz, n_k, dtype=torch.bool) if view.kpm is None else view.kpm.cpu()
     real_q = real[:, n_k - n_q :]
     pairs = float((_possible_keys(view, real, n_q) * real_q).sum()) * heads
