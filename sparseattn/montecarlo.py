@@ -9,13 +9,22 @@ is estimated from r_j input features drawn i.i.d. with p_h(k) = ‖W_h[k, :]‖�
 
 The sample sizes follow the attention each token receives (eq. 7):
 r_j = min(⌊(n · max_i A[i, j] / α)²⌋, d_in), at least 1; r_j = d_in is computed exactly, and
-α = 0 means exact everywhere. Then E‖Ỹ[i] − Y[i]‖ ≤ α β ‖W_h‖_F with β the mean row norm of X
-(Theorem 2; the supplement's eq. 8 divides by n once more, a slip — β already holds the 1/n).
-With the floor in eq. 7 the bound can exceed that by up to √2 for tokens with r_j < 2·(…)²;
-tests check it with margin.
+α = 0 means exact everywhere. A token that no query attends to (max_i A[i, j] = 0: an α-entmax
+zero in every row, a key outside the pattern, padding) gets r_j = 0: its value row never reaches
+Ỹ, so skipping it is exact and costs nothing. Then E‖Ỹ[i] − Y[i]‖ ≤ α β ‖W_h‖_F with β the
+mean row norm of X (Theorem 2; the supplement's eq. 8 divides by n once more, a slip — β
+already holds the 1/n). With the floor in eq. 7 the bound can exceed that by up to √2 for
+tokens with r_j < 2·(…)²; tests check it with margin.
 
 Unlike the reference code, every token draws its own samples (independent errors), r_j never
-rounds to 0, and padding tokens are excluded from the cost.
+rounds to 0 for a token that is attended, and padding tokens are excluded from the cost.
+
+Two cost accountings. Ours (:func:`sample_sizes` with a query mask, ``macs_kept``): n counts the
+real tokens, the max runs over real queries, and Σ r_j / (n_real · d_in) averages over real
+tokens. The reference code's (:func:`reference_sample_sizes`, ``macs_kept_reference``): inputs
+padded to a fixed length (128), that padded length as n, the max over every query row, r_j
+rounded down with no lower bound, and r_j / d_in averaged over every position, padding
+included — where r_j = 0. On short passages the padding dominates that average.
 """
 
 from __future__ import annotations
@@ -40,7 +49,14 @@ from .validate import (
     check_tensor,
 )
 
-__all__ = ["sample_sizes", "mc_value_projection", "mca_attention", "MCAOutput", "head_weights"]
+__all__ = [
+    "MCAOutput",
+    "head_weights",
+    "mc_value_projection",
+    "mca_attention",
+    "reference_sample_sizes",
+    "sample_sizes",
+]
 
 
 def head_weights(weight: Tensor, num_heads: int) -> Tensor:
@@ -58,7 +74,8 @@ def head_weights(weight: Tensor, num_heads: int) -> Tensor:
 def sample_sizes(
     weights: Tensor, alpha: float, d_in: int, query_mask: Tensor | None = None
 ) -> Tensor:
-    """MCA eq. (7): r_j = min(⌊(n · max_i A[i, j] / α)²⌋, d_in), at least 1.
+    """MCA eq. (7): r_j = min(⌊(n · max_i A[i, j] / α)²⌋, d_in), at least 1 — and 0 when no
+    query attends to token j (max_i A[i, j] = 0: exact at no cost).
 
     Args:
         weights: attention A of shape (B, H, n_q, n_k).
@@ -67,7 +84,8 @@ def sample_sizes(
         query_mask: optional bool (B, n_q), True for real queries; n counts real tokens and the
             max runs over real queries only.
     Returns:
-        LongTensor (B, H, n_k) in [1, d_in].
+        LongTensor (B, H, n_k) in [0, d_in] (0 only where the column of A is all zero; at α = 0
+        every token gets d_in: the exact projection).
     """
     alpha = check_finite_float("alpha", alpha, 0.0)
     check_positive("d_in", d_in)
@@ -83,9 +101,40 @@ def sample_sizes(
         n = query_mask.sum(-1).view(bsz, 1, 1).to(weights.dtype)
     else:
         n = float(n_q)
-    root = n * weights.amax(dim=-2) / alpha
-    r = torch.floor(root.double().clamp(max=float(d_in)) ** 2)
-    return r.clamp(1, d_in).long()
+    top = weights.amax(dim=-2)  # (B, H, n_k): the most attention token j receives
+    r = _eq7(top, n, alpha, d_in).clamp(1, d_in)
+    return torch.where(top > 0, r, 0)
+
+
+def _eq7(top: Tensor, n: Tensor | float, alpha: float, d_in: int) -> Tensor:
+    """min(⌊(n · top / α)²⌋, d_in) as a LongTensor of top's shape (α > 0)."""
+    root = (n * top / alpha).double().clamp(max=float(d_in))  # (d_in)² cannot overflow
+    return torch.floor(root**2).clamp(max=d_in).long()
+
+
+def reference_sample_sizes(weights: Tensor, alpha: float, d_in: int) -> Tensor:
+    """The sample sizes as the MCA reference code computes them (its cost accounting).
+
+    r_j = min(⌊(n · max_i A[i, j] / α)²⌋, d_in) with n = A's padded length and the max over every
+    query row (padding queries too), with no lower bound: a token whose scaled attention is
+    below α/n gets r_j = 0, and so does padding (no query attends to it). The reference code's
+    metric is the mean of r_j / d_in over every position, padding included.
+
+    Args:
+        weights: A of shape (B, H, n_q, n_k), padding keys at zero.
+        alpha: α ≥ 0 (0: r_j = d_in everywhere).
+        d_in: number of input features.
+    Returns:
+        LongTensor (B, H, n_k) in [0, d_in].
+    """
+    alpha = check_finite_float("alpha", alpha, 0.0)
+    check_positive("d_in", d_in)
+    check_tensor("weights", weights, dim=4, floating=True)
+    check_finite_tensor("weights", weights)
+    bsz, heads, _, n_k = weights.shape
+    if alpha == 0:
+        return torch.full((bsz, heads, n_k), d_in, dtype=torch.long, device=weights.device)
+    return _eq7(weights.amax(dim=-2), float(n_k), alpha, d_in)
 
 
 def mc_value_projection(
@@ -180,12 +229,14 @@ def _check_projection(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
 class MCAOutput:
     """Result of ``mca_attention``: out (B, H, n_q, d_head); r (B, H, n_k) sample sizes;
     macs_kept: Σ r_j / (n_real · d_in), the fraction of value-projection multiply-adds kept;
-    projection_seconds: wall-clock of the sampled projection."""
+    projection_seconds: wall-clock of the sampled projection; weights: the exact attention A
+    (B, H, n_q, n_k) that set r."""
 
     out: Tensor
     r: Tensor
     macs_kept: float
     projection_seconds: float
+    weights: Tensor
 
 
 def mca_attention(
@@ -230,7 +281,7 @@ def mca_attention(
     n_real = x.shape[0] * x.shape[1] if key_padding_mask is None else int(key_padding_mask.sum())
     full = n_real * r.shape[1] * x.shape[-1]
     kept = float(r.sum()) / full if full else 1.0  # nothing real to project: nothing dropped
-    return MCAOutput(weights @ values, r, kept, seconds)
+    return MCAOutput(weights @ values, r, kept, seconds, weights)
 
 
 class MCAMethod:
@@ -238,8 +289,10 @@ class MCAMethod:
 
     ``sparsify(model, method=MCAMethod(alpha=0.2))`` approximates every configured layer's value
     product; the pattern and ρ of the layer still apply. The hook accumulates what it kept:
-    ``macs_kept`` = Σ r_j / Σ d_in over layers, heads and real tokens (the paper's cost metric),
-    and the wall-clock of the sampled projections next to the exact one (``seconds``).
+    ``macs_kept`` = Σ r_j / Σ d_in over layers, heads and real tokens (our accounting), the
+    reference code's accounting of the same calls (``macs_kept_reference``: its r_j, averaged
+    over every position, padding included; ``macs_kept_reference_real``: its r_j on real tokens
+    only), and the wall-clock of the sampled projections next to the exact one (``seconds``).
     With ``track_error=True`` it also records, per layer, the mean over real queries of
     ‖Ỹ_i − Y_i‖ and the Theorem 2 bound α·β·‖W_h‖_F averaged over heads.
     """
@@ -250,12 +303,27 @@ class MCAMethod:
         self.track_error = check_bool("track_error", track_error)
         self.samples = 0.0
         self.full = 0.0
+        self.reference = {"samples": 0.0, "full": 0.0, "real_samples": 0.0, "real_full": 0.0}
         self.errors: dict[int, list[tuple[float, float]]] = {}
         self.seconds = {"sampled": 0.0, "exact": 0.0}
 
     @property
     def macs_kept(self) -> float:
+        """Σ r_j / Σ d_in over layers, heads and real tokens (eq. 7 with n = real tokens)."""
         return self.samples / self.full if self.full else 1.0
+
+    @property
+    def macs_kept_reference(self) -> float:
+        """The reference code's metric: mean r_j / d_in over every position, padding included
+        (:func:`reference_sample_sizes`)."""
+        ref = self.reference
+        return ref["samples"] / ref["full"] if ref["full"] else 1.0
+
+    @property
+    def macs_kept_reference_real(self) -> float:
+        """The reference code's r_j, averaged over real tokens only."""
+        ref = self.reference
+        return ref["real_samples"] / ref["real_full"] if ref["real_full"] else 1.0
 
     def __call__(
         self,
@@ -302,8 +370,13 @@ class MCAMethod:
         self.seconds["sampled"] += res.projection_seconds
         self.samples += float(res.r.sum())
         self.full += float(real.sum()) * heads * x.shape[-1]
+        ref_r = reference_sample_sizes(res.weights, self.alpha, x.shape[-1])
+        self.reference["samples"] += float(ref_r.sum())
+        self.reference["full"] += float(ref_r.numel()) * x.shape[-1]
+        self.reference["real_samples"] += float((ref_r * real[:, None, :]).sum())
+        self.reference["real_full"] += float(real.sum()) * heads * x.shape[-1]
         if self.track_error:
-            exact = attention_weights(q, k, pattern, prob_map, scale, key_padding_mask) @ v
+            exact = res.weights @ v
             err = (res.out - exact).norm(dim=-1)  # (B, H, n)
             mean_err = float((err * real[:, None, :]).sum() / (real.sum() * heads))
             beta = float(x.norm(dim=-1)[real].mean())

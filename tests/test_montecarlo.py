@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
 import torch
 
 import sparseattn as sa
-from sparseattn.montecarlo import head_weights, mc_value_projection, mca_attention, sample_sizes
+from sparseattn.montecarlo import (
+    MCAMethod,
+    head_weights,
+    mc_value_projection,
+    mca_attention,
+    reference_sample_sizes,
+    sample_sizes,
+)
 
 
 def data(b=2, n=12, d_in=20, heads=2, d_head=6, seed=0):
@@ -61,8 +69,10 @@ def test_sample_sizes_follow_eq7():
     # column max: 0.5, 0.5, 0.8 → (3·max/0.5)² = 9, 9, 23.04 → min(⌊·⌋, 10)
     assert r.tolist() == [[[9, 9, 10]]]
     assert sample_sizes(attn, 0.0, 10).tolist() == [[[10, 10, 10]]]
-    tiny = torch.tensor([[[[1.0, 0.0], [1.0, 0.0]]]])
-    assert sample_sizes(tiny, 0.5, 10).tolist() == [[[10, 1]]]  # never 0
+    tiny = torch.tensor([[[[1.0, 1e-6], [1.0, 0.0]]]])
+    assert sample_sizes(tiny, 0.5, 10).tolist() == [[[10, 1]]]  # attended: never 0
+    unattended = torch.tensor([[[[1.0, 0.0], [1.0, 0.0]]]])
+    assert sample_sizes(unattended, 0.5, 10).tolist() == [[[10, 0]]]  # no query attends: 0
     with pytest.raises(ValueError, match="alpha"):
         sample_sizes(attn, -0.1, 10)
 
@@ -116,6 +126,94 @@ def test_padding_costs_nothing_and_macs_fraction():
     )
     assert (res.r[0, :, 6:] == 0).all()
     assert res.macs_kept == pytest.approx(float(res.r.sum()) / (16 * 2 * 20))
+
+
+def _peaked(n=10, d_in=20, heads=2, seed=0):
+    """Every query the same, keys along it with decreasing strength: 1.5-entmax puts all weight
+    on the first few keys, so the others are attended by no query."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, n, d_in, generator=gen, dtype=torch.float64)
+    w = torch.randn(heads, d_in, 6, generator=gen, dtype=torch.float64)
+    u = torch.randn(heads, 1, 5, generator=gen, dtype=torch.float64)
+    q = u.expand(heads, n, 5)[None] * 3
+    strength = torch.linspace(2.0, -2.0, n, dtype=torch.float64)
+    k = (u * strength[:, None])[None] + 0.05 * torch.randn(1, heads, n, 5, generator=gen,
+                                                           dtype=torch.float64)
+    return x, w, q, k
+
+
+def test_tokens_no_query_attends_get_no_samples_and_stay_exact():
+    """Issue 16 item 10: r_j = 0 where every query gives token j zero weight (entmax zeros) — eq.
+    7 written out per token as the reference — and the output does not depend on those tokens'
+    inputs (their value rows never reach Ỹ), so skipping them is exact."""
+    x, w, q, k = _peaked()
+    alpha, d_in = 0.3, 20
+    res = mca_attention(x, q, k, w, None, alpha, sa.dense(), "entmax15",
+                        generator=torch.Generator().manual_seed(0))
+    a = res.weights
+    n = a.shape[-1]
+    expected = torch.zeros_like(res.r)
+    for h, j in itertools.product(range(a.shape[1]), range(n)):
+        top = max(float(a[0, h, i, j]) for i in range(n))
+        if top > 0:
+            expected[0, h, j] = max(1, min(math.floor((n * top / alpha) ** 2), d_in))
+    assert torch.equal(res.r, expected)
+    unattended = (a == 0).all(-2)  # (B, H, n)
+    assert bool(unattended.any()) and bool((~unattended).any())
+    assert res.macs_kept == pytest.approx(float(expected.sum()) / (n * 2 * d_in))
+    dead = unattended.all(1)[0]  # tokens no head attends to
+    assert bool(dead.any())
+    x2 = x.clone()
+    x2[0, dead] = 1e3 * torch.randn(int(dead.sum()), d_in, dtype=torch.float64)
+    res2 = mca_attention(x2, q, k, w, None, alpha, sa.dense(), "entmax15",
+                         generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(res2.out, res.out)
+
+
+def test_reference_accounting_counts_padding_as_free_positions():
+    """The reference code's r_j, written out: n = the padded length, max over every query row
+    (padding queries too), ⌊(n · max / α)²⌋ capped at d_in with no lower bound; padding keys
+    (zero columns) get 0. Its average over all positions is diluted by the padding."""
+    gen = torch.Generator().manual_seed(3)
+    b, heads, n, d_in, alpha = 2, 2, 16, 50, 0.4
+    lengths = (5, 16)
+    real = torch.arange(n) < torch.tensor(lengths)[:, None]
+    scores = torch.randn(b, heads, n, n, generator=gen, dtype=torch.float64) * 2
+    a = torch.softmax(scores.masked_fill(~real[:, None, None, :], -math.inf), -1)
+    got = reference_sample_sizes(a, alpha, d_in)
+    for bb, h, j in itertools.product(range(b), range(heads), range(n)):
+        top = max(float(a[bb, h, i, j]) for i in range(n))
+        assert int(got[bb, h, j]) == min(math.floor((n * top / alpha) ** 2), d_in)
+    assert bool((got[0, :, 5:] == 0).all())  # padding: no samples
+    ours = sample_sizes(a, alpha, d_in, real)
+    assert bool((ours[0, :, :5] <= got[0, :, :5]).all())  # n = 5 real tokens, not 16
+    assert reference_sample_sizes(a, 0.0, d_in).unique().tolist() == [d_in]
+
+
+def test_mca_hook_reports_both_accountings():
+    """Inside a padded BERT batch: the reference metric averages the reference r over every
+    position (padding at 0), so it equals its real-token average × the real share of positions;
+    ours counts real tokens only."""
+    transformers = pytest.importorskip("transformers")
+    from sparseattn import hf
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=37,
+                                     max_position_embeddings=64)
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(1, 99, (2, 24))
+    mask = (torch.arange(24) < torch.tensor([[6], [9]])).long()
+    hook = MCAMethod(alpha=0.5)
+    hf.sparsify(model, method=hook)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        hf.restore(model)
+    share = float(mask.sum()) / mask.numel()
+    assert hook.macs_kept_reference == pytest.approx(hook.macs_kept_reference_real * share)
+    assert 0 < hook.macs_kept <= 1 and 0 < hook.macs_kept_reference_real <= 1
 
 
 def test_head_weights_and_bad_input():

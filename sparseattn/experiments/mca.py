@@ -6,19 +6,30 @@ value-projection MACs kept, wall-clock of the sampled vs exact projection, the m
 ‖Ỹ_i − Y_i‖ per layer against α·β·‖W‖_F, and the shared fidelity metrics (embedding cosine,
 retrieval accuracy). One JSON per α under ``results/mca/<run>/cells/`` (a re-run skips them),
 then ``metrics.json`` and two figures.
+
+Then the two cost accountings side by side (``accounting.json``, issue 16 item 10): short
+passages (``accounting_words`` words) padded to ``accounting_length`` tokens as the MCA reference
+code runs them, with its metric (r_j from the padded length, averaged over every position,
+padding included) and with ours (r_j from the real length, averaged over real tokens); and ours
+again on the same passages unpadded (one per batch).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from ..results import machine_facts, read_json, save_figure, write_json
 from ..validate import check_finite_float, check_int, check_positive
 
 __all__ = ["MCAConfig", "run"]
+
+#: Config fields of the accounting comparison (kept out of the run identity).
+ACCOUNTING_FIELDS = ("accounting_alphas", "accounting_words", "accounting_length")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +41,16 @@ class MCAConfig:
     seed: int = 0
     run: str = "default"
     out: str = "results/mca"
+    sweep: bool = True  # False: only the accounting comparison
+    # the accounting comparison (not part of the run identity: accounting.json records them);
+    # no α: not run (``sparseattn mca`` runs it at 0.1, 0.2, 0.5, 1.0)
+    accounting_alphas: tuple[float, ...] = ()
+    accounting_words: int = 8
+    accounting_length: int = 128
 
     def validate(self) -> MCAConfig:
         """Check every field (before any folder is written or the model loaded)."""
-        if not self.alphas:
+        if self.sweep and not self.alphas:
             raise ValueError("alphas must hold at least one α >= 0")
         for alpha in self.alphas:
             check_finite_float("alphas[i] (an α)", alpha, 0.0)
@@ -41,22 +58,27 @@ class MCAConfig:
         check_positive("batch_size", self.batch_size)
         check_int("max_length", self.max_length, 8)
         check_int("seed", self.seed)
+        for alpha in self.accounting_alphas:
+            check_finite_float("accounting_alphas[i] (an α)", alpha, 0.0)
+        check_int("accounting_words", self.accounting_words, 8)
+        check_int("accounting_length", self.accounting_length, 8)
+        if not self.sweep and not self.accounting_alphas:
+            raise ValueError("nothing to run: sweep is off and accounting_alphas is empty")
         if not isinstance(self.run, str) or not self.run.strip() or "/" in self.run:
             raise ValueError(f"run must be a non-empty folder name, got {self.run!r}")
         return self
 
 
 def run(config: MCAConfig = MCAConfig()) -> dict:
-    """Run (or resume) the sweep; returns the metrics written to ``metrics.json``."""
+    """Run (or resume) the sweep (unless ``sweep`` is False) and the accounting comparison;
+    returns the metrics written to ``metrics.json`` (``accounting`` holds the comparison)."""
     from .. import hf
-    from ..corpus import load_corpus
-    from ..fidelity import AttentionConfig, evaluate, num_batches, reference
-    from ..montecarlo import MCAMethod
 
     config.validate()
     folder = Path(config.out) / config.run
     # the cells of a run are reused per α: everything else must match the saved run
-    identity = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("alphas", "out")}
+    identity = {k: v for k, v in dataclasses.asdict(config).items()
+                if k not in ("alphas", "out", "sweep", *ACCOUNTING_FIELDS)}
     saved = read_json(folder / "config.json")
     if saved is not None and {k: saved.get(k) for k in identity} != identity:
         raise ValueError(
@@ -64,6 +86,21 @@ def run(config: MCAConfig = MCAConfig()) -> dict:
         )
     write_json(folder / "config.json", dataclasses.asdict(config))
     model, tokenizer = hf.load_minilm()
+    result = read_json(folder / "metrics.json") or {}
+    if config.sweep:
+        result = _sweep(config, folder, model, tokenizer)
+    if config.accounting_alphas:
+        result["accounting"] = _accounting_step(config, folder, model, tokenizer)
+    write_json(folder / "metrics.json", result)
+    return result
+
+
+def _sweep(config: MCAConfig, folder: Path, model, tokenizer) -> dict:
+    """The α sweep on the test passages (one cell per α, reused when present)."""
+    from ..corpus import load_corpus
+    from ..fidelity import AttentionConfig, evaluate, num_batches, reference
+    from ..montecarlo import MCAMethod
+
     passages = load_corpus().test[: config.max_passages]
     steps = num_batches(passages, config.batch_size)
     args = (config.batch_size, config.max_length)
@@ -88,6 +125,8 @@ def run(config: MCAConfig = MCAConfig()) -> dict:
                 cell = {
                     "alpha": alpha,
                     "macs_kept": hook.macs_kept,
+                    "macs_kept_reference": hook.macs_kept_reference,
+                    "macs_kept_reference_real": hook.macs_kept_reference_real,
                     "projection_seconds": hook.seconds,
                     "error_vs_bound": {
                         str(layer): {
@@ -116,9 +155,72 @@ def run(config: MCAConfig = MCAConfig()) -> dict:
         "exact_retrieval_accuracy": ref.retrieval_accuracy,
         "cells": cells,
     }
-    write_json(folder / "metrics.json", result)
     _plot(cells, ref.retrieval_accuracy, folder)
     return result
+
+
+def _accounting_step(config: MCAConfig, folder: Path, model, tokenizer) -> dict:
+    """``accounting.json``, measured again when its settings change."""
+    settings = {k: getattr(config, k) for k in ACCOUNTING_FIELDS}
+    settings = json.loads(json.dumps(settings | {"max_passages": config.max_passages,
+                                                 "batch_size": config.batch_size,
+                                                 "seed": config.seed}))
+    path = folder / "accounting.json"
+    saved = read_json(path)
+    if saved is not None and saved.get("settings") == settings:
+        return saved
+    out = {"settings": settings, **_accounting(config, model, tokenizer),
+           "machine": machine_facts()}
+    write_json(path, out)
+    return out
+
+
+def _accounting(config: MCAConfig, model, tokenizer) -> dict:
+    """Issue 16 item 10: the reference code's cost metric and ours on the same short passages.
+
+    Per α: ``reference_padded`` — the reference code's metric on passages padded to
+    ``accounting_length`` (r_j with n = that length, averaged over every position);
+    ``reference_real_tokens`` — the same r_j averaged over real tokens only; ``ours_padded`` —
+    our r_j (n = real tokens) averaged over real tokens, same padded batches; ``ours_unpadded``
+    — ours on each passage alone (no padding at all); ``reference_unpadded`` — the reference
+    formula there (n = the passage's own length).
+    """
+    from .. import hf
+    from ..corpus import load_corpus
+    from ..montecarlo import MCAMethod
+
+    texts = [p.text for p in load_corpus(config.accounting_words).test[: config.max_passages]]
+    size, length = config.batch_size, config.accounting_length
+    padded = [tokenizer(texts[i : i + size], padding="max_length", truncation=True,
+                        max_length=length, return_tensors="pt")
+              for i in range(0, len(texts), size)]
+    alone = [tokenizer([t], truncation=True, max_length=length, return_tensors="pt")
+             for t in texts]
+    real_tokens = sum(int(b["attention_mask"].sum()) for b in padded)
+    rows = []
+    for alpha in tqdm(config.accounting_alphas, desc="mca accounting"):
+        hooks = {}
+        for name, batches in (("padded", padded), ("unpadded", alone)):
+            hook = hooks[name] = MCAMethod(alpha, seed=config.seed)
+            hf.sparsify(model, method=hook)
+            try:
+                with torch.no_grad():
+                    for batch in batches:
+                        model(input_ids=batch["input_ids"],
+                              attention_mask=batch["attention_mask"])
+            finally:
+                hf.restore(model)
+        rows.append({
+            "alpha": alpha,
+            "reference_padded": hooks["padded"].macs_kept_reference,
+            "reference_real_tokens": hooks["padded"].macs_kept_reference_real,
+            "ours_padded": hooks["padded"].macs_kept,
+            "ours_unpadded": hooks["unpadded"].macs_kept,
+            "reference_unpadded": hooks["unpadded"].macs_kept_reference,
+        })
+    return {"passages": len(texts), "padded_length": length,
+            "mean_real_tokens": real_tokens / len(texts),
+            "real_share_of_positions": real_tokens / (len(texts) * length), "rows": rows}
 
 
 def _plot(cells: list[dict], exact_retrieval: float, folder: Path) -> None:
