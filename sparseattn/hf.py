@@ -521,6 +521,39 @@ def _expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
 
 
+def _can_group(spec: LayerSpec, q: Tensor, k: Tensor) -> bool:
+    """Whether a grouped-query call may skip the k/v expansion (:func:`_group_queries`): the
+    library's own kernel, a static pattern, one α for all rows."""
+    pattern = spec.causal_pattern
+    return (
+        k.shape[1] < q.shape[1]
+        and q.shape[1] % k.shape[1] == 0
+        and spec.method is sparse_attention
+        and spec.prob_map.alpha is None
+        and not getattr(pattern, "data_dependent", False)
+        and not getattr(spec.pattern, "data_dependent", False)
+    )
+
+
+def _group_queries(
+    q: Tensor, graph: AttentionGraph, kv_heads: int
+) -> tuple[Tensor, AttentionGraph]:
+    """Grouped-query attention without copying keys: q (batch, heads, n_q, d) → (batch,
+    kv_heads, g·n_q, d), the g = heads / kv_heads query heads that share a key/value head
+    stacked along the query axis, and the graph's rows laid out the same way (a graph of batch
+    shape (…, heads) keeps its edge arrays; one shared by the heads is repeated g times). The
+    output (batch, kv_heads, g·n_q, d) reshapes to (batch, heads, n_q, d)."""
+    bsz, heads, n_q, d = q.shape
+    groups = heads // kv_heads
+    g_b, g_h = (1,) * (2 - len(graph.batch_shape)) + graph.batch_shape
+    if g_h == 1:
+        graph, shape = graph.expand((g_b, groups)), (g_b, 1)
+    else:
+        shape = (g_b, kv_heads)
+    grouped = AttentionGraph(graph.crow, graph.col, groups * n_q, graph.n_k, shape, causal=False)
+    return q.reshape(bsz, kv_heads, groups * n_q, d), grouped
+
+
 def _shifted_graph(pattern: Pattern, q: Tensor, k: Tensor, pads: Tensor) -> AttentionGraph:
     """A causal pattern laid over each batch item's real tokens (left padding skipped).
 
@@ -743,15 +776,20 @@ def _attention_forward(
                 f"gives {key.shape[1]} key/value heads for {query.shape[1]} query heads"
             )
         extra["context"] = LayerContext(layer, module, hidden_states, value_proj)
-    key, value = _expand_kv(query, key, value)
     free = _graph_free(spec, view)
+    group = free is None and not capturing and _can_group(spec, query, key)
+    if not group:
+        key, value = _expand_kv(query, key, value)
     graph = None if free is not None and not capturing else _layer_graph(spec, query, key, view)
     _account(state, layer, None if free is not None else graph, query, key, view, spec)
+    q, target = (query, graph if free is None else free)
+    if group:
+        q, target = _group_queries(query, graph, key.shape[1])
     out = spec.method(
-        query,
+        q,
         key,
         value,
-        graph if free is None else free,
+        target,
         prob_map=spec.prob_map,
         engine=spec.engine,
         scale=scale,
@@ -759,6 +797,7 @@ def _attention_forward(
         dropout_p=dropout,
         **extra,
     )
+    out = out.reshape(query.shape[:3] + out.shape[-1:])
     if capturing:
         _record(capture, layer, graph, query, key, view.kpm, spec, scale)
     return out.transpose(1, 2).contiguous(), None

@@ -8,6 +8,9 @@ pattern's definition) with torch SDPA, run on the whole prefix without a cache.
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -95,10 +98,11 @@ def _generate(model, ids, mask, steps: int):
     return out.sequences, torch.stack(out.logits, 1)  # (B, n + steps), (B, steps, vocab)
 
 
-def _register_reference(name: str, allowed_fn) -> str:
-    """A kernel applying ``allowed_fn(i, j, first_real) -> bool`` over positions (brute force,
-    one (i, j) at a time) ∩ the model's own mask, with torch SDPA (GQA by ``enable_gqa``).
-    Padding queries (no allowed key) attend to themselves; their outputs are never compared."""
+def _register_reference(name: str, allowed_fn, per_head: bool = False) -> str:
+    """A kernel applying ``allowed_fn(i, j, first_real) -> bool`` (``per_head``:
+    ``allowed_fn(h, i, j, first_real)``) over positions (brute force, one (i, j) at a time) ∩
+    the model's own mask, with torch SDPA (GQA by ``enable_gqa``). Padding queries (no allowed
+    key) attend to themselves; their outputs are never compared."""
 
     def kernel(module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kwargs):
         bsz, _, n_q, _ = q.shape
@@ -108,16 +112,18 @@ def _register_reference(name: str, allowed_fn) -> str:
             own = attention_mask.expand(bsz, 1, n_q, n_k).clone()
         elif getattr(module, "is_causal", False):
             own = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q).expand(bsz, 1, -1, -1)
-        allowed = torch.zeros_like(own)
-        for b in range(bsz):
+        heads = q.shape[1] if per_head else 1
+        allowed = torch.zeros(bsz, heads, n_q, n_k, dtype=torch.bool)
+        for b, h in itertools.product(range(bsz), range(heads)):
             real = own[b, 0].any(0)
             first = int(real.nonzero()[0]) if real.any() else n_k
+            rule = functools.partial(allowed_fn, h) if per_head else allowed_fn
             for i in range(n_q):
                 pos = n_k - n_q + i
                 for j in range(n_k):
-                    allowed[b, 0, i, j] = bool(own[b, 0, i, j]) and allowed_fn(pos, j, first)
-                if not allowed[b, 0, i].any():
-                    allowed[b, 0, i, pos] = True
+                    allowed[b, h, i, j] = bool(own[b, 0, i, j]) and rule(pos, j, first)
+                if not allowed[b, h, i].any():
+                    allowed[b, h, i, pos] = True
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=True
         )
@@ -213,6 +219,22 @@ def test_sparse_generation_equals_full_recompute_at_every_step(kind, pattern, ru
         n = ids.shape[1] + t
         prefix_mask = torch.cat([mask, torch.ones(len(ids), t, dtype=mask.dtype)], 1)
         full = _logits(model, tokens[:, :n], prefix_mask)[:, -1]  # no cache: the whole prefix
+        assert float((step_logits[:, t] - full).abs().max()) < TOL, f"step {t}"
+
+
+def test_head_split_with_grouped_query_heads_equals_full_recompute():
+    model = _decoder("llama")  # 4 query heads, 2 key/value heads: heads 0, 1 share one
+    ids, mask = _prompt()
+    steps = 3
+    hf.sparsify(model, split_heads(sliding_window(2), sliding_window(4, sinks=1), sizes=(1, 3)))
+    tokens, step_logits = _generate(model, ids, mask, steps)
+    narrow, wide = _sliding_rule(2, 0), _sliding_rule(4, 1)
+    rule = lambda h, i, j, first: (narrow if h == 0 else wide)(i, j, first)  # noqa: E731
+    model.set_attn_implementation(_register_reference("test_ref_split", rule, per_head=True))
+    for t in range(steps):
+        n = ids.shape[1] + t
+        prefix_mask = torch.cat([mask, torch.ones(len(ids), t, dtype=mask.dtype)], 1)
+        full = _logits(model, tokens[:, :n], prefix_mask)[:, -1]
         assert float((step_logits[:, t] - full).abs().max()) < TOL, f"step {t}"
 
 
