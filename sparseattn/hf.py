@@ -22,7 +22,8 @@ Decoders (docs/causal.md, "Hugging Face decoders"): a causal layer applies the p
 a causal pattern (``sliding_window``, ``causal_strided``, …) as it is, any other pattern
 intersected with the lower triangle (``pattern.causal()``; ``dense()`` becomes exact causal
 attention). Queries at an offset (a KV cache: n_q < n_k) sit at positions n_k − n_q … n_k − 1.
-Grouped-query attention (fewer key/value heads) is expanded per head group. With left padding
+Grouped-query attention (fewer key/value heads): the query heads sharing a key/value head are
+stacked along the query axis, so k and v are not copied. With left padding
 (generation's padding side) the pattern is laid over each item's real tokens, so sink tokens are
 its first real tokens and a padded item computes what it computes alone. Refused with a
 ValueError: static caches, and a model's own sliding window once its cache drops keys.
