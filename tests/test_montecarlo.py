@@ -137,8 +137,9 @@ def _peaked(n=10, d_in=20, heads=2, seed=0):
     u = torch.randn(heads, 1, 5, generator=gen, dtype=torch.float64)
     q = u.expand(heads, n, 5)[None] * 3
     strength = torch.linspace(2.0, -2.0, n, dtype=torch.float64)
-    k = (u * strength[:, None])[None] + 0.05 * torch.randn(1, heads, n, 5, generator=gen,
-                                                           dtype=torch.float64)
+    k = (u * strength[:, None])[None] + 0.05 * torch.randn(
+        1, heads, n, 5, generator=gen, dtype=torch.float64
+    )
     return x, w, q, k
 
 
@@ -148,8 +149,9 @@ def test_tokens_no_query_attends_get_no_samples_and_stay_exact():
     inputs (their value rows never reach Ỹ), so skipping them is exact."""
     x, w, q, k = _peaked()
     alpha, d_in = 0.3, 20
-    res = mca_attention(x, q, k, w, None, alpha, sa.dense(), "entmax15",
-                        generator=torch.Generator().manual_seed(0))
+    res = mca_attention(
+        x, q, k, w, None, alpha, sa.dense(), "entmax15", generator=torch.Generator().manual_seed(0)
+    )
     a = res.weights
     n = a.shape[-1]
     expected = torch.zeros_like(res.r)
@@ -165,8 +167,9 @@ def test_tokens_no_query_attends_get_no_samples_and_stay_exact():
     assert bool(dead.any())
     x2 = x.clone()
     x2[0, dead] = 1e3 * torch.randn(int(dead.sum()), d_in, dtype=torch.float64)
-    res2 = mca_attention(x2, q, k, w, None, alpha, sa.dense(), "entmax15",
-                         generator=torch.Generator().manual_seed(0))
+    res2 = mca_attention(
+        x2, q, k, w, None, alpha, sa.dense(), "entmax15", generator=torch.Generator().manual_seed(0)
+    )
     torch.testing.assert_close(res2.out, res.out)
 
 
@@ -198,9 +201,14 @@ def test_mca_hook_reports_both_accountings():
     from sparseattn import hf
 
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=4, intermediate_size=37,
-                                     max_position_embeddings=64)
+    config = transformers.BertConfig(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+    )
     model = transformers.BertModel(config).eval()
     ids = torch.randint(1, 99, (2, 24))
     mask = (torch.arange(24) < torch.tensor([[6], [9]])).long()

@@ -114,8 +114,10 @@ def test_sparse_consistency_missing_support_changes_output(alpha, record_propert
     out = sparse_attention(q, k, v, AttentionGraph.from_dense(missing), rho, engine="gather")
     diff = (out - full).abs().amax(-1)
     record_property(f"max_abs_diff_missing_alpha_{alpha}", float(diff[b, h, i]))
-    print(f"alpha={alpha}: dropping support key {j} of query {i} changes its output by "
-          f"{float(diff[b, h, i]):.3e}")
+    print(
+        f"alpha={alpha}: dropping support key {j} of query {i} changes its output by "
+        f"{float(diff[b, h, i]):.3e}"
+    )
     assert float(diff[b, h, i]) > 1e-6
     others = torch.ones_like(diff, dtype=torch.bool)
     others[b, h, i] = False
@@ -140,8 +142,12 @@ def test_sample_triplets_one_per_edge_with_true_negatives():
     trip = sample_triplets(layer, torch.Generator().manual_seed(0))
     q_all, _ = layer.tokens()
     # flattened token → (batch, sequence, position)
-    where = [(bi, s, i) for bi, batch in enumerate(layer.batches)
-             for s in range(batch.valid.shape[0]) for i in range(int(batch.valid[s].sum()))]
+    where = [
+        (bi, s, i)
+        for bi, batch in enumerate(layer.batches)
+        for s in range(batch.valid.shape[0])
+        for i in range(int(batch.valid[s].sum()))
+    ]
     for h in range(layer.heads):
         pos_edges, n_expected = set(), 0
         for batch in layer.batches:
@@ -153,8 +159,9 @@ def test_sample_triplets_one_per_edge_with_true_negatives():
                         n_expected += int(row.sum())
         m = trip.mask[h]
         assert int(m.sum()) == n_expected
-        for qi, pi, ni in zip(trip.query[h][m].tolist(), trip.pos[h][m].tolist(),
-                              trip.neg[h][m].tolist(), strict=True):
+        for qi, pi, ni in zip(
+            trip.query[h][m].tolist(), trip.pos[h][m].tolist(), trip.neg[h][m].tolist(), strict=True
+        ):
             (bq, sq, iq), (bp, sp, jp), (bn, sn, jn) = where[qi], where[pi], where[ni]
             assert (bq, sq) == (bp, sp) == (bn, sn)
             gold = layer.batches[bq].gold[sq, h, iq]
@@ -259,10 +266,14 @@ def test_kmeans_predictor_equals_share_a_cluster_brute_force(top_k):
     got = pred.predict(q, k).to_dense()
     c = pred.centroids_
     for b, h in itertools.product(range(2), range(2)):
+
         def clusters(x, b=b, h=h):
-            dists = [[float(((x[b, h, i] - c[h, m]) ** 2).sum()) for m in range(5)]
-                     for i in range(x.shape[2])]
+            dists = [
+                [float(((x[b, h, i] - c[h, m]) ** 2).sum()) for m in range(5)]
+                for i in range(x.shape[2])
+            ]
             return [set(sorted(range(5), key=lambda m, d=d: d[m])[:top_k]) for d in dists]
+
         cq, ck = clusters(q), clusters(k)
         for i, j in itertools.product(range(10), range(12)):
             assert bool(got[b, h, i, j]) == bool(cq[i] & ck[j]), (b, h, i, j)
@@ -311,8 +322,9 @@ def test_chunked_predictor_v1_keeps_top_blocks_and_expands_to_tokens():
     pred = ChunkedPredictor(4, 2, proj, "v1").predict(layer.batches[0].q, layer.batches[0].k)
     blocks = pred.to_block_layout(4)
     assert bool((blocks.sum(-1) == 2).all())  # each query chunk: its 2 nearest key chunks
-    assert torch.equal(expand_blocks(AttentionGraph.from_dense(blocks), 4, 16).to_dense(),
-                       pred.to_dense())  # whole blocks
+    assert torch.equal(
+        expand_blocks(AttentionGraph.from_dense(blocks), 4, 16).to_dense(), pred.to_dense()
+    )  # whole blocks
     v2 = ChunkedPredictor(4, 2, proj, "v2", n_clusters=2).fit(chunks)
     g2 = v2.predict(layer.batches[0].q, layer.batches[0].k)
     assert g2.batch_shape == (3, 2)
@@ -324,8 +336,7 @@ def _lsh_reference(x: list[float], rot: torch.Tensor, buckets: int) -> list[int]
     the index of the largest of [xR, −xR] (even buckets) or of xR (odd)."""
     out = []
     for r in range(rot.shape[0]):
-        vals = [sum(x[d] * float(rot[r, d, c]) for d in range(len(x)))
-                for c in range(rot.shape[2])]
+        vals = [sum(x[d] * float(rot[r, d, c]) for d in range(len(x))) for c in range(rot.shape[2])]
         if buckets % 2 == 0:
             vals += [-v for v in vals]
         out.append(max(range(len(vals)), key=vals.__getitem__))
@@ -343,8 +354,10 @@ def test_lsh_shared_qk_as_the_authors_run_it(buckets, rounds):
     rot = lsh.rotations(2, 6).double()
     expected = torch.zeros_like(graph)
     for b, h in itertools.product(range(2), range(2)):
-        ids = [_lsh_reference(torch.cat([q[b, h, i], k[b, h, i]]).tolist(), rot[h], buckets)
-               for i in range(12)]
+        ids = [
+            _lsh_reference(torch.cat([q[b, h, i], k[b, h, i]]).tolist(), rot[h], buckets)
+            for i in range(12)
+        ]
         for i, j in itertools.product(range(12), range(12)):
             expected[b, h, i, j] = any(a == c for a, c in zip(ids[i], ids[j], strict=True))
     assert torch.equal(graph, expected)
@@ -431,8 +444,9 @@ def test_recall_sparsity_exact_equal_brute_force(causal):
     got_r, got_s = recall(pred, gold), sparsity(pred, valid, causal)
     got_e = exact_fraction(pred, gold, valid)
     tally = Tally(1, h)
-    tally.add(0, pred, GraphBatch(torch.zeros(b, h, n, 1), torch.zeros(b, h, n, 1), gold, valid),
-              causal)
+    tally.add(
+        0, pred, GraphBatch(torch.zeros(b, h, n, 1), torch.zeros(b, h, n, 1), gold, valid), causal
+    )
     pooled = {"gold": [0] * h, "hit": [0] * h, "pred": [0] * h, "pairs": [0] * h}
     for bb, hh in itertools.product(range(b), range(h)):
         length = lengths[bb]
@@ -442,18 +456,25 @@ def test_recall_sparsity_exact_equal_brute_force(causal):
         p = {(i, j) for i, j in pairs if pred[bb, hh, i, j]}
         assert float(got_r[bb, hh]) == pytest.approx(len(p & g) / len(g))  # eq. 4
         assert float(got_s[bb, hh]) == pytest.approx(1 - len(p) / len(pairs))  # eq. 5
-        exact = sum(all(pred[bb, hh, i, j] for j in range(n) if gold[bb, hh, i, j])
-                    for i in range(length))
+        exact = sum(
+            all(pred[bb, hh, i, j] for j in range(n) if gold[bb, hh, i, j]) for i in range(length)
+        )
         assert float(got_e[bb, hh]) == pytest.approx(exact / length)
-        for key, val in (("gold", len(g)), ("hit", len(p & g)), ("pred", len(p)),
-                         ("pairs", len(pairs))):
+        for key, val in (
+            ("gold", len(g)),
+            ("hit", len(p & g)),
+            ("pred", len(p)),
+            ("pairs", len(pairs)),
+        ):
             pooled[key][hh] += val
     summary = tally.summary()
     for hh in range(h):
         assert summary["recall_per_head"][0][hh] == pytest.approx(
-            pooled["hit"][hh] / pooled["gold"][hh])
+            pooled["hit"][hh] / pooled["gold"][hh]
+        )
         assert summary["sparsity_per_head"][0][hh] == pytest.approx(
-            1 - pooled["pred"][hh] / pooled["pairs"][hh])
+            1 - pooled["pred"][hh] / pooled["pairs"][hh]
+        )
 
 
 def test_causal_sparsity_matches_graph_density_denominator():
@@ -462,7 +483,8 @@ def test_causal_sparsity_matches_graph_density_denominator():
     assert graph.causal
     assert float(sparsity(graph, causal=True)) == pytest.approx(float(graph.sparsity))
     assert float(sparsity(graph, causal=True)) == pytest.approx(
-        1 - graph.num_edges / (n * (n + 1) / 2))
+        1 - graph.num_edges / (n * (n + 1) / 2)
+    )
 
 
 def test_pareto_frontier_and_dominance():
@@ -482,8 +504,12 @@ def test_pareto_frontier_and_dominance():
 def _tiny_bert():
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=37, max_position_embeddings=64,
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
     )
     config._attn_implementation = "sdpa"
     return transformers.AutoModel.from_config(config).eval()
@@ -502,8 +528,9 @@ class _Oracle(GraphPredictor):
             b, h, i = (int(x) for x in (deg >= 2).nonzero()[0])
             gold[b, h, i, int(gold[b, h, i].nonzero()[0])] = False
         gen = torch.Generator().manual_seed(0)
-        return AttentionGraph.from_dense(gold | (torch.rand(gold.shape, generator=gen)
-                                                 < self.extra))
+        return AttentionGraph.from_dense(
+            gold | (torch.rand(gold.shape, generator=gen) < self.extra)
+        )
 
 
 def test_predicted_pattern_in_model_is_exact_on_a_superset():
@@ -511,8 +538,10 @@ def test_predicted_pattern_in_model_is_exact_on_a_superset():
     q, k) reproduces the full 1.5-entmax model; gold graphs come out through hooks only."""
     model = _tiny_bert()
     gen = torch.Generator().manual_seed(1)
-    batch = {"input_ids": torch.randint(5, 99, (2, 20), generator=gen),
-             "attention_mask": torch.ones(2, 20, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.randint(5, 99, (2, 20), generator=gen),
+        "attention_mask": torch.ones(2, 20, dtype=torch.long),
+    }
     hf.sparsify(model, dense(), "entmax15", engine="dense")
     with torch.no_grad():
         full = model(**batch).last_hidden_state
@@ -521,10 +550,14 @@ def test_predicted_pattern_in_model_is_exact_on_a_superset():
     assert [g.layer for g in layers] == [0, 1]
     rec = layers[0].batches[0]
     assert torch.equal(rec.gold, _gold(rec.q.double(), rec.k.double(), 1.5))
-    for predictor, same in ((_Oracle(0.3), True), (DistancePredictor(1e9), True),
-                            (_Oracle(0.0, drop_one=True), False)):
-        hf.sparsify(model, PredictedPattern(predictor, FixedParts(None, False)), "entmax15",
-                    engine="gather")
+    for predictor, same in (
+        (_Oracle(0.3), True),
+        (DistancePredictor(1e9), True),
+        (_Oracle(0.0, drop_one=True), False),
+    ):
+        hf.sparsify(
+            model, PredictedPattern(predictor, FixedParts(None, False)), "entmax15", engine="gather"
+        )
         with torch.no_grad():
             out = model(**batch).last_hidden_state
         sparse_used = hf.attention_sparsity(model)
@@ -537,8 +570,13 @@ def test_predicted_pattern_in_model_is_exact_on_a_superset():
 
 def test_token_batches_have_no_padding_and_cover_every_text():
     tok = hf.load_minilm()[1]
-    texts = ["a short one", "a much longer sentence with more words in it", "mid length text",
-             "x", "another fairly long sentence for the tokenizer here"]
+    texts = [
+        "a short one",
+        "a much longer sentence with more words in it",
+        "mid length text",
+        "x",
+        "another fairly long sentence for the tokenizer here",
+    ]
     batches = token_batches(tok, texts, batch_size=2, max_length=16)
     seen = sorted(int(i) for b in batches for i in b.index)
     assert seen == list(range(len(texts)))
@@ -551,7 +589,9 @@ def test_token_batches_have_no_padding_and_cover_every_text():
 def test_merge_union_equals_graph_union():
     gen = torch.Generator().manual_seed(11)
     big = AttentionGraph.from_dense(torch.rand(2, 3, 15, 15, generator=gen) < 0.4)
-    for small in (FixedParts(1, True, True).graph(15),
-                  AttentionGraph.from_dense(torch.rand(2, 1, 15, 15, generator=gen) < 0.1),
-                  AttentionGraph.from_dense(torch.zeros(15, 15, dtype=torch.bool))):
+    for small in (
+        FixedParts(1, True, True).graph(15),
+        AttentionGraph.from_dense(torch.rand(2, 1, 15, 15, generator=gen) < 0.1),
+        AttentionGraph.from_dense(torch.zeros(15, 15, dtype=torch.bool)),
+    ):
         assert merge_union(big, small) == (big | small)

@@ -51,8 +51,10 @@ def _projection() -> QKProjection:
     """A QKProjection with fixed weights (the padding logic does not depend on how it was fit)."""
     gen = torch.Generator().manual_seed(5)
     proj = QKProjection(r=3)
-    proj.weight_q_, proj.weight_k_ = torch.randn(H, D, 3, generator=gen), torch.randn(
-        H, D, 3, generator=gen)
+    proj.weight_q_, proj.weight_k_ = (
+        torch.randn(H, D, 3, generator=gen),
+        torch.randn(H, D, 3, generator=gen),
+    )
     proj.bias_q_, proj.bias_k_ = torch.randn(H, 3, generator=gen), torch.randn(H, 3, generator=gen)
     return proj
 
@@ -105,8 +107,11 @@ def test_padded_equals_unpadded_on_real_tokens(name):
 
 def test_last_global_token_is_the_last_real_one():
     q, k, valid = _padded()
-    graph = PredictedPattern(DistancePredictor(0.0), FixedParts(None, False, True)).build(
-        q, k, valid.long()).to_dense()
+    graph = (
+        PredictedPattern(DistancePredictor(0.0), FixedParts(None, False, True))
+        .build(q, k, valid.long())
+        .to_dense()
+    )
     for b, length in enumerate(LENGTHS):
         assert bool(graph[b, :, :length, length - 1].all())  # every real query → [SEP]
         assert bool(graph[b, :, length - 1, :length].all())
@@ -171,8 +176,9 @@ def test_quantization_and_routing_rank_real_tokens_only():
         got = QuantizationPredictor(bins).predict(q, k, valid).to_dense()
         assert torch.equal(got, _quantization_reference(q, k, valid, bins)), bins
     gen = torch.Generator().manual_seed(4)
-    route = RoutingBaseline(3).fit(torch.randn(H, 100, D, generator=gen),
-                                   torch.randn(H, 100, D, generator=gen))
+    route = RoutingBaseline(3).fit(
+        torch.randn(H, 100, D, generator=gen), torch.randn(H, 100, D, generator=gen)
+    )
     got = route.predict(q, k, valid).to_dense()
     assert torch.equal(got, _routing_reference(q, k, valid, route.centroids_))
 
@@ -195,8 +201,12 @@ def test_bad_masks_are_refused():
 def _tiny_bert():
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=37, max_position_embeddings=64,
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
     )
     config._attn_implementation = "sdpa"
     return transformers.AutoModel.from_config(config).eval()
@@ -221,11 +231,16 @@ def test_predicted_pattern_in_hf_sparsify_on_a_padded_batch():
     mask = (torch.arange(20) < torch.tensor(lengths)[:, None]).long()
     ids = ids.masked_fill(mask == 0, 0)
     head_dim = 8
-    route = RoutingBaseline(3).fit(torch.randn(4, 100, head_dim, generator=gen),
-                                   torch.randn(4, 100, head_dim, generator=gen))
+    route = RoutingBaseline(3).fit(
+        torch.randn(4, 100, head_dim, generator=gen), torch.randn(4, 100, head_dim, generator=gen)
+    )
     for predictor in (QuantizationPredictor(3), route):
-        hf.sparsify(model, PredictedPattern(predictor, FixedParts(1, True, True)), "entmax15",
-                    engine="dense")
+        hf.sparsify(
+            model,
+            PredictedPattern(predictor, FixedParts(1, True, True)),
+            "entmax15",
+            engine="dense",
+        )
         try:
             batch = {"input_ids": ids, "attention_mask": mask}
             with key_padding(mask):
@@ -233,8 +248,13 @@ def test_predicted_pattern_in_hf_sparsify_on_a_padded_batch():
             blind_out, blind = _run(model, batch)
             changed = False
             for b, length in enumerate(lengths):
-                alone_out, alone = _run(model, {"input_ids": ids[b : b + 1, :length],
-                                                "attention_mask": mask[b : b + 1, :length]})
+                alone_out, alone = _run(
+                    model,
+                    {
+                        "input_ids": ids[b : b + 1, :length],
+                        "attention_mask": mask[b : b + 1, :length],
+                    },
+                )
                 torch.testing.assert_close(out[b, :length], alone_out[0], atol=1e-5, rtol=1e-5)
                 for layer in range(2):
                     real = allowed[layer][b, :, :length, :length]

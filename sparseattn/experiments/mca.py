@@ -77,8 +77,11 @@ def run(config: MCAConfig = MCAConfig()) -> dict:
     config.validate()
     folder = Path(config.out) / config.run
     # the cells of a run are reused per α: everything else must match the saved run
-    identity = {k: v for k, v in dataclasses.asdict(config).items()
-                if k not in ("alphas", "out", "sweep", *ACCOUNTING_FIELDS)}
+    identity = {
+        k: v
+        for k, v in dataclasses.asdict(config).items()
+        if k not in ("alphas", "out", "sweep", *ACCOUNTING_FIELDS)
+    }
     saved = read_json(folder / "config.json")
     if saved is not None and {k: saved.get(k) for k in identity} != identity:
         raise ValueError(
@@ -162,15 +165,25 @@ def _sweep(config: MCAConfig, folder: Path, model, tokenizer) -> dict:
 def _accounting_step(config: MCAConfig, folder: Path, model, tokenizer) -> dict:
     """``accounting.json``, measured again when its settings change."""
     settings = {k: getattr(config, k) for k in ACCOUNTING_FIELDS}
-    settings = json.loads(json.dumps(settings | {"max_passages": config.max_passages,
-                                                 "batch_size": config.batch_size,
-                                                 "seed": config.seed}))
+    settings = json.loads(
+        json.dumps(
+            settings
+            | {
+                "max_passages": config.max_passages,
+                "batch_size": config.batch_size,
+                "seed": config.seed,
+            }
+        )
+    )
     path = folder / "accounting.json"
     saved = read_json(path)
     if saved is not None and saved.get("settings") == settings:
         return saved
-    out = {"settings": settings, **_accounting(config, model, tokenizer),
-           "machine": machine_facts()}
+    out = {
+        "settings": settings,
+        **_accounting(config, model, tokenizer),
+        "machine": machine_facts(),
+    }
     write_json(path, out)
     return out
 
@@ -191,11 +204,17 @@ def _accounting(config: MCAConfig, model, tokenizer) -> dict:
 
     texts = [p.text for p in load_corpus(config.accounting_words).test[: config.max_passages]]
     size, length = config.batch_size, config.accounting_length
-    padded = [tokenizer(texts[i : i + size], padding="max_length", truncation=True,
-                        max_length=length, return_tensors="pt")
-              for i in range(0, len(texts), size)]
-    alone = [tokenizer([t], truncation=True, max_length=length, return_tensors="pt")
-             for t in texts]
+    padded = [
+        tokenizer(
+            texts[i : i + size],
+            padding="max_length",
+            truncation=True,
+            max_length=length,
+            return_tensors="pt",
+        )
+        for i in range(0, len(texts), size)
+    ]
+    alone = [tokenizer([t], truncation=True, max_length=length, return_tensors="pt") for t in texts]
     real_tokens = sum(int(b["attention_mask"].sum()) for b in padded)
     rows = []
     for alpha in tqdm(config.accounting_alphas, desc="mca accounting"):
@@ -206,21 +225,26 @@ def _accounting(config: MCAConfig, model, tokenizer) -> dict:
             try:
                 with torch.no_grad():
                     for batch in batches:
-                        model(input_ids=batch["input_ids"],
-                              attention_mask=batch["attention_mask"])
+                        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
             finally:
                 hf.restore(model)
-        rows.append({
-            "alpha": alpha,
-            "reference_padded": hooks["padded"].macs_kept_reference,
-            "reference_real_tokens": hooks["padded"].macs_kept_reference_real,
-            "ours_padded": hooks["padded"].macs_kept,
-            "ours_unpadded": hooks["unpadded"].macs_kept,
-            "reference_unpadded": hooks["unpadded"].macs_kept_reference,
-        })
-    return {"passages": len(texts), "padded_length": length,
-            "mean_real_tokens": real_tokens / len(texts),
-            "real_share_of_positions": real_tokens / (len(texts) * length), "rows": rows}
+        rows.append(
+            {
+                "alpha": alpha,
+                "reference_padded": hooks["padded"].macs_kept_reference,
+                "reference_real_tokens": hooks["padded"].macs_kept_reference_real,
+                "ours_padded": hooks["padded"].macs_kept,
+                "ours_unpadded": hooks["unpadded"].macs_kept,
+                "reference_unpadded": hooks["unpadded"].macs_kept_reference,
+            }
+        )
+    return {
+        "passages": len(texts),
+        "padded_length": length,
+        "mean_real_tokens": real_tokens / len(texts),
+        "real_share_of_positions": real_tokens / (len(texts) * length),
+        "rows": rows,
+    }
 
 
 def _plot(cells: list[dict], exact_retrieval: float, folder: Path) -> None:

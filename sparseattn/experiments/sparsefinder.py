@@ -104,11 +104,19 @@ COMMON_SPARSITY = (0.9, 0.8)
 
 #: Plot colours: baselines (dashed lines) and Sparsefinder variants (solid lines).
 COLORS: dict[str, str] = {
-    "window": "black", "bigbird": "tab:olive", "longformer": "tab:pink",
-    "strided": "tab:gray", "reformer": "tab:purple", "reformer_separate": "plum",
+    "window": "black",
+    "bigbird": "tab:olive",
+    "longformer": "tab:pink",
+    "strided": "tab:gray",
+    "reformer": "tab:purple",
+    "reformer_separate": "plum",
     "routing": "tab:brown",
-    "sf_distance": "tab:red", "sf_distance_all_edges": "salmon", "sf_quantization": "tab:green",
-    "sf_kmeans": "tab:blue", "sf_chunked_v1": "tab:orange", "sf_chunked_v2": "tab:cyan",
+    "sf_distance": "tab:red",
+    "sf_distance_all_edges": "salmon",
+    "sf_quantization": "tab:green",
+    "sf_kmeans": "tab:blue",
+    "sf_chunked_v1": "tab:orange",
+    "sf_chunked_v2": "tab:cyan",
 }
 
 
@@ -160,8 +168,12 @@ class SparsefinderConfig:
     # padding (issue 16 item 8): these (method, knob) pairs on padded test batches, window
     # ``downstream_window``: the graph on real tokens with and without the key padding mask
     padding_knobs: tuple[tuple[str, float], ...] = (
-        ("sf_quantization", 4), ("routing", 4), ("sf_kmeans", 8), ("reformer", 8),
-        ("sf_distance", 1.5), ("sf_chunked_v1", 2),
+        ("sf_quantization", 4),
+        ("routing", 4),
+        ("sf_kmeans", 8),
+        ("reformer", 8),
+        ("sf_distance", 1.5),
+        ("sf_chunked_v1", 2),
     )
     # timing (not part of the run's identity: timing.json records its own settings and is
     # measured again when they change)
@@ -193,13 +205,18 @@ class SparsefinderConfig:
 
     def grid(self, method: str) -> tuple[float, ...]:
         return {
-            "window": self.window_grid, "bigbird": self.bigbird_blocks,
-            "longformer": self.longformer_tokens, "strided": self.strides,
-            "reformer": self.lsh_buckets, "reformer_separate": self.lsh_buckets,
+            "window": self.window_grid,
+            "bigbird": self.bigbird_blocks,
+            "longformer": self.longformer_tokens,
+            "strided": self.strides,
+            "reformer": self.lsh_buckets,
+            "reformer_separate": self.lsh_buckets,
             "routing": self.routing_clusters,
-            "sf_distance": self.thresholds, "sf_distance_all_edges": self.thresholds,
+            "sf_distance": self.thresholds,
+            "sf_distance_all_edges": self.thresholds,
             "sf_quantization": self.bins,
-            "sf_kmeans": self.clusters, "sf_chunked_v1": self.chunk_top,
+            "sf_kmeans": self.clusters,
+            "sf_chunked_v1": self.chunk_top,
             "sf_chunked_v2": self.chunk_top,
         }[method]
 
@@ -218,17 +235,31 @@ class SparsefinderConfig:
 def quick_config(**overrides) -> SparsefinderConfig:
     """A ~2 minute smoke run: few passages and knobs; the cached default teacher if present."""
     teacher = TeacherConfig()
-    if not (teacher_folder(teacher, overrides.get("out_dir", "results/sparsefinder"))
-            / "metrics.json").exists():
+    if not (
+        teacher_folder(teacher, overrides.get("out_dir", "results/sparsefinder")) / "metrics.json"
+    ).exists():
         teacher = TeacherConfig(steps=8, eval_passages=16)
     base = SparsefinderConfig(
-        teacher=teacher, train_passages=48, test_passages=16, max_pairs=20_000,
-        windows=(1,), window_grid=(0, 1, 3, 7, 15, 31), thresholds=(0.5, 1.0, 2.0),
-        bins=(4, 8), clusters=(4, 8), bigbird_blocks=(4, 16), longformer_tokens=(4, 16),
-        strides=(4, 16), lsh_buckets=(4, 16), routing_clusters=(4, 8), chunk_top=(2, 4),
+        teacher=teacher,
+        train_passages=48,
+        test_passages=16,
+        max_pairs=20_000,
+        windows=(1,),
+        window_grid=(0, 1, 3, 7, 15, 31),
+        thresholds=(0.5, 1.0, 2.0),
+        bins=(4, 8),
+        clusters=(4, 8),
+        bigbird_blocks=(4, 16),
+        longformer_tokens=(4, 16),
+        strides=(4, 16),
+        lsh_buckets=(4, 16),
+        routing_clusters=(4, 8),
+        chunk_top=(2, 4),
         downstream_knobs=(("window", (3,)), ("sf_kmeans", (4,))),
         padding_knobs=(("sf_quantization", 4), ("routing", 4), ("reformer", 4)),
-        timing_lengths=(0, 1024), timing_methods=("sf_kmeans",), timing_repeats=1,
+        timing_lengths=(0, 1024),
+        timing_methods=("sf_kmeans",),
+        timing_repeats=1,
     )
     return replace(base, **overrides)
 
@@ -257,8 +288,12 @@ def _extract(data: _Data, config: SparsefinderConfig, bar) -> None:
     try:
         for name, passages in (("train", train), ("test", test)):
             bar.set_postfix_str(f"gold graphs ({name})")
-            batches = token_batches(data.tokenizer, [p.text for p in passages],
-                                    config.batch_size, config.teacher.max_length)
+            batches = token_batches(
+                data.tokenizer,
+                [p.text for p in passages],
+                config.batch_size,
+                config.teacher.max_length,
+            )
             setattr(data, name, extract_graphs(data.model, batches))
     finally:
         hf.restore(data.model)
@@ -267,12 +302,31 @@ def _extract(data: _Data, config: SparsefinderConfig, bar) -> None:
 # --------------------------------------------------------------------------- fitting
 def _fit(data: _Data, config: SparsefinderConfig, bar) -> dict:
     """Fitted state per layer (plain tensors and dicts, for torch.save)."""
-    fits: dict = {"projection": [], "projection_all_edges": [], "kmeans": {}, "routing": {},
-                  "chunk_projection": [], "chunk_v2": [], "seconds": {}}
-    kwargs = dict(r=config.r, margin=config.margin, lr=config.lr, epochs=config.epochs,
-                  batch_pairs=config.batch_pairs, max_pairs=config.max_pairs, seed=config.seed)
-    timer = {"projection": 0.0, "projection_all_edges": 0.0, "kmeans": 0.0, "routing": 0.0,
-             "chunked": 0.0}
+    fits: dict = {
+        "projection": [],
+        "projection_all_edges": [],
+        "kmeans": {},
+        "routing": {},
+        "chunk_projection": [],
+        "chunk_v2": [],
+        "seconds": {},
+    }
+    kwargs = dict(
+        r=config.r,
+        margin=config.margin,
+        lr=config.lr,
+        epochs=config.epochs,
+        batch_pairs=config.batch_pairs,
+        max_pairs=config.max_pairs,
+        seed=config.seed,
+    )
+    timer = {
+        "projection": 0.0,
+        "projection_all_edges": 0.0,
+        "kmeans": 0.0,
+        "routing": 0.0,
+        "chunked": 0.0,
+    }
     excluded = FixedParts(config.train_window, True, config.last_token)
 
     def exclude(batch):
@@ -302,8 +356,9 @@ def _fit(data: _Data, config: SparsefinderConfig, bar) -> dict:
         chunks = chunk_layer(layer, config.chunk_block)
         cproj = QKProjection(**kwargs).fit(chunks)  # chunk-level: fixed parts not excluded
         fits["chunk_projection"].append(cproj.state_dict())
-        v2 = ChunkedPredictor(config.chunk_block, 1, cproj, "v2", config.chunk_clusters,
-                              config.seed).fit(chunks)
+        v2 = ChunkedPredictor(
+            config.chunk_block, 1, cproj, "v2", config.chunk_clusters, config.seed
+        ).fit(chunks)
         fits["chunk_v2"].append(v2.centroids_)
         timer["chunked"] += time.perf_counter() - t
     fits["seconds"] = timer
@@ -334,10 +389,12 @@ class _Fitted:
             mode = "shared" if method == "reformer" else "separate"
             return lambda l: LSHBaseline(int(knob), self.proj[l], seed, mode)
         if method == "routing":
+
             def routing(l: int) -> GraphPredictor:
                 out = RoutingBaseline(int(knob), self.proj[l], seed=seed)
                 out.centroids_ = self.fits["routing"][int(knob)][l]
                 return out
+
             return routing
         if method == "sf_distance":
             return lambda l: DistancePredictor(float(knob), self.proj[l])
@@ -346,20 +403,24 @@ class _Fitted:
         if method == "sf_quantization":
             return lambda l: QuantizationPredictor(int(knob), self.proj[l])
         if method == "sf_kmeans":
+
             def kmeans(l: int) -> GraphPredictor:
                 out = KMeansPredictor(int(knob), 1, self.proj[l], seed=seed)
                 out.centroids_ = self.fits["kmeans"][int(knob)][l]
                 return out
+
             return kmeans
         if method in ("sf_chunked_v1", "sf_chunked_v2"):
             variant = method[-2:]
 
             def chunked(l: int) -> GraphPredictor:
-                out = ChunkedPredictor(c.chunk_block, int(knob), self.cproj[l], variant,
-                                       c.chunk_clusters, seed)
+                out = ChunkedPredictor(
+                    c.chunk_block, int(knob), self.cproj[l], variant, c.chunk_clusters, seed
+                )
                 if variant == "v2":
                     out.centroids_ = self.fits["chunk_v2"][l]
                 return out
+
             return chunked
         raise ValueError(f"unknown method {method!r}")
 
@@ -433,8 +494,14 @@ def _closest_knob(points: list[dict], window: int, target: float, grid) -> float
 
 
 @torch.no_grad()
-def _timing(data: _Data, fitted: _Fitted, config: SparsefinderConfig, sweep_points: dict,
-            gold_sparsity: float, bar) -> dict:
+def _timing(
+    data: _Data,
+    fitted: _Fitted,
+    config: SparsefinderConfig,
+    sweep_points: dict,
+    gold_sparsity: float,
+    bar,
+) -> dict:
     from ..attention import sparse_attention
 
     load_before = os.getloadavg()
@@ -452,57 +519,85 @@ def _timing(data: _Data, fitted: _Fitted, config: SparsefinderConfig, sweep_poin
             q, k = q_all[None, :, :n].contiguous(), k_all[None, :, :n].contiguous()
         v = k.clone()  # values do not change the cost; the layer's own are not extracted
         bar.set_postfix_str(f"timing full entmax, n={q.shape[-2]}")
-        t_full, full = _median_time(lambda q=q, k=k, v=v: _full_entmax(q, k, v, scale),
-                                    config.timing_repeats)
-        t_loop, _ = _median_time(lambda q=q, k=k, v=v: _full_entmax_per_head(q, k, v, scale),
-                                 config.timing_repeats)
+        t_full, full = _median_time(
+            lambda q=q, k=k, v=v: _full_entmax(q, k, v, scale), config.timing_repeats
+        )
+        t_loop, _ = _median_time(
+            lambda q=q, k=k, v=v: _full_entmax_per_head(q, k, v, scale), config.timing_repeats
+        )
         gold = None
         if n != 0:  # the gold graph of the synthetic sequence, for recall there
-            gold = torch.stack([entmax15_rows((q[0, h] @ k[0, h].T) * scale) > 0
-                                for h in range(q.shape[1])])[None]
+            gold = torch.stack(
+                [entmax15_rows((q[0, h] @ k[0, h].T) * scale) > 0 for h in range(q.shape[1])]
+            )[None]
         else:
             gold = batch.gold
         for method in config.timing_methods:
-            knob = _closest_knob(sweep_points[method], config.downstream_window, gold_sparsity,
-                                 config.grid(method))
+            knob = _closest_knob(
+                sweep_points[method], config.downstream_window, gold_sparsity, config.grid(method)
+            )
             pattern = PredictedPattern(
                 fitted.make(method, knob)(layer.layer),
                 FixedParts(config.downstream_window, True, config.last_token),
             )
             bar.set_postfix_str(f"timing {method}, n={q.shape[-2]}")
-            t_pred, graph = _median_time(lambda p=pattern, q=q, k=k: p.build(q, k),
-                                         config.timing_repeats)
+            t_pred, graph = _median_time(
+                lambda p=pattern, q=q, k=k: p.build(q, k), config.timing_repeats
+            )
             t_att, out = _median_time(
                 lambda g=graph, q=q, k=k, v=v: sparse_attention(
-                    q, k, v, g, data.rho, engine="gather", scale=scale),
+                    q, k, v, g, data.rho, engine="gather", scale=scale
+                ),
                 config.timing_repeats,
             )
             dense_graph = graph.to_dense()
             hit = (dense_graph & gold).sum().double() / gold.sum().double()
             covered = ~(gold & ~dense_graph).any(-1)
-            rows.append({
-                "n": q.shape[-2], "batch": q.shape[0], "heads": q.shape[1],
-                "method": method, "knob": knob, "window": config.downstream_window,
-                "full_entmax_seconds": t_full, "full_entmax_per_head_loop_seconds": t_loop,
-                "predict_seconds": t_pred,
-                "attention_seconds": t_att, "total_seconds": t_pred + t_att,
-                "ratio_total_to_full": (t_pred + t_att) / t_full,
-                "sparsity": float(1 - dense_graph.sum() / dense_graph.numel()),
-                "gold_sparsity": float(1 - gold.sum() / gold.numel()),
-                "recall": float(hit),
-                "exact_queries": float(covered.double().mean()),
-                "max_abs_diff_exact_rows": float(
-                    (out - full).abs().amax(-1)[covered].max()) if bool(covered.any()) else None,
-            })
-    return {"layer": layer.layer, "rows": rows, "machine": machine_facts(),
-            "load_average_before": load_before, "settings": config.timing_settings(),
-            "note": "median of timing_repeats runs; full entmax: one batched call over all "
-                    "heads; torch threads as in machine; load averages: 1, 5, 15 min"}
+            rows.append(
+                {
+                    "n": q.shape[-2],
+                    "batch": q.shape[0],
+                    "heads": q.shape[1],
+                    "method": method,
+                    "knob": knob,
+                    "window": config.downstream_window,
+                    "full_entmax_seconds": t_full,
+                    "full_entmax_per_head_loop_seconds": t_loop,
+                    "predict_seconds": t_pred,
+                    "attention_seconds": t_att,
+                    "total_seconds": t_pred + t_att,
+                    "ratio_total_to_full": (t_pred + t_att) / t_full,
+                    "sparsity": float(1 - dense_graph.sum() / dense_graph.numel()),
+                    "gold_sparsity": float(1 - gold.sum() / gold.numel()),
+                    "recall": float(hit),
+                    "exact_queries": float(covered.double().mean()),
+                    "max_abs_diff_exact_rows": float((out - full).abs().amax(-1)[covered].max())
+                    if bool(covered.any())
+                    else None,
+                }
+            )
+    return {
+        "layer": layer.layer,
+        "rows": rows,
+        "machine": machine_facts(),
+        "load_average_before": load_before,
+        "settings": config.timing_settings(),
+        "note": "median of timing_repeats runs; full entmax: one batched call over all "
+        "heads; torch threads as in machine; load averages: 1, 5, 15 min",
+    }
 
 
-PADDING_COUNTS = ("sequences", "padded_sequences", "pairs", "gold", "hit_alone",
-                  "changed_without_mask", "hit_without_mask", "changed_with_mask",
-                  "hit_with_mask")
+PADDING_COUNTS = (
+    "sequences",
+    "padded_sequences",
+    "pairs",
+    "gold",
+    "hit_alone",
+    "changed_without_mask",
+    "hit_without_mask",
+    "changed_with_mask",
+    "hit_with_mask",
+)
 
 
 def _padded_batches(tokenizer, texts: list[str], size: int, length: int) -> list[dict]:
@@ -510,8 +605,13 @@ def _padded_batches(tokenizer, texts: list[str], size: int, length: int) -> list
     padding, as a tokenizer pads for a user) — unlike ``token_batches``, which cuts instead."""
     out = []
     for start in range(0, len(texts), size):
-        enc = tokenizer(texts[start : start + size], padding=True, truncation=True,
-                        max_length=length, return_tensors="pt")
+        enc = tokenizer(
+            texts[start : start + size],
+            padding=True,
+            truncation=True,
+            max_length=length,
+            return_tensors="pt",
+        )
         out.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
     return out
 
@@ -522,8 +622,9 @@ def _padding_tally(pattern: PredictedPattern, batch, counts: dict) -> None:
     blind = pattern.build(batch.q, batch.k).to_dense()
     seen = pattern.build(batch.q, batch.k, batch.valid).to_dense()
     for b, length in enumerate(batch.lengths.tolist()):
-        alone = pattern.build(batch.q[b : b + 1, :, :length],
-                              batch.k[b : b + 1, :, :length]).to_dense()[0]
+        alone = pattern.build(
+            batch.q[b : b + 1, :, :length], batch.k[b : b + 1, :, :length]
+        ).to_dense()[0]
         gold = batch.gold[b, :, :length, :length]
         counts["sequences"] += 1
         counts["padded_sequences"] += int(length < batch.n)
@@ -545,8 +646,9 @@ def _padding_check(data: _Data, fitted: _Fitted, config: SparsefinderConfig, bar
     batch's, so only the predictor's treatment of padding differs)."""
     _, test = _passages(config)
     bar.set_postfix_str("padding: gold graphs of padded batches")
-    batches = _padded_batches(data.tokenizer, [p.text for p in test], config.batch_size,
-                              config.teacher.max_length)
+    batches = _padded_batches(
+        data.tokenizer, [p.text for p in test], config.batch_size, config.teacher.max_length
+    )
     hf.sparsify(data.model, dense(), data.rho, engine="dense")
     try:
         layers = extract_graphs(data.model, batches)
@@ -564,13 +666,25 @@ def _padding_check(data: _Data, fitted: _Fitted, config: SparsefinderConfig, bar
                 _padding_tally(pattern, batch, counts)
         counts["sequences"] //= len(layers)
         counts["padded_sequences"] //= len(layers)
-        rows.append({"method": method, "knob": knob, "window": config.downstream_window,
-                     **counts,
-                     **{f"recall_{name}": counts[f"hit_{name}"] / max(counts["gold"], 1)
-                        for name in ("alone", "without_mask", "with_mask")}})
-    return {"rows": rows, "batches": len(batches), "layers": len(layers),
-            "note": "pairs, gold and hits summed over layers, heads and real × real pairs; "
-                    "recall pooled (hits / gold edges)"}
+        rows.append(
+            {
+                "method": method,
+                "knob": knob,
+                "window": config.downstream_window,
+                **counts,
+                **{
+                    f"recall_{name}": counts[f"hit_{name}"] / max(counts["gold"], 1)
+                    for name in ("alone", "without_mask", "with_mask")
+                },
+            }
+        )
+    return {
+        "rows": rows,
+        "batches": len(batches),
+        "layers": len(layers),
+        "note": "pairs, gold and hits summed over layers, heads and real × real pairs; "
+        "recall pooled (hits / gold edges)",
+    }
 
 
 # --------------------------------------------------------------------------- summary + plots
@@ -595,27 +709,38 @@ def _summary(sweeps: dict, gold: dict, downstream_rows: dict) -> dict:
         }
         if method != "window" and "window" in sweeps:
             table[method]["vs_window"] = dominance(pts, _points(sweeps["window"]))
-    return {"gold_sparsity": s_gold, "gold_sparsity_per_layer": gold["sparsity_per_layer"],
-            "methods": table, "downstream_points": sum(len(v) for v in downstream_rows.values())}
+    return {
+        "gold_sparsity": s_gold,
+        "gold_sparsity_per_layer": gold["sparsity_per_layer"],
+        "methods": table,
+        "downstream_points": sum(len(v) for v in downstream_rows.values()),
+    }
 
 
-def _table_md(summary: dict, teacher: dict, timing: dict | None,
-              padding: dict | None = None) -> str:
+def _table_md(
+    summary: dict, teacher: dict, timing: dict | None, padding: dict | None = None
+) -> str:
     s = summary["gold_sparsity"]
     lines = []
     for when in ("before", "after"):
         t = teacher[when]
-        lines.append(f"Teacher {when} adaptation, vs the softmax model: embedding cosine "
-                     f"{t['embedding_cosine_mean']:.4f} (min {t['embedding_cosine_min']:.4f}), "
-                     f"retrieval {t['retrieval_accuracy']:.3f} (softmax "
-                     f"{t['reference_retrieval_accuracy']:.3f}), zero weights "
-                     f"{t['weight_sparsity']:.3f}")
-    lines += ["", f"Gold sparsity of the teacher (test passages): {s:.4f}", "",
-             "| method | recall at gold sparsity (frontier) | best recall, sparsity ≥ gold | "
-             "sparsest setting (sparsity, recall) | "
-             + " | ".join(f"recall at {s}" for s in COMMON_SPARSITY)
-             + " | window frontier points dominated | recall gap vs window (min / mean) |",
-             "|---|---|---|---|" + "---|" * len(COMMON_SPARSITY) + "---|---|"]
+        lines.append(
+            f"Teacher {when} adaptation, vs the softmax model: embedding cosine "
+            f"{t['embedding_cosine_mean']:.4f} (min {t['embedding_cosine_min']:.4f}), "
+            f"retrieval {t['retrieval_accuracy']:.3f} (softmax "
+            f"{t['reference_retrieval_accuracy']:.3f}), zero weights "
+            f"{t['weight_sparsity']:.3f}"
+        )
+    lines += [
+        "",
+        f"Gold sparsity of the teacher (test passages): {s:.4f}",
+        "",
+        "| method | recall at gold sparsity (frontier) | best recall, sparsity ≥ gold | "
+        "sparsest setting (sparsity, recall) | "
+        + " | ".join(f"recall at {s}" for s in COMMON_SPARSITY)
+        + " | window frontier points dominated | recall gap vs window (min / mean) |",
+        "|---|---|---|---|" + "---|" * len(COMMON_SPARSITY) + "---|---|",
+    ]
 
     def fmt(x):
         return "—" if x is None else f"{x:.3f}"
@@ -626,34 +751,46 @@ def _table_md(summary: dict, teacher: dict, timing: dict | None,
         gap = f"{fmt(vs.get('gap_min'))} / {fmt(vs.get('gap_mean'))}" if vs else "—"
         sp = row["sparsest"]
         at = " | ".join(fmt(row["recall_at_sparsity"][str(s)]) for s in COMMON_SPARSITY)
-        lines.append(f"| {row['label']} | {fmt(row['recall_at_gold_sparsity'])} | "
-                     f"{fmt(row['best_recall_with_sparsity_at_least_gold'])} | "
-                     f"{sp['sparsity']:.3f}, {sp['recall']:.3f} | {at} | {dom} | {gap} |")
+        lines.append(
+            f"| {row['label']} | {fmt(row['recall_at_gold_sparsity'])} | "
+            f"{fmt(row['best_recall_with_sparsity_at_least_gold'])} | "
+            f"{sp['sparsity']:.3f}, {sp['recall']:.3f} | {at} | {dom} | {gap} |"
+        )
     if timing and timing["rows"]:
-        lines += ["", f"Timing, load average before {timing.get('load_average_before')}, "
-                  f"after {timing['machine'].get('load_average')}", "",
-                  "| n | method | knob | sparsity | recall | full entmax s (batched) | "
-                  "per-head loop s | predict s | attention s | ratio to batched |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Timing, load average before {timing.get('load_average_before')}, "
+            f"after {timing['machine'].get('load_average')}",
+            "",
+            "| n | method | knob | sparsity | recall | full entmax s (batched) | "
+            "per-head loop s | predict s | attention s | ratio to batched |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in timing["rows"]:
             loop = r.get("full_entmax_per_head_loop_seconds")
             lines.append(
                 f"| {r['n']} | {r['method']} | {r['knob']} | {r['sparsity']:.3f} | "
                 f"{r['recall']:.3f} | {r['full_entmax_seconds']:.3f} | "
                 f"{fmt(loop)} | {r['predict_seconds']:.3f}"
-                f" | {r['attention_seconds']:.3f} | {r['ratio_total_to_full']:.2f} |")
+                f" | {r['attention_seconds']:.3f} | {r['ratio_total_to_full']:.2f} |"
+            )
     if padding:
-        lines += ["", "Padded batches (real × real entries that differ from the unpadded "
-                  "sequence's graph; pooled recall)", "",
-                  "| method | knob | padded sequences | real pairs | changed, no mask | "
-                  "changed, with mask | recall alone | recall, no mask | recall, with mask |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Padded batches (real × real entries that differ from the unpadded "
+            "sequence's graph; pooled recall)",
+            "",
+            "| method | knob | padded sequences | real pairs | changed, no mask | "
+            "changed, with mask | recall alone | recall, no mask | recall, with mask |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in padding["rows"]:
             lines.append(
                 f"| {METHODS[r['method']][0]} | {r['knob']} | {r['padded_sequences']} of "
                 f"{r['sequences']} | {r['pairs']} | {r['changed_without_mask']} | "
                 f"{r['changed_with_mask']} | {r['recall_alone']:.4f} | "
-                f"{r['recall_without_mask']:.4f} | {r['recall_with_mask']:.4f} |")
+                f"{r['recall_without_mask']:.4f} | {r['recall_with_mask']:.4f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -670,8 +807,16 @@ def _plot_recall(sweeps: dict, gold: float, path: Path) -> None:
         pts = _points(rows)
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=6, color=color, alpha=0.25)
         front = pareto_frontier(pts)
-        ax.plot([p[0] for p in front], [p[1] for p in front], style, color=color, lw=1.4,
-                marker="o", ms=2.5, label=METHODS[method][0])
+        ax.plot(
+            [p[0] for p in front],
+            [p[1] for p in front],
+            style,
+            color=color,
+            lw=1.4,
+            marker="o",
+            ms=2.5,
+            label=METHODS[method][0],
+        )
     ax.axvline(gold, color="k", ls=":", lw=1, label=f"gold sparsity {gold:.3f}")
     ax.set_xlabel("sparsity (eq. 5)")
     ax.set_ylabel("recall (eq. 4)")
@@ -689,16 +834,23 @@ def _plot_downstream(rows: dict, reference: dict, gold: float, path: Path) -> No
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
-    for key, ax, label in (("embedding_cosine_mean", axes[0], "embedding cosine to teacher"),
-                           ("retrieval_accuracy", axes[1], "retrieval accuracy")):
+    for key, ax, label in (
+        ("embedding_cosine_mean", axes[0], "embedding cosine to teacher"),
+        ("retrieval_accuracy", axes[1], "retrieval accuracy"),
+    ):
         for method, pts in rows.items():
             color = COLORS[method]
             xy = [(p["graph_sparsity"], p[key]) for p in pts]
             front = pareto_frontier(xy)
             ax.scatter([p[0] for p in xy], [p[1] for p in xy], s=10, color=color, alpha=0.5)
-            ax.plot([p[0] for p in front], [p[1] for p in front],
-                    "-" if method.startswith("sf_") else "--", color=color, lw=1.3,
-                    label=METHODS[method][0])
+            ax.plot(
+                [p[0] for p in front],
+                [p[1] for p in front],
+                "-" if method.startswith("sf_") else "--",
+                color=color,
+                lw=1.3,
+                label=METHODS[method][0],
+            )
         ax.axvline(gold, color="k", ls=":", lw=1)
         star = 1.0 if key == "embedding_cosine_mean" else reference["retrieval_accuracy"]
         ax.plot([gold], [star], "*", color="gold", mec="k", ms=12, label="full-entmax teacher")
@@ -708,8 +860,9 @@ def _plot_downstream(rows: dict, reference: dict, gold: float, path: Path) -> No
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=6.5, loc="lower left")
-    fig.suptitle("Sparsity–downstream: exact entmax on the predicted graph (test passages)",
-                 fontsize=9)
+    fig.suptitle(
+        "Sparsity–downstream: exact entmax on the predicted graph (test passages)", fontsize=9
+    )
     fig.tight_layout()
     save_figure(fig, path, dpi=80)
 
@@ -734,9 +887,20 @@ def _run(config: SparsefinderConfig) -> dict:
     if saved is not None and saved != identity:
         raise ValueError(f"{folder} holds a different config; choose another run name")
     write_json(folder / "config.json", identity)
-    paths = {name: folder / f"{name}.json" for name in
-             ("teacher", "gold", "fits", "sweep", "downstream", "timing", "padding", "summary",
-              "steps")}
+    paths = {
+        name: folder / f"{name}.json"
+        for name in (
+            "teacher",
+            "gold",
+            "fits",
+            "sweep",
+            "downstream",
+            "timing",
+            "padding",
+            "summary",
+            "steps",
+        )
+    }
     clock: dict = read_json(paths["steps"]) or {}
 
     @contextlib.contextmanager
@@ -744,15 +908,21 @@ def _run(config: SparsefinderConfig) -> dict:
         """Record the wall-clock and CPU seconds of a step (CPU: all threads of this process)."""
         wall, cpu = time.perf_counter(), time.process_time()
         yield
-        clock[name] = {"wall_seconds": time.perf_counter() - wall,
-                       "cpu_seconds": time.process_time() - cpu}
+        clock[name] = {
+            "wall_seconds": time.perf_counter() - wall,
+            "cpu_seconds": time.process_time() - cpu,
+        }
         write_json(paths["steps"], clock)
 
     fits_path = folder / "fits.pt"
     sweeps: dict = read_json(paths["sweep"]) or {}
     down: dict = read_json(paths["downstream"]) or {"reference": None, "methods": {}}
-    down_todo = [(m, kn) for m, knobs in config.downstream_knobs for kn in knobs
-                 if str(kn) not in down["methods"].get(m, {})]
+    down_todo = [
+        (m, kn)
+        for m, knobs in config.downstream_knobs
+        for kn in knobs
+        if str(kn) not in down["methods"].get(m, {})
+    ]
     sweep_todo = [m for m in METHODS if m not in sweeps]
     timing = read_json(paths["timing"])
     if timing is not None and timing.get("settings") != config.timing_settings():
@@ -764,14 +934,19 @@ def _run(config: SparsefinderConfig) -> dict:
     with tqdm(total=steps, desc="sparsefinder", disable=not config.progress) as bar:
         bar.set_postfix_str("teacher")
         with step("teacher"):
-            model, tokenizer, tmetrics = load_teacher(config.teacher, config.out_dir,
-                                                      progress=config.progress)
+            model, tokenizer, tmetrics = load_teacher(
+                config.teacher, config.out_dir, progress=config.progress
+            )
         data = _Data(model, tokenizer, tmetrics, entmax(config.teacher.alpha))
-        write_json(paths["teacher"], {k: v for k, v in tmetrics.items() if k != "distill_loss"}
-                   | {"folder": str(teacher_folder(config.teacher, config.out_dir))})
+        write_json(
+            paths["teacher"],
+            {k: v for k, v in tmetrics.items() if k != "distill_loss"}
+            | {"folder": str(teacher_folder(config.teacher, config.out_dir))},
+        )
         bar.update(1)
-        need_graphs = bool(sweep_todo) or time_it or not paths["gold"].exists() \
-            or not fits_path.exists()
+        need_graphs = (
+            bool(sweep_todo) or time_it or not paths["gold"].exists() or not fits_path.exists()
+        )
         if need_graphs:
             with step("extract"):
                 _extract(data, config, bar)
@@ -780,8 +955,11 @@ def _run(config: SparsefinderConfig) -> dict:
                 "train_tokens": int(sum(int(b.valid.sum()) for b in data.train[0].batches)),
                 "test_batches": len(data.test[0].batches),
                 "test_tokens": int(sum(int(b.valid.sum()) for b in data.test[0].batches)),
-                "train": {k: v for k, v in gold_summary(data.train).items()
-                          if k in ("sparsity", "sparsity_per_layer")},
+                "train": {
+                    k: v
+                    for k, v in gold_summary(data.train).items()
+                    if k in ("sparsity", "sparsity_per_layer")
+                },
             }
             write_json(paths["gold"], gold)
         gold = read_json(paths["gold"])
@@ -792,13 +970,19 @@ def _run(config: SparsefinderConfig) -> dict:
             with step("fit"):
                 fits = _fit(data, config, bar)
             atomic_write(fits_path, lambda tmp: torch.save(fits, tmp))
-            write_json(paths["fits"], {
-                "seconds": fits["seconds"],
-                "projection_pairs_per_head": [s["n_pairs"].tolist() for s in fits["projection"]],
-                "projection_loss_first_last": [
-                    [s["loss_curve"][0], s["loss_curve"][-1]] for s in fits["projection"]],
-                "projection_steps": [len(s["loss_curve"]) for s in fits["projection"]],
-            })
+            write_json(
+                paths["fits"],
+                {
+                    "seconds": fits["seconds"],
+                    "projection_pairs_per_head": [
+                        s["n_pairs"].tolist() for s in fits["projection"]
+                    ],
+                    "projection_loss_first_last": [
+                        [s["loss_curve"][0], s["loss_curve"][-1]] for s in fits["projection"]
+                    ],
+                    "projection_steps": [len(s["loss_curve"]) for s in fits["projection"]],
+                },
+            )
         fitted = _Fitted(fits, config)
         for method in sweep_todo:
             bar.set_postfix_str(f"sweep {method}")
@@ -825,8 +1009,10 @@ def _run(config: SparsefinderConfig) -> dict:
                 patterns = [PredictedPattern(make(layer), parts) for layer in range(layers)]
                 with step(f"downstream {method}={knob}"):
                     row = downstream(model, sets, ref, patterns, data.rho, engine="dense")
-                row |= {"knob": knob, "window": knob if method == "window"
-                        else config.downstream_window}
+                row |= {
+                    "knob": knob,
+                    "window": knob if method == "window" else config.downstream_window,
+                }
                 down["methods"].setdefault(method, {})[str(knob)] = row
                 write_json(paths["downstream"], down)
                 bar.update(1)
@@ -848,13 +1034,14 @@ def _run(config: SparsefinderConfig) -> dict:
     summary["steps"] = clock
     summary["seconds_after_teacher"] = {
         key: sum(v[key] for name, v in clock.items() if name != "teacher")
-        for key in ("wall_seconds", "cpu_seconds")}
+        for key in ("wall_seconds", "cpu_seconds")
+    }
     write_json(paths["summary"], summary)
     table = _table_md(summary, tmetrics, timing, padding)
     atomic_write(folder / "table.md", lambda tmp: Path(tmp).write_text(table))
     _plot_recall(sweeps, gold["sparsity"], folder / "sparsity_recall.png")
     if down_rows:
-        _plot_downstream(down_rows, down["reference"], gold["sparsity"],
-                         folder / "sparsity_downstream.png")
+        _plot_downstream(
+            down_rows, down["reference"], gold["sparsity"], folder / "sparsity_downstream.png"
+        )
     return summary | {"folder": str(folder)}
-

@@ -59,8 +59,9 @@ __all__ = [
 ]
 
 
-def _per_length(make: Callable[[int], AttentionGraph], n: int,
-                valid: Tensor | None) -> AttentionGraph:
+def _per_length(
+    make: Callable[[int], AttentionGraph], n: int, valid: Tensor | None
+) -> AttentionGraph:
     """A static baseline on real tokens only: ``make(n)``, or with ``valid`` (B, n) (right
     padding) each sequence's ``make(L_b)`` in the top-left L_b × L_b corner of its n × n graph
     (``batch_shape`` (B, 1)), so padding changes nothing among real tokens."""
@@ -165,8 +166,14 @@ class LSHBaseline(GraphPredictor):
 
     MODES = ("shared", "separate")
 
-    def __init__(self, buckets: int, projection: QKProjection | None = None,
-                 seed: int = 0, mode: str = "shared", rounds: int = 1) -> None:
+    def __init__(
+        self,
+        buckets: int,
+        projection: QKProjection | None = None,
+        seed: int = 0,
+        mode: str = "shared",
+        rounds: int = 1,
+    ) -> None:
         self.buckets = check_positive("buckets", buckets)
         self.projection, self.seed = _check_projection(projection), _check_seed(seed)
         self.mode = check_choice("mode", mode, self.MODES)
@@ -182,9 +189,11 @@ class LSHBaseline(GraphPredictor):
         cols = self.buckets // 2 if self.buckets % 2 == 0 else self.buckets
         size = heads * self.rounds * dim * cols
         if size > 1 << 28:
-            raise ValueError(f"buckets={self.buckets}, rounds={self.rounds} with {heads} heads of "
-                             f"size {dim} needs a {size:,}-entry rotation; at most 2^28 are "
-                             "allocated")
+            raise ValueError(
+                f"buckets={self.buckets}, rounds={self.rounds} with {heads} heads of "
+                f"size {dim} needs a {size:,}-entry rotation; at most 2^28 are "
+                "allocated"
+            )
         gen = torch.Generator().manual_seed(self.seed)
         return torch.randn(heads, self.rounds, dim, cols, generator=gen)
 
@@ -201,8 +210,9 @@ class LSHBaseline(GraphPredictor):
         qp, kp = self._inputs(q, k, valid)
         if self.mode == "shared":
             if qp.shape[-2] != kp.shape[-2]:
-                raise ValueError(f"shared-QK hashing needs n_q == n_k, got {qp.shape[-2]}, "
-                                 f"{kp.shape[-2]}")
+                raise ValueError(
+                    f"shared-QK hashing needs n_q == n_k, got {qp.shape[-2]}, {kp.shape[-2]}"
+                )
             qb = kb = self._offset(self.hash(torch.cat([qp, kp], -1)), valid)
         else:
             qb, kb = self._offset(self.hash(qp), valid), self._offset(self.hash(kp), valid)
@@ -227,9 +237,16 @@ class RoutingBaseline(GraphPredictor):
     sequence. Fitted: ``centroids_`` (H, C, dim).
     """
 
-    def __init__(self, n_clusters: int, projection: QKProjection | None = None,
-                 decay: float = 0.99, epochs: int = 1, batch: int = 256,
-                 max_points: int = 16384, seed: int = 0) -> None:
+    def __init__(
+        self,
+        n_clusters: int,
+        projection: QKProjection | None = None,
+        decay: float = 0.99,
+        epochs: int = 1,
+        batch: int = 256,
+        max_points: int = 16384,
+        seed: int = 0,
+    ) -> None:
         self.n_clusters = check_positive("n_clusters", n_clusters)
         self.decay = check_finite_float("decay", decay, 0.0, 1.0, high_open=True)
         self.projection = _check_projection(projection)

@@ -47,8 +47,10 @@ def _as_valid(name: str, mask: Tensor) -> Tensor:
         raise TypeError(f"{name} must be a bool or 0/1 integer tensor, got {mask.dtype}")
     if mask.dtype != torch.bool:
         if mask.numel() and (int(mask.min()) < 0 or int(mask.max()) > 1):
-            raise ValueError(f"{name} must hold 0/1 (1 for real tokens), got values in "
-                             f"[{int(mask.min())}, {int(mask.max())}]")
+            raise ValueError(
+                f"{name} must hold 0/1 (1 for real tokens), got values in "
+                f"[{int(mask.min())}, {int(mask.max())}]"
+            )
         mask = mask.bool()
     return check_right_padding(name, mask.cpu())
 
@@ -89,8 +91,9 @@ class PredictedPattern(Pattern):
 
     def __post_init__(self) -> None:
         if not isinstance(self.predictor, GraphPredictor):
-            raise TypeError(f"predictor must be a GraphPredictor, got "
-                            f"{type(self.predictor).__name__}")
+            raise TypeError(
+                f"predictor must be a GraphPredictor, got {type(self.predictor).__name__}"
+            )
         if self.fixed is not None and not isinstance(self.fixed, FixedParts):
             raise TypeError(f"fixed must be a FixedParts or None, got {type(self.fixed).__name__}")
 
@@ -98,8 +101,13 @@ class PredictedPattern(Pattern):
     def name(self) -> str:
         return f"sparsefinder {self.predictor.name}"
 
-    def graph(self, n: int, q: Tensor | None = None, k: Tensor | None = None,  # type: ignore[override]
-              key_padding_mask: Tensor | None = None) -> AttentionGraph:
+    def graph(
+        self,
+        n: int,
+        q: Tensor | None = None,
+        k: Tensor | None = None,  # type: ignore[override]
+        key_padding_mask: Tensor | None = None,
+    ) -> AttentionGraph:
         """The predicted graph for q: (B, H, n, d), k: (B, H, n, d) (see :meth:`build`)."""
         if q is None or k is None:
             raise TypeError("a predicted pattern is data-dependent: call graph(n, q, k)")
@@ -109,8 +117,12 @@ class PredictedPattern(Pattern):
             raise ValueError(f"q has {q.shape[-2]} queries, expected n={n}")
         return self.build(q, k, key_padding_mask)
 
-    def build(self, q: Tensor, k: Tensor,  # type: ignore[override]
-              key_padding_mask: Tensor | None = None) -> AttentionGraph:
+    def build(
+        self,
+        q: Tensor,
+        k: Tensor,  # type: ignore[override]
+        key_padding_mask: Tensor | None = None,
+    ) -> AttentionGraph:
         """Ĝ ∪ fixed parts for q, k (B, H, n, d), with every empty row given its own key.
 
         ``key_padding_mask`` (B, n), bool or 0/1, True for real tokens (right padding); when
@@ -144,16 +156,19 @@ class PredictedPattern(Pattern):
             if valid is None:
                 return None
         if tuple(valid.shape) != (batch, n):
-            raise ValueError(f"{name} has shape {tuple(valid.shape)} but q, k hold a batch of "
-                             f"{batch} sequences of length {n}")
+            raise ValueError(
+                f"{name} has shape {tuple(valid.shape)} but q, k hold a batch of "
+                f"{batch} sequences of length {n}"
+            )
         return None if bool(valid.all()) else valid
 
     def _graph(self, n: int) -> AttentionGraph:
         raise TypeError("a predicted pattern is data-dependent: call graph(n, q, k)")
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
-        raise TypeError("a predicted pattern is data-dependent: build its graph, then use "
-                        "graph.allows(q, kv)")
+        raise TypeError(
+            "a predicted pattern is data-dependent: build its graph, then use graph.allows(q, kv)"
+        )
 
     def params(self) -> dict:
         return {"predictor": self.predictor, "fixed": self.fixed}

@@ -87,14 +87,16 @@ def bucket_graph(q_buckets: Tensor, k_buckets: Tensor, num_buckets: int) -> Atte
         if b.numel():
             low, high = int(b.min()), int(b.max())
             if low < -1 or high >= num_buckets:
-                raise ValueError(f"{name} must lie in [-1, num_buckets={num_buckets}), "
-                                 f"got [{low}, {high}]")
+                raise ValueError(
+                    f"{name} must lie in [-1, num_buckets={num_buckets}), got [{low}, {high}]"
+                )
             used = max(used, high + 1)
     *batch, n_q, m_q = q_buckets.shape
     n_k = k_buckets.shape[-2]
     if tuple(k_buckets.shape[:-2]) != tuple(batch):
-        raise ValueError(f"bucket tables disagree on batch dims: {q_buckets.shape}, "
-                         f"{k_buckets.shape}")
+        raise ValueError(
+            f"bucket tables disagree on batch dims: {q_buckets.shape}, {k_buckets.shape}"
+        )
     num_buckets = used
     q_buckets, k_buckets = q_buckets.long(), k_buckets.long()
     graphs = math.prod(batch) if batch else 1
@@ -167,8 +169,13 @@ def nearest_centroids(x: Tensor, centroids: Tensor, top_k: int) -> Tensor:
     return dist.topk(min(top_k, centroids.shape[1]), dim=-1, largest=False).indices
 
 
-def centroid_topk_buckets(x: Tensor, centroids: Tensor, per_centroid: Tensor | int,
-                          valid: Tensor | None = None, metric: str = "euclidean") -> Tensor:
+def centroid_topk_buckets(
+    x: Tensor,
+    centroids: Tensor,
+    per_centroid: Tensor | int,
+    valid: Tensor | None = None,
+    metric: str = "euclidean",
+) -> Tensor:
     """Routing-Transformer assignment: each centroid takes its ``per_centroid`` nearest points.
 
     x (B, H, n, r); centroids (H, C, r); ``per_centroid`` an int or a (B,) tensor (per sequence,
@@ -189,13 +196,20 @@ def centroid_topk_buckets(x: Tensor, centroids: Tensor, per_centroid: Tensor | i
 
 def _sq_dist(x: Tensor, c: Tensor) -> Tensor:
     """‖x_i − c_b‖² for x (..., H, n, r) and c (H, C, r) (or (..., H, C, r)) → (..., H, n, C)."""
-    return ((x * x).sum(-1, keepdim=True) - 2 * x @ c.transpose(-1, -2)
-            + (c * c).sum(-1).unsqueeze(-2)).clamp_min(0.0)
+    return (
+        (x * x).sum(-1, keepdim=True) - 2 * x @ c.transpose(-1, -2) + (c * c).sum(-1).unsqueeze(-2)
+    ).clamp_min(0.0)
 
 
 # --------------------------------------------------------------------------- k-means
-def kmeans(x: Tensor, n_clusters: int, n_init: int = 3, max_iter: int = 100, tol: float = 1e-4,
-           gen: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+def kmeans(
+    x: Tensor,
+    n_clusters: int,
+    n_init: int = 3,
+    max_iter: int = 100,
+    tol: float = 1e-4,
+    gen: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
     """Batched k-means (k-means++ seeding, Lloyd iterations), independently for each of G sets.
 
     x: (G, N, r) points → centroids (G, C, r) and inertia (G,), the best of ``n_init`` runs.
@@ -231,9 +245,7 @@ def kmeans(x: Tensor, n_clusters: int, n_init: int = 3, max_iter: int = 100, tol
         if previous is not None and torch.equal(assign, previous):
             break
         previous = assign
-        sums = torch.zeros_like(centroids).scatter_add_(
-            1, assign[..., None].expand(-1, -1, r), pts
-        )
+        sums = torch.zeros_like(centroids).scatter_add_(1, assign[..., None].expand(-1, -1, r), pts)
         counts = torch.zeros(runs, n_clusters, dtype=x.dtype).scatter_add_(
             1, assign, torch.ones_like(assign, dtype=x.dtype)
         )
@@ -281,8 +293,10 @@ class FixedParts:
             if lengths.is_floating_point() or lengths.dtype == torch.bool:
                 raise TypeError(f"lengths must be an integer tensor, got {lengths.dtype}")
             if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > n):
-                raise ValueError(f"lengths must lie in [0, n={n}], got "
-                                 f"[{int(lengths.min())}, {int(lengths.max())}]")
+                raise ValueError(
+                    f"lengths must lie in [0, n={n}], got "
+                    f"[{int(lengths.min())}, {int(lengths.max())}]"
+                )
         if self.empty:
             return None
         window = None if self.window is None else min(int(self.window), n)  # |i − j| < n
@@ -317,8 +331,9 @@ def merge_union(big: AttentionGraph, small: AttentionGraph) -> AttentionGraph:
         if not isinstance(g, AttentionGraph):
             raise TypeError(f"{name} must be an AttentionGraph, got {type(g).__name__}")
     if (big.n_q, big.n_k) != (small.n_q, small.n_k):
-        raise ValueError(f"graphs have different sizes: {(big.n_q, big.n_k)} vs "
-                         f"{(small.n_q, small.n_k)}")
+        raise ValueError(
+            f"graphs have different sizes: {(big.n_q, big.n_k)} vs {(small.n_q, small.n_k)}"
+        )
     small = small.expand(big.batch_shape)
     n_k = big.n_k
     kb = big.row_indices() * n_k + big.col
@@ -332,20 +347,21 @@ def merge_union(big: AttentionGraph, small: AttentionGraph) -> AttentionGraph:
     counts = torch.bincount(torch.div(merged, n_k, rounding_mode="floor"), minlength=big.num_rows)
     crow = torch.zeros(big.num_rows + 1, dtype=torch.long)
     torch.cumsum(counts, 0, out=crow[1:])
-    return AttentionGraph(crow, merged % n_k, big.n_q, n_k, big.batch_shape,
-                          big.causal and small.causal)
+    return AttentionGraph(
+        crow, merged % n_k, big.n_q, n_k, big.batch_shape, big.causal and small.causal
+    )
 
 
-def union_fixed(graph: AttentionGraph, fixed: FixedParts | None,
-                lengths: Tensor | None = None) -> AttentionGraph:
+def union_fixed(
+    graph: AttentionGraph, fixed: FixedParts | None, lengths: Tensor | None = None
+) -> AttentionGraph:
     """Ĝ ∪ fixed parts (§4.7), by :func:`merge_union` when the fixed graph broadcasts to Ĝ's
     batch shape (the usual case), else by the general union."""
     extra = None if fixed is None else fixed.graph(graph.n_q, lengths)
     if extra is None:
         return graph
     if len(extra.batch_shape) <= len(graph.batch_shape) and all(
-        e in (1, g) for e, g in zip(extra.batch_shape[::-1], graph.batch_shape[::-1],
-                                    strict=False)
+        e in (1, g) for e, g in zip(extra.batch_shape[::-1], graph.batch_shape[::-1], strict=False)
     ):
         return merge_union(graph, extra)
     return graph | extra
@@ -356,8 +372,10 @@ def check_right_padding(name: str, valid: Tensor) -> Tensor:
     """``valid`` (B, n) bool must mark right padding: each row True on a prefix, then False
     (the layout of Hugging Face tokenizers; fixed parts and chunks rely on it)."""
     if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
-        raise ValueError(f"{name} must mark right padding (each row: real tokens first, then "
-                         "padding); got a row with a real token after padding")
+        raise ValueError(
+            f"{name} must mark right padding (each row: real tokens first, then "
+            "padding); got a row with a real token after padding"
+        )
     return valid
 
 
@@ -383,12 +401,15 @@ class GraphPredictor(abc.ABC):
         check_tensor("q", q, dim=4, floating=True)
         check_tensor("k", k, dim=4, floating=True)
         if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-            raise ValueError(f"q and k must have shape (B, H, n, d) with the same B, H and d, "
-                             f"got {tuple(q.shape)}, {tuple(k.shape)}")
+            raise ValueError(
+                f"q and k must have shape (B, H, n, d) with the same B, H and d, "
+                f"got {tuple(q.shape)}, {tuple(k.shape)}"
+            )
         if valid is not None:
             if q.shape[-2] != k.shape[-2]:
-                raise ValueError(f"valid needs self-attention (n_q == n_k), got {q.shape[-2]}, "
-                                 f"{k.shape[-2]}")
+                raise ValueError(
+                    f"valid needs self-attention (n_q == n_k), got {q.shape[-2]}, {k.shape[-2]}"
+                )
             check_tensor("valid", valid, dtype=torch.bool, shape=(q.shape[0], q.shape[-2]))
             check_right_padding("valid", valid)
 
@@ -416,8 +437,11 @@ class DistancePredictor(GraphPredictor):
 
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
         qp, kp = self._inputs(q, k, valid)
-        sq = ((qp * qp).sum(-1, keepdim=True) - 2 * qp @ kp.transpose(-1, -2)
-              + (kp * kp).sum(-1).unsqueeze(-2))
+        sq = (
+            (qp * qp).sum(-1, keepdim=True)
+            - 2 * qp @ kp.transpose(-1, -2)
+            + (kp * kp).sum(-1).unsqueeze(-2)
+        )
         mask = sq <= self.threshold**2
         if valid is not None:
             mask &= (valid[:, :, None] & valid[:, None, :])[:, None]
@@ -438,8 +462,11 @@ class QuantizationPredictor(GraphPredictor):
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
         qp, kp = self._inputs(q, k, valid)
         r = qp.shape[-1]
-        return bucket_graph(quantize(qp, self.bins, valid).cpu(),
-                            quantize(kp, self.bins, valid).cpu(), r * self.bins)
+        return bucket_graph(
+            quantize(qp, self.bins, valid).cpu(),
+            quantize(kp, self.bins, valid).cpu(),
+            r * self.bins,
+        )
 
 
 class KMeansPredictor(GraphPredictor):
@@ -452,14 +479,23 @@ class KMeansPredictor(GraphPredictor):
     Fitted: ``centroids_`` (H, B, r), ``inertia_`` (H,).
     """
 
-    def __init__(self, n_clusters: int, top_k: int = 1, projection: QKProjection | None = None,
-                 n_init: int = 2, max_iter: int = 50, max_points: int = 2048,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        n_clusters: int,
+        top_k: int = 1,
+        projection: QKProjection | None = None,
+        n_init: int = 2,
+        max_iter: int = 50,
+        max_points: int = 2048,
+        seed: int = 0,
+    ) -> None:
         self.n_clusters = check_positive("n_clusters", n_clusters)
         self.top_k = check_positive("top_k", top_k)
         self.projection = _check_projection(projection)
-        self.n_init, self.max_iter = check_positive("n_init", n_init), check_positive(
-            "max_iter", max_iter)
+        self.n_init, self.max_iter = (
+            check_positive("n_init", n_init),
+            check_positive("max_iter", max_iter),
+        )
         self.max_points, self.seed = check_positive("max_points", max_points), _check_seed(seed)
 
     def params(self) -> dict:
@@ -472,8 +508,12 @@ class KMeansPredictor(GraphPredictor):
         if self.projection is not None:
             q, k = self.projection.transform(q, k)
         self.centroids_, self.inertia_ = _fit_centroids(
-            torch.cat([q, k], 1), self.n_clusters, self.max_points, self.seed,
-            n_init=self.n_init, max_iter=self.max_iter,
+            torch.cat([q, k], 1),
+            self.n_clusters,
+            self.max_points,
+            self.seed,
+            n_init=self.n_init,
+            max_iter=self.max_iter,
         )
         return self
 
@@ -481,8 +521,15 @@ class KMeansPredictor(GraphPredictor):
         """The same fitted centroids with another top-k (a new object)."""
         if not hasattr(self, "centroids_"):
             raise RuntimeError("KMeansPredictor is not fitted: call fit(q, k) first")
-        out = KMeansPredictor(self.n_clusters, top_k, self.projection, self.n_init,
-                              self.max_iter, self.max_points, self.seed)
+        out = KMeansPredictor(
+            self.n_clusters,
+            top_k,
+            self.projection,
+            self.n_init,
+            self.max_iter,
+            self.max_points,
+            self.seed,
+        )
         out.centroids_, out.inertia_ = self.centroids_, self.inertia_
         return out
 
@@ -501,8 +548,9 @@ class KMeansPredictor(GraphPredictor):
 
 def _check_projection(projection: QKProjection | None) -> QKProjection | None:
     if projection is not None and not isinstance(projection, QKProjection):
-        raise TypeError(f"projection must be a QKProjection or None, got "
-                        f"{type(projection).__name__}")
+        raise TypeError(
+            f"projection must be a QKProjection or None, got {type(projection).__name__}"
+        )
     return projection
 
 
@@ -516,8 +564,10 @@ def _check_seed(seed: int) -> int:
 def _check_fitted_shape(x: Tensor, centroids: Tensor) -> None:
     """Projected queries (B, H, n, r) must have the H and r the centroids (H, C, r) were fit on."""
     if x.shape[1] != centroids.shape[0] or x.shape[-1] != centroids.shape[-1]:
-        raise ValueError(f"q and k must have {centroids.shape[0]} heads of size "
-                         f"{centroids.shape[-1]} (as fitted), got {tuple(x.shape)}")
+        raise ValueError(
+            f"q and k must have {centroids.shape[0]} heads of size "
+            f"{centroids.shape[-1]} (as fitted), got {tuple(x.shape)}"
+        )
 
 
 def _check_train(q: Tensor, k: Tensor) -> None:
@@ -525,14 +575,17 @@ def _check_train(q: Tensor, k: Tensor) -> None:
     check_tensor("q", q, dim=3, floating=True)
     check_tensor("k", k, dim=3, floating=True)
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"q and k must be (H, N, d) with the same H and d, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}")
+        raise ValueError(
+            f"q and k must be (H, N, d) with the same H and d, got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}"
+        )
     check_finite_tensor("q", q)
     check_finite_tensor("k", k)
 
 
-def _fit_centroids(points: Tensor, n_clusters: int, max_points: int, seed: int,
-                   **kwargs) -> tuple[Tensor, Tensor]:
+def _fit_centroids(
+    points: Tensor, n_clusters: int, max_points: int, seed: int, **kwargs
+) -> tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(seed)
     if points.shape[1] > max_points:
         keep = torch.randperm(points.shape[1], generator=gen)[:max_points]
@@ -564,8 +617,7 @@ def chunk_layer(graphs: LayerGraphs, block: int) -> LayerGraphs:
         q, valid = chunk_means(batch.q, block, batch.valid)
         k, _ = chunk_means(batch.k, block, batch.valid)
         gold = AttentionGraph.from_dense(batch.gold).to_block_layout(block)
-        out.append(GraphBatch(q, k, gold & (valid[:, :, None] & valid[:, None, :])[:, None],
-                              valid))
+        out.append(GraphBatch(q, k, gold & (valid[:, :, None] & valid[:, None, :])[:, None], valid))
     return LayerGraphs(graphs.layer, out)
 
 
@@ -588,8 +640,15 @@ class ChunkedPredictor(GraphPredictor):
     share a centroid are connected.
     """
 
-    def __init__(self, block: int, top_blocks: int, projection: QKProjection,
-                 variant: str = "v1", n_clusters: int = 4, seed: int = 0) -> None:
+    def __init__(
+        self,
+        block: int,
+        top_blocks: int,
+        projection: QKProjection,
+        variant: str = "v1",
+        n_clusters: int = 4,
+        seed: int = 0,
+    ) -> None:
         self.block = check_positive("block", block)
         self.top_blocks = check_positive("top_blocks", top_blocks)
         if not isinstance(projection, QKProjection):
@@ -609,18 +668,22 @@ class ChunkedPredictor(GraphPredictor):
     def fit(self, chunks: LayerGraphs) -> ChunkedPredictor:
         """v2: fit the centroids on projected train chunks (a no-op for v1). Returns self."""
         if not isinstance(chunks, LayerGraphs) or not chunks.batches:
-            raise TypeError(f"chunks must be a LayerGraphs with batches (see chunk_layer), got "
-                            f"{type(chunks).__name__}")
+            raise TypeError(
+                f"chunks must be a LayerGraphs with batches (see chunk_layer), got "
+                f"{type(chunks).__name__}"
+            )
         if self.variant == "v2":
             q, k = chunks.tokens()
             q, k = self.projection.transform(q, k)
-            self.centroids_, _ = _fit_centroids(torch.cat([q, k], 1), self.n_clusters, 2048,
-                                                self.seed, n_init=2, max_iter=50)
+            self.centroids_, _ = _fit_centroids(
+                torch.cat([q, k], 1), self.n_clusters, 2048, self.seed, n_init=2, max_iter=50
+            )
         return self
 
     def with_top_blocks(self, top_blocks: int) -> ChunkedPredictor:
-        out = ChunkedPredictor(self.block, top_blocks, self.projection, self.variant,
-                               self.n_clusters, self.seed)
+        out = ChunkedPredictor(
+            self.block, top_blocks, self.projection, self.variant, self.n_clusters, self.seed
+        )
         if hasattr(self, "centroids_"):
             out.centroids_ = self.centroids_
         return out
@@ -628,8 +691,9 @@ class ChunkedPredictor(GraphPredictor):
     def predict(self, q: Tensor, k: Tensor, valid: Tensor | None = None) -> AttentionGraph:
         self._check(q, k, valid)
         if q.shape[-2] != k.shape[-2]:
-            raise ValueError(f"chunked prediction needs n_q == n_k, got {q.shape[-2]}, "
-                             f"{k.shape[-2]}")
+            raise ValueError(
+                f"chunked prediction needs n_q == n_k, got {q.shape[-2]}, {k.shape[-2]}"
+            )
         n = q.shape[-2]
         qc, cvalid = chunk_means(q, self.block, valid)
         kc, _ = chunk_means(k, self.block, valid)
