@@ -14,9 +14,13 @@
    drawn from the separable sets of one random labelled order type ("one order type": always
    representable, but often by few key placements — the hard case for a search).
 
+3. ``--retry RUN.json``: only rerun the search on the supports a run missed (its first 10 per
+   cell, stored in the JSON), with another seed and a larger budget (``--restarts``, ``--steps``).
+
 Writes JSON to ``--out`` and prints Markdown tables.
 
     .venv/bin/python scripts/weak_d2.py --samples 200
+    .venv/bin/python scripts/weak_d2.py --retry results/expressivity/weak_d2/run.json
 """
 
 from __future__ import annotations
@@ -125,14 +129,41 @@ def search_vs_decider(n: int, kind: str, samples: int, max_no: int, seed: int) -
     }
 
 
+def retry(path: Path, restarts: int, steps: int, seed: int) -> None:
+    """Rerun ``try_weak_approx`` on a run's missed supports with a larger budget."""
+    run = json.loads(path.read_text())
+    found = total = 0
+    for cell in run["search"]:
+        for rows in cell["missed_supports"]:
+            s = torch.tensor(rows, dtype=torch.bool)
+            if not weak_sam_approx_d2(s).found:
+                raise RuntimeError("a stored miss is not representable: the run is inconsistent")
+            start = time.perf_counter()
+            res = try_weak_approx(s, 2, restarts=restarts, steps=steps, seed=seed)
+            found, total = found + res.found, total + 1
+            took = time.perf_counter() - start
+            print(
+                f"n = {cell['n']}, {cell['sampler']}: found {res.found} at restart "
+                f"{res.tries} ({took:.0f} s)",
+                flush=True,
+            )
+    print(f"found {found} of {total} missed supports with {restarts} x {steps} steps, seed {seed}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=200, help="random S per (n, sampler)")
     parser.add_argument("--max-no", type=int, default=10, help="searches on 'no' S per cell")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/expressivity/weak_d2/run.json")
+    parser.add_argument("--retry", default=None, help="rerun a run's misses (its JSON path)")
+    parser.add_argument("--restarts", type=int, default=16, help="restarts for --retry")
+    parser.add_argument("--steps", type=int, default=3000, help="Adam steps for --retry")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.retry:
+        retry(Path(args.retry), args.restarts, args.steps, args.seed + 1)
+        return 0
     start = time.perf_counter()
     counts = [exact_counts(n) for n in (3, 4, 5)]
     print("| n | S | d = 1 yes (Alg. 1, d_hid = 2) | d = 2 yes (exact, d_hid = 4) | d = 2 no |")
