@@ -119,6 +119,7 @@ def replot(folder: Path) -> None:
     d = a n^p."""
     check = folder / "coarse_check.json"
     full = json.loads(check.read_text()) if check.exists() else []
+    summaries = {}
     for path in sorted(folder.glob("paper-*.json")):
         name = path.stem.removeprefix("paper-")
         metrics = json.loads(path.read_text())
@@ -133,6 +134,46 @@ def replot(folder: Path) -> None:
         path.write_text(json.dumps(metrics, indent=2) + "\n")
         plot(cfg, summary, folder / f"{path.stem}.png")
         _print_table(name, summary["1"])
+        summaries[name] = summary["1"]
+    if summaries:
+        _combined_figure(summaries, folder / "dmin_paper_grid.png")
+
+
+def _combined_figure(summaries: dict[str, dict], path: Path) -> None:
+    """One panel per set: d_min of every matrix, the ln n and sqrt n fits (no bound: eq. (6) and
+    2n are 10-50x larger and would flatten the points; the tables give them)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(summaries), figsize=(4.2 * len(summaries), 3.6))
+    for ax, (name, s) in zip(axes, summaries.items(), strict=True):
+        xs = [r["n"] for r in s["table"] for _ in r["d_min"]]
+        ys = [d for r in s["table"] for d in r["d_min"]]
+        ax.scatter(xs, ys, s=16, facecolors="none", edgecolors="red", label="d_min (one A each)")
+        grid = [512 * 6 ** (t / 60) for t in range(61)]
+        f, q = s["fit"], s["fit_sqrt"]
+        ax.plot(
+            grid,
+            [f["slope"] * math.log(g) + f["intercept"] for g in grid],
+            "k:",
+            label=f"{f['slope']:.1f} ln n {f['intercept']:+.0f} (R² {f['r2']:.3f})",
+        )
+        ax.plot(
+            grid,
+            [q["slope"] * math.sqrt(g) + q["intercept"] for g in grid],
+            "g-.",
+            label=f"{q['slope']:.2f} √n {q['intercept']:+.0f} (R² {q['r2']:.3f})",
+        )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("n")
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("least d meeting (7), (8)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _print_table(name: str, s: dict) -> None:
