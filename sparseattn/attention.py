@@ -35,6 +35,8 @@ __all__ = [
 
 #: Largest score matrix (B·H·n_q·n_k entries) for which ``auto`` uses the dense engine.
 DENSE_LIMIT = 1 << 22
+#: The same on a GPU (provisional, not yet measured there: docs/benchmarks.md, "GPU").
+GPU_DENSE_LIMIT = 1 << 24
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -64,10 +66,19 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError("k must hold at least one key (n_k >= 1): every query needs a key")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k and v must share their length, got {k.shape[-2]} and {v.shape[-2]}")
+    if not _host_checks(q):
+        return
     for name, t in (("q", q), ("k", k), ("v", v)):
         # a finite sum proves every entry finite (NaN and ±inf propagate); one pass, no mask
         if not torch.isfinite(t.detach().sum()) and not torch.isfinite(t).all():
             raise ValueError(f"{name} contains NaN or inf")
+
+
+def _host_checks(t: Tensor) -> bool:
+    """Whether value checks that read a result back to the host run for ``t``: on CPU yes; on
+    a GPU no — each would stall the host until the device is done (as SDPA and FlexAttention
+    do, NaN inputs and overflowing scores then give NaN outputs; docs/engines.md)."""
+    return t.device.type == "cpu"
 
 
 def resolve_graph(pattern: Pattern | AttentionGraph, q: Tensor, k: Tensor) -> AttentionGraph:
@@ -93,7 +104,9 @@ def resolve_graph(pattern: Pattern | AttentionGraph, q: Tensor, k: Tensor) -> At
             f"graph batch_shape {graph.batch_shape} does not broadcast to (batch, heads) "
             f"= {(bsz, heads)}"
         )
-    empty = (graph.degrees == 0).nonzero()
+    empty = graph.__dict__.get("_empty_rows")
+    if empty is None:  # graphs are cached by their patterns: checked once
+        empty = graph.__dict__["_empty_rows"] = (graph.degrees == 0).nonzero()
     if empty.numel():
         raise ValueError(
             f"pattern {pattern!r} leaves {empty.shape[0]} query row(s) with no allowed key "
@@ -126,6 +139,8 @@ def choose_engine(
 
     bsz, heads, n_q, _ = q.shape
     n_k = k.shape[-2]
+    if q.device.type != "cpu":
+        return _choose_on_gpu(graph, q, k, prob_map, dropout_p)
     if bsz * heads * n_q * n_k <= DENSE_LIMIT:
         return "dense"
     cache = graph.__dict__.setdefault("_auto", {})
@@ -141,6 +156,30 @@ def choose_engine(
         if cache["flex_work"] < cache["block_work"]:
             return "flex"
     return "block"
+
+
+def _choose_on_gpu(
+    graph: AttentionGraph, q: Tensor, k: Tensor, prob_map: ProbabilityMap | None, dropout_p: float
+) -> str:
+    """The ``auto`` rule on a GPU: softmax goes to ``flex`` wherever FlexAttention can compute
+    it (forward and backward there: one fused kernel), other maps (and dropout) to ``block``,
+    scattered graphs (fill < BLOCK_MIN_FILL) to ``gather``, and small score matrices
+    (≤ GPU_DENSE_LIMIT entries) to ``dense``. Provisional: not yet measured on a GPU; the
+    calibration section of ``sparseattn bench gpu`` is the measurement that is to set it
+    (docs/benchmarks.md, "GPU")."""
+    from .engines.block import BLOCK_MIN_FILL, choose_block, count_pairs
+    from .engines.flex import flex_unsupported
+
+    bsz, heads, n_q, _ = q.shape
+    if bsz * heads * n_q * k.shape[-2] <= GPU_DENSE_LIMIT:
+        return "dense"
+    if prob_map is not None and flex_unsupported(q, k, k, prob_map, dropout_p) is None:
+        return "flex"
+    cache = graph.__dict__.setdefault("_auto", {})
+    if "fill" not in cache:
+        b = choose_block(graph)
+        cache["fill"] = graph.col.numel() / (count_pairs(graph, b) * b * b)
+    return "gather" if cache["fill"] < BLOCK_MIN_FILL else "block"
 
 
 def sparse_attention(
@@ -172,8 +211,9 @@ def sparse_attention(
     Returns:
         (batch, heads, n_q, d_v).
     Raises:
-        ValueError/TypeError for bad shapes, dtypes, devices, NaN/inf inputs, unknown engines,
-        and patterns that leave a query without any key.
+        ValueError/TypeError for bad shapes, dtypes, devices, unknown engines, patterns that
+        leave a query without any key, and (on CPU) NaN/inf inputs and overflowing scores; on
+        a GPU those two checks are skipped, since each would stall the host on the device.
     """
     _check_qkv(q, k, v)
     rho = resolve_prob_map(prob_map)
@@ -189,8 +229,8 @@ def sparse_attention(
         out = full_rows_attention(q, k, v, rho, scale, key_padding_mask, dropout_p, causal)
         return _check_overflow(out, scale)
     graph = resolve_graph(pattern, q, k)
-    if engine == "auto":
-        engine = choose_engine(graph, q, k)
+    if engine == "auto":  # the map matters only to the GPU rule (flex); docs/engines.md
+        engine = choose_engine(graph, q, k, rho if q.device.type != "cpu" else None, dropout_p)
         if rho.alpha is not None and engine == "gather":  # per-row α: dense, block, rows
             engine = "block"
     if rho.alpha is not None and engine not in ("dense", "block", "rows"):
@@ -258,7 +298,10 @@ def _empty_result(q: Tensor, k: Tensor, v: Tensor, last: int | None = None) -> T
 
 
 def _check_overflow(out: Tensor, scale: float) -> Tensor:
-    """Finite inputs give a finite output unless scale · q·k overflows the dtype: refuse that."""
+    """Finite inputs give a finite output unless scale · q·k overflows the dtype: refuse that
+    (on CPU; see :func:`_host_checks`)."""
+    if not _host_checks(out):
+        return out
     if not torch.isfinite(out.detach().sum()) and not bool(torch.isfinite(out).all()):
         raise ValueError(
             f"scale · q·kᵀ overflows {out.dtype} (scale = {scale:g}): the scores are not "

@@ -164,6 +164,9 @@ def expressivity_dmin(
     run: str | None = typer.Option(None, help="run folder name (default: from the config)"),
     out_dir: str = typer.Option("results/expressivity/dmin", help="results root"),
     threads: int = typer.Option(1, help="torch threads"),
+    coarse: int = typer.Option(1, help="1: ascending d scan; m: every m-th d, then fill in"),
+    device: str = typer.Option("cpu", help="where the Y draws run (cpu, cuda)"),
+    time_limit: float | None = typer.Option(None, help="stop starting cells after this (s)"),
 ) -> None:
     """Least d for which the Theorem 0.4 construction succeeds, versus n (paper Figs. 3, 4)."""
     from .experiments.dmin import PAPER_NS, DminConfig
@@ -184,6 +187,9 @@ def expressivity_dmin(
         run=run,
         out_dir=out_dir,
         threads=threads,
+        coarse=coarse,
+        device=device,
+        time_limit_s=time_limit,
     )
     try:
         result = run_dmin(config)
@@ -191,7 +197,7 @@ def expressivity_dmin(
         raise typer.BadParameter(str(err)) from err
     for qs, s in result["summary"].items():
         table = Table(title=f"d_min, Q = {qs} ({result['folder']})")
-        for col in ("n", "d_min per draw", "mean", "theorem d (eq. 6)", "2n"):
+        for col in ("n", "d_min per draw", "mean", "eq. (6)", "2n", "min(eq. 6, 2n)"):
             table.add_column(col)
         for row in s["table"]:
             table.add_row(
@@ -200,13 +206,16 @@ def expressivity_dmin(
                 f"{row['mean']:.1f}",
                 str(row["theorem_d"]),
                 str(row["2n"]),
+                str(row["bound"]),
             )
         console.print(table)
         if s["fit"]:
-            fit = s["fit"]
+            fit, sq = s["fit"], s["fit_sqrt"]
             console.print(
                 f"fit d = {fit['slope']:.2f}·ln n {fit['intercept']:+.2f} (R² {fit['r2']:.3f}); "
-                f"theoretical slope {s['theory_slope']:.1f}"
+                f"d = {sq['slope']:.3f}·√n {sq['intercept']:+.2f} (R² {sq['r2']:.3f}); "
+                f"eq. (6) slope in ln n {s['theory_slope']:.1f} (k = {s['k_in_theory']}); "
+                f"eq. (6) <= 2n at n = {s['theorem_applies_at'] or 'none of the grid'}"
             )
 
 
@@ -613,6 +622,9 @@ def bench(
     out: str = typer.Option("results/bench", help="parent folder of the run folder"),
     ns: str = typer.Option("", help="comma-separated lengths instead of the suite's"),
     only: str = typer.Option("", help="comma-separated patterns instead of the suite's"),
+    device: str = typer.Option(
+        "cpu", help="cpu, or cuda: the GPU suite (full → gpu, quick → gpu-quick)"
+    ),
 ) -> None:
     """Time sparseattn against dense baselines measured in the same run; write results.json,
     results.md and a PNG under OUT/RUN (a re-run resumes).
@@ -621,22 +633,36 @@ def bench(
     (forward, training step), sparse_attention with a pattern object on projection-layout
     inputs against SDPA with the same mask, the first call on a new length, and a Hugging Face
     BERT with hf.sparsify against its sdpa implementation. `full` and `quick` time the engines
-    on ready graphs against SDPA, compiled FlexAttention and the entmax package."""
+    on ready graphs against SDPA, compiled FlexAttention and the entmax package. `gpu` and
+    `gpu-quick` (or --device cuda) time the engines on a CUDA GPU in bf16 and fp32 against SDPA
+    (FlashAttention), FlexAttention called directly and the entmax package."""
     from pathlib import Path
 
+    from .bench.gpu import GPU_SUITES, run_gpu_suite
     from .bench.kernels import SUITES, run_suite
     from .bench.userpath import USER_SUITES, run_user_suite
 
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"device must be cpu or cuda, got {device!r}")
     name = "quick" if quick else suite
-    if name not in SUITES and name not in USER_SUITES:
-        raise typer.BadParameter(
-            f"suite must be one of {sorted([*SUITES, *USER_SUITES])}, got {name!r}")
+    if device == "cuda":
+        name = {"full": "gpu", "quick": "gpu-quick"}.get(name, name)
+        if name not in GPU_SUITES:
+            raise typer.BadParameter(f"--device cuda runs {sorted(GPU_SUITES)}, not {name!r}")
+    known_suites = sorted([*SUITES, *USER_SUITES, *GPU_SUITES])
+    if name not in known_suites:
+        raise typer.BadParameter(f"suite must be one of {known_suites}, got {name!r}")
+    if name in GPU_SUITES:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise typer.BadParameter(f"suite {name!r} needs a CUDA device; torch sees none")
     lengths = _numbers(ns, "ns", int) or None
     if lengths and min(lengths) < 1:
         raise typer.BadParameter(f"ns must be lengths >= 1, got {lengths}")
     patterns_ = tuple(x.strip() for x in only.split(",") if x.strip()) or None
     known = ("longformer", "bigbird", "strided", "random")
-    if patterns_ and (name in USER_SUITES or any(p not in known for p in patterns_)):
+    if patterns_ and (name not in SUITES or any(p not in known for p in patterns_)):
         raise typer.BadParameter(
             f"only must name patterns among {list(known)} (kernel suites only), got {patterns_}")
     run_dir = Path(out) / (run or f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -645,6 +671,9 @@ def bench(
     if name in USER_SUITES:
         run_user_suite(USER_SUITES[name], run_dir, log=log, ns=lengths)
         figure = "userpath.png"
+    elif name in GPU_SUITES:
+        run_gpu_suite(GPU_SUITES[name], run_dir, log=log, ns=lengths)
+        figure = "gpu.png"
     else:
         run_suite(SUITES[name], run_dir, log=log, ns=lengths, patterns=patterns_)
         figure = "bench.png"

@@ -87,9 +87,13 @@ def _piece(
     """Weights of the rows z (R, K) written into ``out`` (R, K)."""
     # For α > 2, p = d^{1/(α−1)} is steep at d = 0: one float32 ulp of τ moves small weights
     # by ~1e-4, so the threshold is found in float64 (the scores' values are exact there).
+    # Half-precision rows are thresholded in float32: bf16 sums of a few hundred entries are
+    # too coarse for the support to settle (Michelot's iteration cycles).
     per_row = isinstance(alpha, Tensor)
     steep = bool((alpha > 2.0).any()) if per_row else alpha > 2.0
     work = z.double() if steep and z.dtype == torch.float32 else z
+    if z.dtype in (torch.bfloat16, torch.float16):
+        work = z.float()
     x = work if valid is None else work.masked_fill(~valid, -math.inf)
     k = x.shape[-1]
     tiles = None

@@ -194,6 +194,7 @@ def test_scale_must_be_a_finite_real(scale):
 @given(st.floats(1e36, 1e300))
 def test_a_scale_that_overflows_the_scores_is_an_error_not_nan(scale):
     q = torch.full((1, 1, 4, 8), 10.0)
+    _host_checks_only(q)
     raises_naming("scale", sa.sparse_attention, q, q, q, sa.window(2), scale=scale)
     raises_naming("scale", sa.attention_weights, q, q, sa.window(2), scale=scale)
 
@@ -216,9 +217,16 @@ def test_other_sparse_attention_arguments_are_named():
     raises_naming("q", sa.sparse_attention, [[1.0]], q, q, sa.dense())
     raises_naming("q", sa.sparse_attention, q.to("meta"), q.to("meta"), q.to("meta"), sa.dense())
     raises_naming("pattern", sa.sparse_attention, q, q, q, "window")
+    _host_checks_only(q)
     bad = q.clone()
     bad[0, 0, 1, 1] = math.nan
     raises_naming("k", sa.sparse_attention, q, bad, q, sa.dense())
+
+
+def _host_checks_only(t: torch.Tensor) -> None:
+    """NaN inputs and overflowing scores are refused on CPU only (no host sync on a GPU)."""
+    if t.device.type != "cpu":
+        pytest.skip("value checks that read back to the host run on CPU only")
 
 
 @pytest.mark.parametrize("engine", ["auto", "dense", "gather", "block"])

@@ -68,6 +68,10 @@ ENTRY_COST = {16: 1.6, 32: 1.1, 64: 1.0, 128: 0.92}
 #: small blocks relatively dearer when training).
 ENTRY_COST_TRAIN = {16: 2.2, 32: 1.2, 64: 1.0, 128: 0.85}
 
+#: Score entries per chunk by device type: on CPU small chunks keep the temporaries in cache;
+#: on a GPU one chunk must fill the device (2²⁴ fp32 entries = 64 MiB; docs/benchmarks.md).
+BUDGET = {"cpu": 1 << 18, "cuda": 1 << 24}
+
 #: Below this fraction of useful entries in the block layout ``engine="auto"`` gathers instead:
 #: ~60–110 ns per gathered edge against ~4–8 ns per scored block entry (1-thread CPU time, fp32,
 #: d = 64, softmax; docs/engines.md, "auto rule"), break-even near 1/15.
@@ -282,16 +286,20 @@ class BlockPlan:
         return cache[(lead, budget, split)]
 
     def to(self, device: torch.device) -> BlockPlan:
-        """The plan with its index tensors on ``device``."""
+        """The plan with its index tensors on ``device`` (copied once, cached on this plan,
+        so that its chunks are cut once per device too)."""
         if not self.groups or self.groups[0].rows.device == device:
             return self
-        groups = [
-            _Group(g.rows.to(device), g.full.to(device), g.part.to(device),
-                   None if g.keep is None else g.keep.to(device))
-            for g in self.groups
-        ]
-        return BlockPlan(self.block, self.graphs, self.nbq, self.nbk, groups, self.pairs,
-                         self.partial, self.edges)
+        cache = self.__dict__.setdefault("_on", {})
+        if device not in cache:
+            groups = [
+                _Group(g.rows.to(device), g.full.to(device), g.part.to(device),
+                       None if g.keep is None else g.keep.to(device))
+                for g in self.groups
+            ]
+            cache[device] = BlockPlan(self.block, self.graphs, self.nbq, self.nbk, groups,
+                                      self.pairs, self.partial, self.edges)
+        return cache[device]
 
 
 @dataclass
@@ -835,7 +843,7 @@ def block_attention(
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     block: int | None = None,
-    budget: int = 1 << 18,
+    budget: int | None = None,
 ) -> Tensor:
     """Block-sparse attention, Yun eq. (3) (same contract as ``dense_attention``).
 
@@ -848,7 +856,8 @@ def block_attention(
         key_padding_mask: (B, n_k) bool, True for real keys.
         dropout_p: dropout on the attention weights.
         block: block size (16–128 are sensible); None picks one by :func:`choose_block`.
-        budget: most score entries per chunk (a single row block may exceed it).
+        budget: most score entries per chunk (a single row block may exceed it); None:
+            ``BUDGET`` for the inputs' device type.
     Returns:
         (B, H, n_q, d_v).
     """
@@ -865,6 +874,7 @@ def block_attention(
         if pad:
             kpm = F.pad(kpm, (0, pad), value=False)
         key_ok = kpm[:, None, :].expand(bsz, heads, -1).reshape(lead, -1, plan.block)
+    budget = BUDGET.get(q.device.type, BUDGET["cuda"]) if budget is None else budget
     run = _Runner(plan, prob_map, scale, key_ok, dropout_p, budget, lead,
                   q.device.type == "cpu", q.shape[-1] == v.shape[-1])
     return _BlockAttention.apply(q, k, v, prob_map.row_alpha(bsz, heads, q.shape[2]), run)

@@ -32,6 +32,10 @@ __all__ = ["gather_attention", "chunk_rows", "PIECE"]
 PIECE = 128
 
 
+#: (batch·head, row, key) entries per chunk by device type (None in ``gather_attention``).
+BUDGET = {"cpu": 1 << 15, "cuda": 1 << 22}
+
+
 def chunk_rows(degrees: Tensor, budget: int) -> list[Tensor]:
     """Split row ids into chunks, in increasing degree, with (rows · max degree) <= budget.
 
@@ -81,6 +85,21 @@ def _weighted_sum(p: Tensor, x: Tensor) -> Tensor:
     return out.squeeze(-2).sum(2)
 
 
+def _chunks(graph, static, n_q, n_k, rows_budget, device) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """(rows, key index, valid) per chunk on ``device``; cached on the graph."""
+    cache = graph.__dict__.setdefault("_gather_chunks", {})
+    key = (static, n_q, n_k, rows_budget, torch.device(device))
+    if key not in cache:
+        chunks = []
+        for rows in chunk_rows(graph.degrees.reshape(-1), rows_budget):
+            idx, valid = _pad_to_pieces(*graph.neighbours(rows))
+            if not static:  # flattened row r = (bh, i) reads keys bh·n_k + j
+                idx = idx + (rows // n_q * n_k)[:, None]
+            chunks.append((rows.to(device), idx.to(device), valid.to(device)))
+        cache[key] = chunks
+    return cache[key]
+
+
 class _Run:
     """Chunks (rows, key index, valid) and what the per-chunk computation needs."""
 
@@ -91,12 +110,7 @@ class _Run:
         self.softmax = prob_map.name == "softmax" or (
             prob_map.name == "entmax" and prob_map.params.get("alpha") == 1.0
         )
-        self.chunks = []
-        for rows in chunk_rows(graph.degrees.reshape(-1), max(1, budget // b)):
-            idx, valid = _pad_to_pieces(*graph.neighbours(rows))
-            if not static:  # flattened row r = (bh, i) reads keys bh·n_k + j
-                idx = idx + (rows // n_q * n_k)[:, None]
-            self.chunks.append((rows.to(device), idx.to(device), valid.to(device)))
+        self.chunks = _chunks(graph, static, n_q, n_k, max(1, budget // b), device)
         self.most = max((i.numel() for _, i, _ in self.chunks), default=0)
 
     def gather(self, src: Tensor, idx: Tensor, buf: Tensor) -> Tensor:
@@ -188,7 +202,7 @@ def gather_attention(
     scale: float,
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
-    budget: int = 1 << 15,
+    budget: int | None = None,
 ) -> Tensor:
     """Sparse attention over neighbour lists (same contract as ``dense_attention``).
 
@@ -196,7 +210,8 @@ def gather_attention(
     along as a leading axis of size B·H; a batched graph is expanded to (B, H) and every
     flattened row gathers from its own (batch, head) slice of the flattened keys.
     ``budget`` bounds (B·H or 1) × rows × K per chunk; the default keeps the gathered keys
-    and values of a chunk in cache (2^14–2^16 measured best, ~77 ns per edge at d = 64).
+    and values of a chunk in cache (2^14–2^16 measured best, ~77 ns per edge at d = 64); on a
+    GPU a chunk must fill the device (``BUDGET``).
     """
     bsz, heads, n_q, d = q.shape
     n_k, d_v = k.shape[-2], v.shape[-1]
@@ -207,6 +222,7 @@ def gather_attention(
     key_ok = None
     if key_padding_mask is not None:
         key_ok = key_padding_mask.to(q.device).repeat_interleave(heads, 0).reshape(b, -1)
+    budget = BUDGET.get(q.device.type, BUDGET["cuda"]) if budget is None else budget
     run = _Run(graph, static, n_q, n_k, b, budget, prob_map, scale, key_ok, dropout_p, q.device)
     out = _GatherAttention.apply(
         q.reshape(b, -1, d), k.reshape(b, -1, d), v.reshape(b, -1, d_v), run

