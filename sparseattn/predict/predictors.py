@@ -165,7 +165,7 @@ def nearest_centroids(x: Tensor, centroids: Tensor, top_k: int) -> Tensor:
 
     x (..., H, n, r); centroids (H, C, r) → LongTensor (..., H, n, min(k, C)).
     """
-    dist = _sq_dist(x, centroids.to(x))
+    dist = _centroid_dist(x, centroids.to(x), "euclidean")
     return dist.topk(min(top_k, centroids.shape[1]), dim=-1, largest=False).indices
 
 
@@ -184,7 +184,7 @@ def centroid_topk_buckets(
     may be in several clusters or in none (Sparsefinder footnote 3).
     """
     c = centroids.to(x)
-    dist = _sq_dist(x, c) if metric == "euclidean" else -(x @ c.transpose(-1, -2))
+    dist = _centroid_dist(x, c, metric)
     ranks = _rank(dist, valid)  # rank of each point among the sequence's points, per centroid
     limit = torch.as_tensor(per_centroid, device=x.device).reshape(-1, 1, 1, 1)
     taken = ranks < limit
@@ -192,6 +192,18 @@ def centroid_topk_buckets(
         taken &= valid[:, None, :, None]
     ids = torch.arange(c.shape[1], device=x.device).expand_as(taken)
     return torch.where(taken, ids, -1)
+
+
+def _centroid_dist(x: Tensor, c: Tensor, metric: str) -> Tensor:
+    """Squared distance ("euclidean") or negated dot product ("cosine") of points x (..., H, n, r)
+    to centroids c (H, C, r) → (..., H, n, C), summed elementwise over r: each point's value
+    does not depend on the other points (a matrix product may round differently for another
+    number of rows), so padding a sequence cannot flip a near tie among its real tokens.
+    Memory (..., H, n, C, r): meant for the small projected r."""
+    x, c = x.unsqueeze(-2), c.unsqueeze(-3)  # (..., H, n, 1, r), (H, 1, C, r)
+    if metric == "euclidean":
+        return (x - c).square().sum(-1)
+    return -(x * c).sum(-1)
 
 
 def _sq_dist(x: Tensor, c: Tensor) -> Tensor:
