@@ -15,15 +15,19 @@ import sparseattn as sa
 from sparseattn.analysis import yun_contextual_mapping
 from sparseattn.analysis.construction import SelectiveShift
 from sparseattn.analysis.relaxed import (
+    _phi_relu,
     check_float64_ids,
     exact_threshold,
     format_relaxed_table,
     grid_inputs,
     hardmax_margin,
+    prefix_max,
+    relaxed_attention,
     relaxed_context_ids,
     relaxed_error_table,
     step3_eta,
     step3_temperature,
+    value_mapping,
 )
 
 HALF = Fraction(1, 2)
@@ -160,6 +164,7 @@ def test_table_rows_shrink_with_t_and_end_exact():
             assert rows[-1].max_error == 0.0
         assert rows[-1].property_7_1 and rows[-1].property_7_2
         assert any("t_A2(ζ_H)" in r.label for r in rows)
+        assert rows[-1].value_error < 1e-6 and rows[0].value_error > 1.0
     assert "| softmax |" in format_relaxed_table(table)
 
 
@@ -186,3 +191,59 @@ def test_ids_pass_eq10s_bound_but_stay_below_the_float64_bound(patterns, n):
     largest = max(max(cm.context_ids(x)) for x in grid_inputs(cm))
     assert c**cm.hops * 2**n < largest < c**cm.hops * n * 2**n
     assert 2 ** (check_float64_ids(cm) - 1) < c**cm.hops * n * 2**n * 2
+
+
+# --------------------------------------------------------------------------- Lemma 8 / F.3
+def prefix_max_by_hand(cm, x):
+    """f̄(G)_k = max_{j ≤ k} G_{r,j} per row r, from the Fractions of H − E."""
+    g = [[v - cm.embedding[k] for v in col] for k, col in enumerate(x)]
+    return [[float(max(g[j][r] for j in range(k + 1))) for r in range(cm.d)] for k in range(cm.n)]
+
+
+@pytest.fixture(scope="module")
+def two_dim():
+    """STRIDED w=2 at n = 3, d = 2, δ = 1/2 (64 inputs) with Lemma 8 for f̄ = prefix max."""
+    cm = yun_contextual_mapping(strided_cycle(), 3, 2, HALF)
+    h = grid_inputs(cm)
+    targets = torch.tensor([prefix_max_by_hand(cm, x) for x in h], dtype=torch.float64)
+    return cm, h, targets, value_mapping(cm, h, targets)
+
+
+def test_prefix_max_matches_by_hand(two_dim):
+    cm, h, targets, _ = two_dim
+    g = torch.tensor([[[float(v) for v in col] for col in x] for x in h], dtype=torch.float64)
+    embedding = torch.tensor(cm.embedding, dtype=torch.float64)[None, :, None]
+    assert torch.equal(prefix_max(g - embedding), targets)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_lemma8_maps_the_exact_ids_to_the_targets(two_dim, relu):
+    cm, h, targets, values = two_dim
+    assert len(values.ids) == len(h) * cm.n  # n δ^{-dn} layers (E.3)
+    z = relaxed_attention(cm, strided_cycle(), h, "hardmax", 1.0)
+    assert torch.equal(values(z, relu=relu), targets)
+
+
+def test_lemma8_passes_the_id_error_through_row_one_only(two_dim):
+    """F.3: with |g̃_c − g_c| ≤ δ/4, g̃_v(g̃_c(H)) − f̄(G) is that error, in row 1 only."""
+    cm, h, targets, values = two_dim
+    z = relaxed_attention(cm, strided_cycle(), h, "softmax", 64.0)
+    exact = [[[float(v) for v in col] for col in cm.attention(x)] for x in h]
+    error = z - torch.tensor(exact, dtype=torch.float64)
+    assert 0 < error.abs().max() <= 0.125 and (error[..., 1:] == 0).all()
+    out = values(z)
+    assert torch.allclose(out - targets, error, atol=1e-4)
+    assert (out[..., 1:] == targets[..., 1:]).all()
+
+
+def test_four_relus_are_f3s_trapezoid():
+    delta = 0.5
+    for x in [-1.0, -0.25, -0.2, -0.125, 0.0, 0.1, 0.125, 0.2, 0.25, 1.0]:
+        if abs(x) >= delta / 2:
+            want = 0.0
+        elif abs(x) <= delta / 4:
+            want = 1.0
+        else:
+            want = -4 * abs(x) / delta + 2
+        got = float(_phi_relu(torch.tensor(x, dtype=torch.float64), delta))
+        assert got == pytest.approx(want, abs=1e-12)

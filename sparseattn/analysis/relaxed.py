@@ -46,14 +46,18 @@ from .maps import closed_form_t
 __all__ = [
     "RelaxedRow",
     "RelaxedTable",
+    "ValueMapping",
     "check_float64_ids",
     "cycle_patterns",
     "grid_inputs",
     "hardmax_margin",
+    "relaxed_attention",
     "relaxed_context_ids",
     "relaxed_error_table",
     "step3_eta",
     "step3_temperature",
+    "prefix_max",
+    "value_mapping",
     "exact_threshold",
     "format_relaxed_table",
 ]
@@ -143,7 +147,7 @@ def _heads(z: Tensor, biases: Tensor, pattern, rho: ProbabilityMap, t: float, en
     return sparse_attention(q, kv, kv, pattern, rho, engine=engine, scale=t)[..., 0]
 
 
-def relaxed_context_ids(
+def relaxed_attention(
     cm: ContextualMapping,
     patterns: PatternLike,
     h: Sequence[Matrix] | Tensor,
@@ -152,7 +156,7 @@ def relaxed_context_ids(
     *,
     engine: str = "auto",
 ) -> Tensor:
-    """u^T g̃_c(H): Lemma 7's attention layers with σ_H → ρ[t·] (Yun appendix F.2), in float64.
+    """g̃_c(H): Lemma 7's attention layers with σ_H → ρ[t·] (Yun appendix F.2), in float64.
 
     Ψ̃^l(Z; c, b, b')= Z + c e^{(1)} (ψ̃^l(Z; b) − ψ̃^l(Z; b')) (two heads, one call) and
     Ω̃^l(Z; c) = Z + c e^{(1)} ψ̃^l(Z; 0) (one head); identity layers add nothing.
@@ -165,7 +169,7 @@ def relaxed_context_ids(
         t: the temperature t > 0 of Assumption 2 (the score scale).
         engine: the sparse_attention engine.
     Returns:
-        float64 (B, n): the context ids u^T g̃_c(H)_k.
+        float64 (B, n, d): g̃_c(H), column k is g̃_c(H)_k (only row 1 differs from H).
     """
     if not isinstance(cm, ContextualMapping) or cm.gamma is None:
         raise TypeError("cm must be a ContextualMapping of yun_contextual_mapping")
@@ -177,7 +181,7 @@ def relaxed_context_ids(
     if z_mat.dtype != torch.float64 or z_mat.shape[1:] != (cm.n, cm.d):
         raise ValueError(f"h must be float64 (B, {cm.n}, {cm.d}), got {tuple(z_mat.shape)}")
     z_mat = z_mat.clone()
-    u = torch.tensor([float(x) for x in cm.u], dtype=torch.float64)
+    u = _u(cm)
     for layer in cm.layers:
         if isinstance(layer, IdentityLayer):
             continue
@@ -191,7 +195,82 @@ def relaxed_context_ids(
             out = _heads(z, torch.zeros(1, dtype=torch.float64), pattern, rho, t, engine)
             shift = float(layer.c) * out[:, 0]
         z_mat[:, :, 0] += shift
-    return z_mat @ u
+    return z_mat
+
+
+def _u(cm: ContextualMapping) -> Tensor:
+    return torch.tensor([float(x) for x in cm.u], dtype=torch.float64)
+
+
+def relaxed_context_ids(
+    cm: ContextualMapping,
+    patterns: PatternLike,
+    h: Sequence[Matrix] | Tensor,
+    prob_map: str | ProbabilityMap,
+    t: float,
+    *,
+    engine: str = "auto",
+) -> Tensor:
+    """u^T g̃_c(H) as float64 (B, n): the context ids of :func:`relaxed_attention`."""
+    return relaxed_attention(cm, patterns, h, prob_map, t, engine=engine) @ _u(cm)
+
+
+# --------------------------------------------------------------------------- Lemma 8 / F.3
+def _phi_exact(x: Tensor, delta: float) -> Tensor:
+    """φ'(x) = 1 on [−δ/2, δ/2), else 0 (Yun E.3)."""
+    return ((x >= -delta / 2) & (x < delta / 2)).to(x.dtype)
+
+
+def _phi_relu(x: Tensor, delta: float) -> Tensor:
+    """φ̃'(x) of Yun F.3 from four ReLUs: 1 on [−δ/4, δ/4], linear to 0 at ±δ/2, 0 outside."""
+    y = 4 * x / delta
+    relu = torch.relu
+    return relu(y + 2) - relu(y + 1) - relu(y - 1) + relu(y - 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueMapping:
+    """Lemma 8's token-wise feed-forward layers, one per (H, k): Z ↦ Z + w φ'(u^T Z − a).
+
+    Attributes:
+        delta: δ; u: float64 (d,), u = (1, δ^{−1}, …).
+        ids: float64 (L,), the window centres a = u^T g_c(H)_k, L = B·n layers.
+        shifts: float64 (L, d), w = f̄(H − E)_k − g_c(H)_k.
+    """
+
+    delta: float
+    u: Tensor
+    ids: Tensor
+    shifts: Tensor
+
+    def __call__(self, z: Tensor, *, relu: bool = True) -> Tensor:
+        """g_v (``relu=False``: φ', E.3) or g̃_v (φ̃', F.3) on float64 (B, n, d), layer by layer."""
+        phi = _phi_relu if relu else _phi_exact
+        out = z.clone()
+        for a, w in zip(self.ids.tolist(), self.shifts, strict=True):
+            out += phi(out @ self.u - a, self.delta)[..., None] * w
+        return out
+
+
+def value_mapping(cm: ContextualMapping, h: Sequence[Matrix], targets: Tensor) -> ValueMapping:
+    """Lemma 8 (Yun E.3) for the inputs ``h``: send u^T g_c(H)_k to ``targets[b, k]`` = f̄(G)_k.
+
+    Args:
+        cm: the Lemma-7 construction; its exact g_c(H) (Fractions) gives the windows.
+        h: B inputs H ∈ H_δ (:func:`grid_inputs`).
+        targets: float64 (B, n, d), the values f̄(H − E) (e.g. :func:`prefix_max`).
+    """
+    if targets.dtype != torch.float64 or targets.shape != (len(h), cm.n, cm.d):
+        raise ValueError(f"targets must be float64 ({len(h)}, {cm.n}, {cm.d})")
+    g = [cm.attention(x) for x in h]
+    ids = _as_tensor([[[v] for v in cm.column_ids(m)] for m in g]).reshape(-1)
+    shifts = targets - _as_tensor(g)
+    return ValueMapping(float(cm.delta), _u(cm), ids, shifts.reshape(-1, cm.d))
+
+
+def prefix_max(g: Tensor) -> Tensor:
+    """f̄(G)_k = max_{j ≤ k} G_j entrywise: (B, n, d) → (B, n, d), a target that needs context."""
+    return g.cummax(dim=1).values
 
 
 # --------------------------------------------------------------------------- t of Assumption 2
@@ -284,6 +363,8 @@ class RelaxedRow:
         max_error: max over inputs and columns of |u^T g̃_c(H)_k − u^T g_c(H)_k| (float64).
         within_bound: max_error ≤ δ/4, F.2's bound δ̃/4 with δ̃ = δ (what Lemma 8 needs).
         property_7_1, property_7_2: the relaxed ids are distinct within / across inputs.
+        value_error: max |g̃_v(g̃_c(H)) − f̄(G)| with Lemma 8's layers for f̄ = prefix max and
+            F.3's four-ReLU φ̃' (F.3: ≤ δ̃/4 whenever max_error is).
     """
 
     prob_map: str
@@ -293,6 +374,7 @@ class RelaxedRow:
     within_bound: bool
     property_7_1: bool
     property_7_2: bool
+    value_error: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +397,7 @@ class RelaxedTable:
     hops: int
     inputs: int
     attention_layers: int
+    value_layers: int
     zeta_paper: float
     zeta_h: float
     eta: float
@@ -327,20 +410,41 @@ class RelaxedTable:
         return dataclasses.asdict(self)
 
 
-def _row(
-    rho: ProbabilityMap, t: float, label: str, ids: Tensor, exact: Tensor, delta
-) -> RelaxedRow:
-    error = float((ids - exact).abs().max())
-    n = ids.shape[1]
-    distinct_within = bool((ids.sort(dim=1).values.diff(dim=1) > 0).all()) if n > 1 else True
+@dataclasses.dataclass(frozen=True)
+class _Reference:
+    """What every row is compared with: the exact ids (B, n) and the Lemma-8 targets (B, n, d)."""
+
+    cm: ContextualMapping
+    patterns: PatternLike
+    x: Tensor
+    exact: Tensor
+    targets: Tensor
+    values: ValueMapping
+    engine: str
+
+
+def _reference(cm: ContextualMapping, patterns: PatternLike, h, engine: str) -> _Reference:
+    x = _as_tensor(h)
+    exact = _as_tensor([[[v] for v in cm.context_ids(m)] for m in h])[..., 0]
+    embedding = torch.tensor(cm.embedding, dtype=torch.float64)[None, :, None]
+    targets = prefix_max(x - embedding)
+    return _Reference(cm, patterns, x, exact, targets, value_mapping(cm, h, targets), engine)
+
+
+def _row(ref: _Reference, rho: ProbabilityMap, t: float, label: str) -> RelaxedRow:
+    z = relaxed_attention(ref.cm, ref.patterns, ref.x, rho, t, engine=ref.engine)
+    ids = z @ _u(ref.cm)
+    error = float((ids - ref.exact).abs().max())
+    distinct_within = bool((ids.sort(dim=1).values.diff(dim=1) > 0).all())
     return RelaxedRow(
         prob_map=rho.name if rho.name != "entmax" else f"{rho.params['alpha']:g}-entmax",
         t=float(t),
         label=label,
         max_error=error,
-        within_bound=error <= float(delta) / 4,
-        property_7_1=distinct_within,
+        within_bound=error <= float(ref.cm.delta) / 4,
+        property_7_1=distinct_within or ref.cm.n == 1,
         property_7_2=ids.unique().numel() == ids.numel(),
+        value_error=float((ref.values(z) - ref.targets).abs().max()),
     )
 
 
@@ -380,7 +484,8 @@ def relaxed_error_table(
     For each map, the t of ``ts`` plus the t of Assumption 2 at F.2's η with ζ = δ/2 and with
     the run's margin ζ_H, and (sparse maps) the exactness threshold 1/((α − 1)ζ_H). Each row is
     every grid input (or a seeded sample of ``max_inputs``) through
-    :func:`relaxed_context_ids`, compared with the Fraction interpreter's ids.
+    :func:`relaxed_attention`, compared with the Fraction interpreter's ids, then through
+    Lemma 8's value mapping (F.3's ReLU form) for f̄ = :func:`prefix_max`.
 
     Returns:
         A :class:`RelaxedTable`; :func:`format_relaxed_table` renders it as Markdown.
@@ -388,28 +493,15 @@ def relaxed_error_table(
     cm = yun_contextual_mapping(patterns, n, d, delta)
     bits = check_float64_ids(cm)
     h = grid_inputs(cm, max_inputs)
-    exact_ids = [cm.context_ids(x) for x in h]
-    exact = _as_tensor([[[v] for v in ids] for ids in exact_ids])[..., 0]
+    ref = _reference(cm, patterns, h, engine)
     zeta_h = hardmax_margin(cm, h)
-    x = _as_tensor(h)
-    hardmax = resolve_prob_map("hardmax")
-    rows = [
-        _row(
-            hardmax,
-            1.0,
-            "control",
-            relaxed_context_ids(cm, patterns, x, hardmax, 1.0, engine=engine),
-            exact,
-            cm.delta,
-        )
-    ]
+    rows = [_row(ref, resolve_prob_map("hardmax"), 1.0, "control")]
     for spec in maps:
         rho = resolve_prob_map(spec)
         special = _special_ts(cm, rho, zeta_h)
         for t in sorted({_round(float(t)) for t in ts} | set(special)):
-            ids = relaxed_context_ids(cm, patterns, x, rho, t, engine=engine)
-            rows.append(_row(rho, t, special.get(t, ""), ids, exact, cm.delta))
-    max_id = float(exact.max())
+            rows.append(_row(ref, rho, t, special.get(t, "")))
+    max_id = float(ref.exact.max())
     return RelaxedTable(
         pattern=cm.label,
         n=cm.n,
@@ -418,6 +510,7 @@ def relaxed_error_table(
         hops=cm.hops,
         inputs=len(h),
         attention_layers=len(cm.layers),
+        value_layers=len(ref.values.ids),
         zeta_paper=float(cm.delta) / 2,
         zeta_h=float(zeta_h),
         eta=step3_eta(cm),
@@ -432,15 +525,16 @@ def format_relaxed_table(table: RelaxedTable) -> str:
     """Markdown: a header line with the sizes and margins, then one line per (map, t)."""
     head = (
         f"{table.pattern}, n = {table.n}, d = {table.d}, δ = {table.delta}, s = {table.hops}: "
-        f"{table.inputs} inputs, {table.attention_layers} attention layers; ζ_H = "
+        f"{table.inputs} inputs, {table.attention_layers} attention layers, "
+        f"{table.value_layers} Lemma-8 layers; ζ_H = "
         f"{table.zeta_h:g} (F.2: δ/2 = {table.zeta_paper:g}), η = {table.eta:.3g}, largest id "
         f"{table.max_id:.6g} (float64 ulp {table.ulp:.2g})\n\n"
-        "| ρ | t | which t | max abs(ids_ρ,t − ids_H) | ≤ δ/4 | 7.1 | 7.2 |\n"
-        "|---|---|---|---|---|---|---|\n"
+        "| ρ | t | which t | max abs(ids_ρ,t − ids_H) | ≤ δ/4 | 7.1 | 7.2 | Lemma 8 error |\n"
+        "|---|---|---|---|---|---|---|---|\n"
     )
     lines = [
         f"| {r.prob_map} | {r.t:.4g} | {r.label} | {r.max_error:.3g} | {r.within_bound} | "
-        f"{r.property_7_1} | {r.property_7_2} |"
+        f"{r.property_7_1} | {r.property_7_2} | {r.value_error:.3g} |"
         for r in table.rows
     ]
     return head + "\n".join(lines) + "\n"
