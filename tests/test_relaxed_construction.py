@@ -18,6 +18,7 @@ from sparseattn.analysis.relaxed import (
     _phi_relu,
     check_float64_ids,
     exact_threshold,
+    format_relaxed_summary,
     format_relaxed_table,
     grid_inputs,
     hardmax_margin,
@@ -166,6 +167,9 @@ def test_table_rows_shrink_with_t_and_end_exact():
         assert any("t_A2(ζ_H)" in r.label for r in rows)
         assert rows[-1].value_error < 1e-6 and rows[0].value_error > 1.0
     assert "| softmax |" in format_relaxed_table(table)
+    summary = format_relaxed_summary(table, ts=(2.0, 256.0)).splitlines()
+    assert summary[0] == "| t | softmax | sparsemax | 1.5-entmax |"
+    assert summary[3].startswith("| 256 | **") and summary[-1].startswith("| exact from here | — |")
 
 
 def test_refusals():

@@ -59,6 +59,7 @@ __all__ = [
     "prefix_max",
     "value_mapping",
     "exact_threshold",
+    "format_relaxed_summary",
     "format_relaxed_table",
 ]
 
@@ -409,6 +410,16 @@ class RelaxedTable:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def header(self) -> str:
+        """One sentence: the configuration, its sizes, margins, η and the largest id."""
+        return (
+            f"{self.pattern}, n = {self.n}, d = {self.d}, δ = {self.delta}, s = {self.hops}: "
+            f"{self.inputs} inputs, {self.attention_layers} attention layers, "
+            f"{self.value_layers} Lemma-8 layers; ζ_H = {self.zeta_h:g} (F.2: δ/2 = "
+            f"{self.zeta_paper:g}), η = {self.eta:.3g}, largest id {self.max_id:.6g} "
+            f"(float64 ulp {self.ulp:.2g})"
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class _Reference:
@@ -522,13 +533,9 @@ def relaxed_error_table(
 
 
 def format_relaxed_table(table: RelaxedTable) -> str:
-    """Markdown: a header line with the sizes and margins, then one line per (map, t)."""
+    """Markdown: :meth:`RelaxedTable.header`, then one line per (map, t)."""
     head = (
-        f"{table.pattern}, n = {table.n}, d = {table.d}, δ = {table.delta}, s = {table.hops}: "
-        f"{table.inputs} inputs, {table.attention_layers} attention layers, "
-        f"{table.value_layers} Lemma-8 layers; ζ_H = "
-        f"{table.zeta_h:g} (F.2: δ/2 = {table.zeta_paper:g}), η = {table.eta:.3g}, largest id "
-        f"{table.max_id:.6g} (float64 ulp {table.ulp:.2g})\n\n"
+        table.header() + "\n\n"
         "| ρ | t | which t | max abs(ids_ρ,t − ids_H) | ≤ δ/4 | 7.1 | 7.2 | Lemma 8 error |\n"
         "|---|---|---|---|---|---|---|---|\n"
     )
@@ -538,3 +545,31 @@ def format_relaxed_table(table: RelaxedTable) -> str:
         for r in table.rows
     ]
     return head + "\n".join(lines) + "\n"
+
+
+def _cell(row: RelaxedRow | None) -> str:
+    """An error, bold where ≤ δ/4, with the properties that fail."""
+    if row is None:
+        return "—"
+    text = f"**{row.max_error:.3g}**" if row.within_bound else f"{row.max_error:.3g}"
+    failed = [p for p, ok in (("7.1", row.property_7_1), ("7.2", row.property_7_2)) if not ok]
+    return text + (f" ({', '.join(failed)} fail)" if failed else "")
+
+
+def format_relaxed_summary(
+    table: RelaxedTable, ts: Sequence[float] = tuple(2.0**k for k in range(9))
+) -> str:
+    """Markdown, one column per map: max |ids_ρ,t − ids_H| at each t of ``ts`` (bold: ≤ δ/4;
+    failing properties named), then the special t's as "t → error"."""
+    names = list(dict.fromkeys(r.prob_map for r in table.rows if r.label != "control"))
+    by = {(r.prob_map, r.t): r for r in table.rows}
+    lines = ["| t | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for t in ts:
+        lines.append(f"| {t:g} | " + " | ".join(_cell(by.get((m, t))) for m in names) + " |")
+    for label in ("t_A2(ζ = δ/2)", "t_A2(ζ_H)", "exact from here"):
+        cells = []
+        for m in names:
+            row = next((r for r in table.rows if r.prob_map == m and label in r.label), None)
+            cells.append("—" if row is None else f"{row.t:.4g} → {_cell(row)}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
