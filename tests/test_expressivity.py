@@ -494,6 +494,13 @@ def test_least_construct_d_device_argument():
         least_construct_d(A, 0.25, 2.0, device="nonsense")
     with pytest.raises(ValueError, match="coarse"):
         least_construct_d(A, 0.25, 2.0, coarse=0)
+    from sparseattn.experiments.dmin import DminConfig
+
+    with pytest.raises(ValueError, match="device"):
+        DminConfig(device="nonsense").validate()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            DminConfig(device="cuda").validate()
 
 
 def test_dmin_summary_bound_fits_and_causal_k():

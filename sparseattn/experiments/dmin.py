@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from ..analysis.expressivity import (
+    _device,
     least_construct_d,
     random_sparse_stochastic,
     theorem_d,
@@ -98,6 +99,7 @@ class DminConfig:
             check_finite_float("qs[i] (a factor Q)", q, 0.0, low_open=True)
         check_positive("threads", self.threads)
         check_positive("coarse", self.coarse)
+        _device(self.device)  # a name torch knows, and CUDA only where it is available
         if self.time_limit_s is not None:
             check_finite_float("time_limit_s", self.time_limit_s, 0.0, low_open=True)
         return self
