@@ -430,6 +430,65 @@ def copying(
 
 
 @app.command()
+def lm(
+    quick: bool = typer.Option(False, help="smoke run: n = 64, d = 32, 20 steps, w = 4,8, 1 seed"),
+    n: int | None = typer.Option(None, help="context length in bytes (default 256)"),
+    widths: str | None = typer.Option(None, help="segment lengths w, one sparsity level each"),
+    seeds: str | None = typer.Option(None, help="seeds, e.g. 0,1"),
+    pattern_list: str = typer.Option(
+        "all", "--patterns", help="columns, e.g. strided-union,star,random,dense (default all)"
+    ),
+    causal_form: str | None = typer.Option(None, help="'child' (default) or 'tril' (Yun G.2)"),
+    d: int | None = typer.Option(None, help="embedding dimension (default 64)"),
+    layers: int | None = typer.Option(None, help="Transformer blocks (default 2)"),
+    steps: int | None = typer.Option(None, help="optimiser steps per cell (default 300)"),
+    batch_size: int | None = typer.Option(None, help="global batch size (default 8)"),
+    lr: float | None = typer.Option(None, help="peak learning rate"),
+    parallel: str = typer.Option("cells", help="under torchrun: 'cells' or 'data' (DDP)"),
+    threads: int = typer.Option(1, help="torch threads per process"),
+    run: str | None = typer.Option(None, help="run folder name (default: from the config)"),
+    out_dir: str = typer.Option("results/lm", help="results root"),
+) -> None:
+    """Language modelling (Yun et al. §5, Fig. 1a): validation perplexity against sparsity.
+
+    Byte-level causal LMs on the embedded corpus. Resumable (finished cells are skipped);
+    runs unchanged under `torchrun`; writes table.md, metrics.json, lm.png, cells/*.json."""
+    import os
+
+    from .experiments.lm import COLUMNS, LMConfig, quick_config
+    from .experiments.lm import run as run_lm
+
+    overrides = {
+        "n": n,
+        "causal_form": causal_form,
+        "d": d,
+        "layers": layers,
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "parallel": parallel,
+        "threads": threads,
+        "run": run,
+        "out_dir": out_dir,
+    }
+    try:
+        if widths is not None:
+            overrides["widths"] = _numbers(widths, "widths", int)
+        if seeds is not None:
+            overrides["seeds"] = _numbers(seeds, "seeds", int)
+        if pattern_list != "all":
+            overrides["columns"] = tuple(x.strip() for x in pattern_list.split(","))
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        config = (quick_config if quick else LMConfig)(**overrides).validate()
+    except ValueError as err:
+        raise typer.BadParameter(f"{err} (columns: {', '.join(COLUMNS)})") from err
+    result = run_lm(config)
+    if os.environ.get("RANK", "0") == "0":
+        print(result["table"])
+        console.print(f"wrote {result['folder']}/table.md, metrics.json, lm.png, cells/*.json")
+
+
+@app.command()
 def analyze(
     pattern: str = typer.Argument(..., help="a named pattern (see `sparseattn patterns`)"),
     n: int = typer.Option(256, "--n", help="sequence length"),

@@ -1,0 +1,681 @@
+"""Language modelling with sparse causal attention, Yun et al. (2020) §5 and Fig. 1a, small.
+
+The paper trains 12-block Transformers (d = 256, 8 heads, n = 256) on the One Billion Word
+benchmark for 240K steps and plots validation perplexity against the sparsity level. Here:
+byte-level language models on the embedded corpus (:mod:`sparseattn.corpus`, the prose of
+Python's reference manual; 117 KB of training text, 13 KB of validation text), a few hundred
+steps on a CPU. Each passage split is joined with newlines into one byte stream; training draws
+random windows of n + 1 bytes, validation scores every byte of consecutive windows.
+
+Columns (§5.1), each at the segment lengths ``widths`` (one sparsity level per w):
+
+- STRIDED and FIXED as UNION (A¹ ∪ A² in every layer and head), MULTIHEAD (half the heads A¹,
+  half A²) and SEQUENTIAL (layer l uses A^{l mod 2 + 1}). ``causal_form="child"`` (default):
+  Child et al.'s autoregressive originals, :func:`~sparseattn.patterns.causal_strided` and
+  :func:`~sparseattn.patterns.causal_fixed`; ``"tril"``: Yun's eq. (4)/(5) masked to the lower
+  triangle, which is what the paper's appendix G.2 describes for its LM runs.
+- STAR: eq. (6) masked to the lower triangle (no causal original exists; the relay token is the
+  last position, so causally only the previous w tokens remain, as the paper notes in H.1).
+- RANDOM: k uniform keys per query (plus the query itself), masked to the lower triangle,
+  drawn anew for every head, layer and seed; k is chosen so that its measured sparsity matches
+  the mean of the deterministic columns at the same w.
+- dense: full causal attention (the reference, sparsity 0).
+
+Sparsity is measured with ``graph(n).sparsity`` (causal denominator n(n + 1)/2); MULTIHEAD and
+SEQUENTIAL give the mean over their two parts. The model is :class:`~sparseattn.models.Encoder`
+(pre-LN blocks, tied read-out) run with causal patterns: every layer's graph keeps keys j ≤ i
+only, so position i predicts byte i + 1 from bytes ≤ i. AdamW, linear warm-up, cosine decay.
+
+Scale-out as in :mod:`sparseattn.experiments.copying`: under ``torchrun`` the pending cells are
+spread over the workers (``parallel="cells"``) or every cell is trained by all workers with
+DistributedDataParallel (``parallel="data"``). Writes ``<out_dir>/<run>/config.json``,
+``cells/<column>-w<w>-s<seed>.json`` (atomically; a re-run skips finished cells), ``table.md``,
+``metrics.json`` and ``lm.png``. Run: ``sparseattn lm`` (``--help``), ``torchrun
+--nproc_per_node 2 -m sparseattn.cli lm``, or ``run(LMConfig())``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from ..corpus import load_corpus
+from ..models import Encoder, EncoderConfig
+from ..patterns import (
+    Pattern,
+    PatternCycle,
+    block_local,
+    causal_fixed,
+    causal_strided,
+    cycle,
+    dense,
+    fixed,
+    random,
+    split_heads,
+    star,
+    strided,
+    union,
+)
+from ..results import atomic_write, machine_facts, save_figure, write_json
+from .copying import Dist, init_distributed, sparsity
+
+#: The curves of Fig. 1a (plus dense attention as a reference), in table order.
+COLUMNS = (
+    "strided-union",
+    "strided-multihead",
+    "strided-sequential",
+    "fixed-union",
+    "fixed-multihead",
+    "fixed-sequential",
+    "star",
+    "random",
+    "dense",
+)
+
+#: What the paper reports from Fig. 1a (§5 "Language modeling" and "Discussion").
+PAPER_FINDINGS = (
+    "STRIDED and STAR achieve the best performance across all sparsity levels",
+    "for STRIDED and FIXED, the UNION configuration performs best",
+    "RANDOM performs worse than the deterministic patterns",
+)
+
+#: Bytes are the tokens: no tokenizer, no unknown symbols.
+VOCAB = 256
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """One Fig. 1a sweep. Fields up to ``dtype`` define a cell's result; the rest select cells
+    (``widths``, ``seeds``, ``columns``) or say where and how to run."""
+
+    n: int = 256  # context length in bytes (paper: 256 word pieces)
+    d: int = 64  # embedding dimension (paper: 256); heads of size d / heads
+    heads: int = 4  # attention heads per layer (paper: 8)
+    layers: int = 2  # Transformer blocks (paper: 12)
+    ffn_mult: int = 4  # feed-forward width r = ffn_mult · d (paper: 1024 = 4d)
+    dropout: float = 0.0
+    steps: int = 300  # optimiser steps per cell (paper: 240K)
+    batch_size: int = 8  # global batch of windows, sharded over data-parallel workers
+    lr: float = 3e-3  # peak learning rate
+    warmup: int = 30  # linear warm-up steps (paper: 10K), then cosine decay to 0
+    weight_decay: float = 0.01  # AdamW (paper: Adafactor with weight decay)
+    clip: float = 1.0  # gradient-norm clipping (0: off)
+    causal_form: str = "child"  # STRIDED/FIXED: "child" (Child et al.) or "tril" (Yun G.2)
+    dtype: str = "float32"
+    widths: tuple[int, ...] = (16, 32, 64)  # segment lengths w: one sparsity level each
+    seeds: tuple[int, ...] = (0, 1)  # model init, batch order and RANDOM's draws
+    columns: tuple[str, ...] = COLUMNS
+    engine: str = "dense"  # attention engine; masked dense is the fastest at n <= 256 on CPU
+    parallel: str = "cells"  # under torchrun: "cells" (one cell per worker) or "data" (DDP)
+    device: str = "auto"  # "auto": cuda:<LOCAL_RANK> when CUDA is available, else cpu
+    eval_batch: int = 32
+    run: str | None = None  # run folder name; default derived from the result-defining fields
+    out_dir: str = "results/lm"
+    threads: int = 1  # torch threads per process (the machine is shared)
+    progress: bool = True
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that determine a cell's result (a re-run with equal identity resumes)."""
+        names = [f.name for f in dataclasses.fields(self)]
+        return {k: getattr(self, k) for k in names[: names.index("dtype") + 1]}
+
+    def run_name(self) -> str:
+        if self.run:
+            return self.run
+        digest = hashlib.sha1(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
+        return f"n{self.n}-d{self.d}-L{self.layers}-{self.steps}steps-{digest[:8]}"
+
+    def validate(self) -> LMConfig:
+        """Check every field; raises ValueError naming the field and what was expected."""
+        if self.n < 8:
+            raise ValueError(f"n must be >= 8, got {self.n}")
+        if self.d < 1 or self.heads < 2 or self.d % self.heads:
+            raise ValueError(
+                f"d ({self.d}) must be a positive multiple of heads ({self.heads} >= 2)"
+            )
+        for name in ("layers", "ffn_mult", "steps", "batch_size", "eval_batch", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0 or self.lr <= 0 or self.weight_decay < 0 or self.clip < 0:
+            raise ValueError("warmup, weight_decay and clip must be >= 0 and lr > 0")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
+        if self.causal_form not in ("child", "tril"):
+            raise ValueError(f"causal_form must be 'child' or 'tril', got {self.causal_form!r}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
+        if not self.widths or not all(1 <= w < self.n for w in self.widths):
+            raise ValueError(f"widths must be a non-empty list of w in [1, n), got {self.widths}")
+        if not self.seeds or min(self.seeds) < 0:
+            raise ValueError(f"seeds must be a non-empty list of integers >= 0, got {self.seeds}")
+        unknown = [c for c in self.columns if c not in COLUMNS]
+        if unknown or not self.columns:
+            raise ValueError(f"columns must be a non-empty subset of {COLUMNS}, got {unknown}")
+        if self.parallel not in ("cells", "data"):
+            raise ValueError(f"parallel must be 'cells' or 'data', got {self.parallel!r}")
+        return self
+
+
+def quick_config(**overrides: Any) -> LMConfig:
+    """A smoke-test sweep: every column at two widths, n = 64, one seed (seconds)."""
+    base = dict(n=64, d=32, steps=20, warmup=5, batch_size=8, widths=(4, 8), seeds=(0,))
+    return replace(LMConfig(), **{**base, **overrides})
+
+
+# ---------------------------------------------------------------------------- data
+def byte_stream(split: str) -> Tensor:
+    """LongTensor[T]: the UTF-8 bytes of a corpus split, passages joined by newlines."""
+    passages = load_corpus().split(split)
+    data = "\n".join(p.text for p in passages).encode("utf-8")
+    return torch.tensor(list(data), dtype=torch.long)
+
+
+def train_windows(stream: Tensor, n: int, count: int, generator: torch.Generator) -> Tensor:
+    """LongTensor[count, n + 1]: windows of the stream at uniform random starts."""
+    if stream.numel() < n + 1:
+        raise ValueError(f"the training text ({stream.numel()} bytes) is shorter than n + 1")
+    starts = torch.randint(stream.numel() - n, (count,), generator=generator)
+    return stream[starts[:, None] + torch.arange(n + 1)]
+
+
+def eval_windows(stream: Tensor, n: int) -> Tensor:
+    """LongTensor[m, n + 1]: consecutive windows overlapping by one byte, so that every byte
+    after the first of the first ``m · n + 1`` is predicted exactly once."""
+    m = (stream.numel() - 1) // n
+    if m < 1:
+        raise ValueError(f"the validation text ({stream.numel()} bytes) is shorter than n + 1")
+    return stream[torch.arange(m)[:, None] * n + torch.arange(n + 1)]
+
+
+# ---------------------------------------------------------------------------- patterns
+def column_pattern(column: str, w: int, config: LMConfig, seed: int = 0) -> Pattern | PatternCycle:
+    """The causal pattern (or SEQUENTIAL cycle) of one Fig. 1a curve at segment length w."""
+    family, _, heads = column.partition("-")
+    if family in ("strided", "fixed"):
+        if config.causal_form == "child":
+            make = causal_strided if family == "strided" else causal_fixed
+            a1, a2, both = make(w, 1), make(w, 2), make(w)
+        else:
+            make = strided if family == "strided" else fixed
+            a1, a2, both = make(w, 1).causal(), make(w, 2).causal(), make(w).causal()
+        if heads == "union":
+            return both
+        return split_heads(a1, a2) if heads == "multihead" else cycle(a1, a2)
+    if column == "star":
+        return star(w).causal()
+    if column == "random":
+        return random_pattern(random_keys(w, config), config, seed)
+    if column == "dense":
+        return dense().causal()
+    raise ValueError(f"column must be one of {COLUMNS}, got {column!r}")
+
+
+def random_pattern(k: int, config: LMConfig, seed: int, layers: int | None = None) -> PatternCycle:
+    """RANDOM: per head (a MULTIHEAD split) and per layer (a SEQUENTIAL cycle over ``layers``,
+    default ``config.layers``) k uniform keys per query among all n, masked to j ≤ i, plus the
+    query itself (a causal row could otherwise be empty). Head h of layer l is seeded by
+    (seed, l, h)."""
+    layers = config.layers if layers is None else layers
+    h = config.heads
+
+    def one(s: int) -> Pattern:
+        return union(random(k=k, seed=s), block_local(1)).causal()
+
+    return cycle(
+        *(
+            split_heads(*(one(seed * 10_007 + layer * h + i) for i in range(h)))
+            for layer in range(layers)
+        )
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def random_target(w: int, config: LMConfig) -> float:
+    """The sparsity RANDOM is matched to at segment length w: the mean over the deterministic
+    sparse columns (STRIDED, FIXED in all three configurations, STAR)."""
+    others = [c for c in COLUMNS if c not in ("random", "dense")]
+    levels = [sparsity(column_pattern(c, w, config), config.n, config.heads) for c in others]
+    return sum(levels) / len(levels)
+
+
+def random_keys(w: int, config: LMConfig) -> int:
+    """Keys per query k whose expected RANDOM sparsity is closest to :func:`random_target`.
+
+    Row i keeps the drawn keys j <= i, k(i + 1)/n of them on average, plus the query itself
+    when it was not drawn (probability 1 − k/n), so the expected edge count is
+    E(k) = k(n + 1)/2 + n − k and the sparsity 1 − E(k) / (n(n + 1)/2); solved for k and
+    rounded. The measured sparsity of the drawn graphs is what the results report.
+    """
+    n = config.n
+    edges = (1 - random_target(w, config)) * n * (n + 1) / 2
+    return min(n, max(1, round((edges - n) / ((n - 1) / 2))))
+
+
+def layer_patterns(pattern: Pattern | PatternCycle, layers: int) -> list[Pattern]:
+    """The pattern each of ``layers`` layers uses (a cycle: layer l gets pattern l mod p)."""
+    return [pattern[l] if isinstance(pattern, PatternCycle) else pattern for l in range(layers)]
+
+
+# ---------------------------------------------------------------------------- training
+def make_model(config: LMConfig) -> Encoder:
+    """The byte-level model: ``Encoder`` with n learned positions and a tied read-out."""
+    return Encoder(
+        EncoderConfig(
+            vocab_size=VOCAB,
+            max_len=config.n,
+            dim=config.d,
+            heads=config.heads,
+            layers=config.layers,
+            ffn_mult=config.ffn_mult,
+            dropout=config.dropout,
+            engine=config.engine,
+        )
+    )
+
+
+def next_byte_logits(net: nn.Module, windows: Tensor, pattern: Pattern | PatternCycle) -> Tensor:
+    """FloatTensor[B, n, 256]: the scores of byte i + 1 at every position i of
+    ``windows[:, :n]`` (LongTensor[B, n + 1]). ``net`` is the Encoder or its DDP wrapper."""
+    hidden = net(windows[:, :-1], pattern)
+    model = net.module if isinstance(net, nn.parallel.DistributedDataParallel) else net
+    return model.mlm_logits(hidden)
+
+
+def _device(config: LMConfig) -> torch.device:
+    if config.device != "auto":
+        return torch.device(config.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _lr_factor(config: LMConfig, step: int) -> float:
+    if step < config.warmup:
+        return (step + 1) / config.warmup
+    t = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    pattern: Pattern | PatternCycle,
+    windows: Tensor,
+    config: LMConfig,
+    dist: Dist | None = None,
+) -> dict[str, float]:
+    """Mean next-byte cross-entropy (nats), perplexity and bits per byte on ``windows``
+    (LongTensor[m, n + 1]); workers split the windows and sum their losses."""
+    dist = dist or Dist()
+    model.eval()
+    device = next(model.parameters()).device
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, bytes)
+    mine = windows[dist.rank :: dist.world]
+    for start in range(0, mine.shape[0], config.eval_batch):
+        batch = mine[start : start + config.eval_batch].to(device)
+        logits = next_byte_logits(model, batch, pattern)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1), reduction="sum")
+        total += torch.stack([loss.double(), torch.tensor(float(batch[:, 1:].numel()))])
+    if dist.world > 1:
+        tdist.all_reduce(total)
+    model.train()
+    nats = (total[0] / total[1]).item()
+    return {
+        "loss": nats,
+        "perplexity": math.exp(nats),
+        "bits_per_byte": nats / math.log(2),
+        "eval_bytes": int(total[1].item()),
+    }
+
+
+def train(
+    config: LMConfig,
+    column: str,
+    w: int | None,
+    seed: int,
+    dist: Dist | None = None,
+    data: tuple[Tensor, Tensor] | None = None,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Train one cell (column × w × seed) and evaluate it on the validation windows.
+
+    ``w`` is None for dense. With ``dist.world > 1`` (an initialised process group) every worker
+    draws the same global batch, keeps its slice ``rank::world`` and DistributedDataParallel
+    averages the gradients — the update of one process on the whole batch. Returns the
+    (unwrapped) model and the cell's metrics.
+    """
+    config.validate()
+    dist = dist or Dist()
+    if config.batch_size % dist.world:
+        raise ValueError(
+            f"batch_size ({config.batch_size}) must be divisible by the workers ({dist.world})"
+        )
+    device = _device(config)
+    train_stream, val_windows = data if data is not None else datasets(config)
+    pattern = column_pattern(column, w or 1, config, seed)
+    torch.manual_seed(seed)
+    model = make_model(config).to(device=device, dtype=getattr(torch, config.dtype))
+    net: nn.Module = model
+    if dist.world > 1:
+        ids = [device.index] if device.type == "cuda" else None
+        net = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    opt = _optimiser(model, config)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(config, s))
+    batches = torch.Generator().manual_seed(seed + 1)
+    curve: list[dict[str, float]] = []
+    every = max(1, config.steps // 20)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    bar = tqdm(
+        range(config.steps),
+        desc=cell_name(column, w, seed) + (f" [rank {dist.rank}]" if dist.world > 1 else ""),
+        leave=False,
+        disable=not config.progress or dist.rank != 0,
+    )
+    for step in bar:
+        windows = train_windows(train_stream, config.n, config.batch_size, batches)
+        batch = windows[dist.rank :: dist.world].to(device)
+        logits = next_byte_logits(net, batch, pattern)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if config.clip:
+            nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+        opt.step()
+        sched.step()
+        if step % every == 0 or step == config.steps - 1:
+            curve.append({"step": step, "loss": loss.item()})
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    metrics: dict[str, Any] = {
+        "column": column,
+        "w": w,
+        "seed": seed,
+        "sparsity": sparsity(pattern, config.n, config.heads),
+        "sparsity_layers": [
+            sparsity(p, config.n, config.heads) for p in layer_patterns(pattern, config.layers)
+        ],
+        "pattern": repr(pattern) if isinstance(pattern, Pattern) else repr(list(pattern)),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "final_train_loss": curve[-1]["loss"],
+        "curve": curve,
+        "train_seconds": time.perf_counter() - wall0,
+        "train_cpu_seconds": time.process_time() - cpu0,
+        "steps": config.steps,
+        "workers": dist.world,
+    }
+    if column == "random":
+        metrics["random_keys_per_query"] = random_keys(w, config)
+        metrics["random_target_sparsity"] = random_target(w, config)
+    metrics.update(evaluate(model, pattern, val_windows, config, dist))
+    return model, metrics
+
+
+def _optimiser(model: nn.Module, config: LMConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on the matrices only (not on biases, norms, positions)."""
+    decay = [p for name, p in model.named_parameters() if p.dim() >= 2 and name != "pos"]
+    rest = [p for name, p in model.named_parameters() if p.dim() < 2 or name == "pos"]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest}]
+    return torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
+
+
+def datasets(config: LMConfig) -> tuple[Tensor, Tensor]:
+    """(training byte stream LongTensor[T], validation windows LongTensor[m, n + 1])."""
+    return byte_stream("train"), eval_windows(byte_stream("validation"), config.n)
+
+
+# ---------------------------------------------------------------------------- sweep
+def cell_name(column: str, w: int | None, seed: int) -> str:
+    """``<column>-w<w>-s<seed>``; dense has no w: ``dense-s<seed>``."""
+    return f"{column}-s{seed}" if w is None else f"{column}-w{w}-s{seed}"
+
+
+def cell_keys(config: LMConfig) -> list[tuple[str, int | None, int]]:
+    """Every (column, w, seed) the config asks for; dense once per seed."""
+    keys = []
+    for seed in config.seeds:
+        for column in config.columns:
+            widths = [None] if column == "dense" else sorted(config.widths)
+            keys += [(column, w, seed) for w in widths]
+    return keys
+
+
+def load_cells(folder: Path) -> dict[str, dict[str, Any]]:
+    """The finished cells of a run folder, by cell name."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted((folder / "cells").glob("*.json"))}
+
+
+def summarise(cells: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Seeds pooled per (column, w): mean / min / max perplexity, sparsity and seed count,
+    keyed ``<column>-w<w>`` (``dense`` for dense)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for cell in cells.values():
+        key = cell["column"] if cell["w"] is None else f"{cell['column']}-w{cell['w']}"
+        groups.setdefault(key, []).append(cell)
+    out = {}
+    for key, group in groups.items():
+        ppl = [c["perplexity"] for c in group]
+        out[key] = {
+            "column": group[0]["column"],
+            "w": group[0]["w"],
+            "sparsity": sum(c["sparsity"] for c in group) / len(group),
+            "perplexity": sum(ppl) / len(ppl),
+            "perplexity_min": min(ppl),
+            "perplexity_max": max(ppl),
+            "seeds": sorted(c["seed"] for c in group),
+        }
+    return out
+
+
+def _label(column: str) -> str:
+    family, _, heads = column.partition("-")
+    return f"{family.upper()} {heads.upper()}" if heads else family.upper()
+
+
+def table_markdown(config: LMConfig, summary: dict[str, dict[str, Any]]) -> str:
+    """One row per column, one column per w: mean validation perplexity over seeds (± half
+    the min–max spread) and the measured sparsity in parentheses; "—" where nothing ran."""
+    widths = sorted({s["w"] for s in summary.values() if s["w"] is not None})
+    lines = [
+        "| pattern | " + " | ".join(f"w = {w}" for w in widths) + " |",
+        "|---|" + "---:|" * len(widths),
+    ]
+    for column in COLUMNS:
+        if column == "dense" and "dense" in summary:
+            lines.append(f"| DENSE | {_entry(summary['dense'])} |" + " |" * (len(widths) - 1))
+            continue
+        row = [summary.get(f"{column}-w{w}") for w in widths]
+        if any(row):
+            lines.append(f"| {_label(column)} | " + " | ".join(_entry(s) for s in row) + " |")
+    seeds = sorted({seed for s in summary.values() for seed in s["seeds"]})
+    lines += [
+        "",
+        f"Validation perplexity per byte (mean over seeds {seeds}, ± half the spread), byte-level "
+        f"LM, n = {config.n}, d = {config.d}, {config.layers} layers × {config.heads} heads, "
+        f"{config.steps} steps of batch {config.batch_size}, causal form {config.causal_form!r}."
+        " Percentages: measured sparsity (causal denominator n(n + 1)/2).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _entry(s: dict[str, Any] | None) -> str:
+    if s is None:
+        return "—"
+    spread = (s["perplexity_max"] - s["perplexity_min"]) / 2
+    return f"{s['perplexity']:.3f} ± {spread:.3f} ({s['sparsity']:.1%})"
+
+
+def findings(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The three Fig. 1a claims checked per w on this run: the best column, the best head
+    configuration of STRIDED and of FIXED, and RANDOM's rank among the sparse columns (1 =
+    best). Same w is not same sparsity (UNION is denser): read with the sparsity levels."""
+    out: dict[str, Any] = {}
+    widths = sorted({s["w"] for s in summary.values() if s["w"] is not None})
+    for w in widths:
+        at = {s["column"]: s["perplexity"] for s in summary.values() if s["w"] == w}
+        ranked = sorted(at, key=at.get)
+        entry: dict[str, Any] = {"ranking": ranked}
+        for family in ("strided", "fixed"):
+            configs = {c: p for c, p in at.items() if c.startswith(family + "-")}
+            if configs:
+                entry[f"best_{family}_configuration"] = min(configs, key=configs.get)
+        if "random" in at:
+            entry["random_rank"] = ranked.index("random") + 1
+            entry["sparse_columns"] = len(ranked)
+        out[f"w{w}"] = entry
+    return out
+
+
+def plot(config: LMConfig, summary: dict[str, dict[str, Any]], path: Path) -> None:
+    """Fig. 1a's axes: validation perplexity against sparsity, one curve per column (the mean
+    over seeds, bars from min to max), dense as a horizontal line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {"union": "-", "multihead": "--", "sequential": ":"}
+    colours = {
+        "strided": "tab:blue",
+        "fixed": "tab:orange",
+        "star": "tab:green",
+        "random": "tab:red",
+    }
+    for column in COLUMNS[:-1]:
+        points = sorted(
+            (s for s in summary.values() if s["column"] == column), key=lambda s: s["sparsity"]
+        )
+        if not points:
+            continue
+        x = [s["sparsity"] for s in points]
+        y = [s["perplexity"] for s in points]
+        err = [
+            [s["perplexity"] - s["perplexity_min"] for s in points],
+            [s["perplexity_max"] - s["perplexity"] for s in points],
+        ]
+        family, _, heads = column.partition("-")
+        ax.errorbar(
+            x,
+            y,
+            yerr=err,
+            marker="o",
+            ms=4,
+            capsize=2,
+            label=_label(column),
+            color=colours[family],
+            linestyle=styles.get(heads, "-"),
+        )
+    if "dense" in summary:
+        ax.axhline(summary["dense"]["perplexity"], color="black", lw=1, label="DENSE")
+    ax.set_xlabel("sparsity level (causal)")
+    ax.set_ylabel("validation perplexity per byte")
+    ax.set_title(
+        f"byte-level LM, n = {config.n}, {config.layers}×{config.heads} heads, "
+        f"d = {config.d}, {config.steps} steps ({config.causal_form})"
+    )
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    save_figure(fig, path)
+
+
+def _folder(config: LMConfig) -> Path:
+    folder = Path(config.out_dir) / config.run_name()
+    (folder / "cells").mkdir(parents=True, exist_ok=True)
+    config_path = folder / "config.json"
+    identity = json.loads(json.dumps(config.identity()))
+    if config_path.exists():
+        if json.loads(config_path.read_text()) != identity:
+            raise ValueError(f"run folder {folder} holds a different config; choose another run")
+    else:
+        write_json(config_path, identity)
+    return folder
+
+
+def run(config: LMConfig, dist: Dist | None = None) -> dict[str, Any]:
+    """Run (or resume) a sweep; returns the metrics written to ``metrics.json``.
+
+    Cells whose JSON exists are skipped. Under torchrun rank 0 lists the pending cells and
+    broadcasts the list; ``parallel="cells"`` gives pending cell j to worker j mod world,
+    ``parallel="data"`` trains each pending cell with all workers (DDP). Rank 0 writes the
+    table, metrics and figure at the end; a process group this call started is destroyed.
+    """
+    config.validate()
+    owns_group = dist is None and not (tdist.is_available() and tdist.is_initialized())
+    dist = init_distributed() if dist is None else dist
+    folder = _folder(config) if dist.rank == 0 else Path(config.out_dir) / config.run_name()
+    if dist.world > 1:
+        tdist.barrier()  # the folder and config.json exist before anyone looks at them
+    todo = cell_keys(config)
+    pending = [[k for k in todo if not (folder / "cells" / f"{cell_name(*k)}.json").exists()]]
+    if dist.world > 1:
+        tdist.broadcast_object_list(pending, src=0)
+    pending = pending[0]
+    mine, worker = (
+        (pending[dist.rank :: dist.world], Dist())
+        if config.parallel == "cells"
+        else (pending, dist)
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    machine = machine_facts()
+    data = datasets(config)
+    try:
+        bar = tqdm(
+            mine,
+            desc="lm cells" + (f" [rank {dist.rank}]" if dist.world > 1 else ""),
+            disable=not config.progress,
+        )
+        for column, w, seed in bar:
+            _, metrics = train(config, column, w, seed, worker, data)
+            metrics.update(machine=machine, rank=dist.rank, config=config.identity())
+            if dist.rank == 0 or config.parallel == "cells":  # one writer per cell
+                name = cell_name(column, w, seed)
+                write_json(folder / "cells" / f"{name}.json", metrics)
+                bar.write(
+                    f"{name}: perplexity {metrics['perplexity']:.3f} "
+                    f"({metrics['train_cpu_seconds']:.0f} s CPU)"
+                )
+    finally:
+        torch.set_num_threads(threads)
+    if dist.world > 1:
+        tdist.barrier()
+    result = _report(config, folder, todo, machine, dist)
+    if owns_group and dist.world > 1:
+        tdist.destroy_process_group()
+    return result
+
+
+def _report(config: LMConfig, folder: Path, todo: list, machine: dict, dist: Dist) -> dict:
+    """metrics.json / table.md / lm.png from the finished cells (written by rank 0)."""
+    cells = load_cells(folder)
+    summary = summarise(cells)
+    result = {
+        "run": config.run_name(),
+        "folder": str(folder),
+        "summary": summary,
+        "findings": findings(summary),
+        "paper_findings": list(PAPER_FINDINGS),
+        "complete": all(cell_name(*k) in cells for k in todo),
+        "train_seconds_total": sum(v["train_seconds"] for v in cells.values()),
+        "train_cpu_seconds_total": sum(v["train_cpu_seconds"] for v in cells.values()),
+        "machine": machine,
+        "workers": dist.world,
+        "table": table_markdown(config, summary),
+    }
+    if dist.rank == 0:
+        atomic_write(folder / "table.md", lambda tmp: Path(tmp).write_text(result["table"]))
+        write_json(folder / "metrics.json", result)
+        plot(config, summary, folder / "lm.png")
+    return result
