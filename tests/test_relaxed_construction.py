@@ -111,9 +111,11 @@ def test_softmax_error_decays_like_exp_of_minus_zeta_h_t(small):
 
 
 @pytest.mark.parametrize("prob_map", ["softmax", "sparsemax", "entmax15"])
-def test_f2_bound_holds_at_assumption2_t_with_the_runs_margin(small, prob_map):
+@pytest.mark.parametrize("margin", ["run", "delta^2/2"])
+def test_f2_bound_holds_at_assumption2_t_with_the_true_margin(small, prob_map, margin):
     cm, _, _, zeta_h = small
-    t, _ = step3_temperature(cm, prob_map, float(zeta_h))
+    zeta = float(zeta_h) if margin == "run" else float(cm.delta) ** 2 / 2
+    t, _ = step3_temperature(cm, prob_map, zeta)
     assert error(small, prob_map, t) <= float(cm.delta) / 4  # F.2: |g̃_c − g_c| ≤ δ̃/4
 
 

@@ -460,10 +460,12 @@ def _row(ref: _Reference, rho: ProbabilityMap, t: float, label: str) -> RelaxedR
 
 
 def _special_ts(cm: ContextualMapping, rho: ProbabilityMap, zeta_h: Fraction) -> dict[float, str]:
-    """The t of Assumption 2 at ζ = δ/2 and ζ = ζ_H, and the exactness threshold, by name
+    """The t of Assumption 2 at ζ = δ/2 (F.2), δ²/2 (the selective shifts' least margin) and
+    ζ_H, and the exactness threshold, by name
     (rounded to 12 significant digits, so that t's equal up to rounding share a row)."""
     found = [
         (step3_temperature(cm, rho, float(cm.delta) / 2)[0], "t_A2(ζ = δ/2)"),
+        (step3_temperature(cm, rho, float(cm.delta) ** 2 / 2)[0], "t_A2(ζ = δ²/2)"),
         (step3_temperature(cm, rho, float(zeta_h))[0], "t_A2(ζ_H)"),
         (exact_threshold(rho, zeta_h), "exact from here"),
     ]
@@ -492,9 +494,10 @@ def relaxed_error_table(
 ) -> RelaxedTable:
     """Run Yun's g_c with σ_H → ρ[t·] (appendix F.2) over a grid of t, against exact hardmax.
 
-    For each map, the t of ``ts`` plus the t of Assumption 2 at F.2's η with ζ = δ/2 and with
-    the run's margin ζ_H, and (sparse maps) the exactness threshold 1/((α − 1)ζ_H). Each row is
-    every grid input (or a seeded sample of ``max_inputs``) through
+    For each map, the t of ``ts`` plus the t of Assumption 2 at F.2's η with ζ = δ/2 (F.2's
+    choice), ζ = δ²/2 (the least margin of a selective shift: |z_k − b_Q| ≥ δ/2 times key gaps
+    ≥ δ) and the run's margin ζ_H, and (sparse maps) the exactness threshold 1/((α − 1)ζ_H).
+    Each row is every grid input (or a seeded sample of ``max_inputs``) through
     :func:`relaxed_attention`, compared with the Fraction interpreter's ids, then through
     Lemma 8's value mapping (F.3's ReLU form) for f̄ = :func:`prefix_max`.
 
@@ -566,7 +569,7 @@ def format_relaxed_summary(
     lines = ["| t | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for t in ts:
         lines.append(f"| {t:g} | " + " | ".join(_cell(by.get((m, t))) for m in names) + " |")
-    for label in ("t_A2(ζ = δ/2)", "t_A2(ζ_H)", "exact from here"):
+    for label in ("t_A2(ζ = δ/2)", "t_A2(ζ = δ²/2)", "t_A2(ζ_H)", "exact from here"):
         cells = []
         for m in names:
             row = next((r for r in table.rows if r.prob_map == m and label in r.label), None)
