@@ -77,6 +77,31 @@ def test_graph_cache_is_bounded_lru():
     assert pattern.graph(16) == first
 
 
+def test_a_sparsified_gqa_decoder_plans_once_per_length(monkeypatch):
+    """Through hf.sparsify on a grouped-query decoder the block plan is built once per length,
+    not per call and layer: the stacked-query graph and its size-1-squeezed form are cached
+    on the pattern's graph (they were rebuilt on every call, with the plan)."""
+    import transformers
+
+    from sparseattn import hf
+
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(config).eval()
+    hf.sparsify(model, sa.sliding_window(16, 2), engine="block")
+    built = []
+    real = block_module._build_plan
+    monkeypatch.setattr(block_module, "_build_plan", lambda *a: built.append(1) or real(*a))
+    ids = torch.randint(0, 50, (1, 200))
+    with torch.no_grad():
+        for _ in range(3):
+            model(input_ids=ids)
+    assert len(built) == 1
+
+
 def test_data_dependent_patterns_build_per_call():
     q, k, _ = _qkv(20)
     top = sa.topk(3)

@@ -13,7 +13,10 @@ inputs (fp32, batch 1, torch's threads; medians of ``repeats`` after a warm-up c
   cached call that follows;
 * **hf** — a BERT model of all-MiniLM-L6-v2's shape (built from a config, random weights,
   nothing downloaded) with ``hf.sparsify(model, pattern)`` against the same model on its
-  ``sdpa`` implementation, and the embedded MiniLM itself at its 512-token limit.
+  ``sdpa`` implementation, and the embedded MiniLM itself at its 512-token limit;
+* **prefill** (suite ``prefill``) — a Llama-shaped decoder (8 layers, width 512, 8 heads, 2
+  key/value heads) filling its KV cache from an n-token prompt, with
+  ``hf.sparsify(model, sliding_window(w, sinks))`` against its causal ``sdpa``.
 
 A dense baseline whose estimated memory passes ``mem_cap_gb``, or whose previous length hit
 ``time_cap_s``, is reported as skipped with the reason. Results: ``results.json`` (after every
@@ -50,6 +53,7 @@ class UserSuite:
     global_tokens: int = 16
     hf_ns: tuple[int, ...] = (2048, 8192)
     minilm: bool = True
+    prefill_ns: tuple[int, ...] = ()
     repeats: int = 3
     time_cap_s: float = 60.0
     mem_cap_gb: float = 12.0
@@ -59,6 +63,8 @@ USER_SUITES = {
     "user": UserSuite("user"),
     "user-quick": UserSuite("user-quick", ns=(1024, 2048), hf_ns=(1024,), repeats=2,
                             time_cap_s=10.0),
+    "prefill": UserSuite("prefill", ns=(), hf_ns=(), minilm=False,
+                         prefill_ns=(4096, 8192, 16384, 32768), repeats=2, time_cap_s=120.0),
 }
 
 #: (section, what is timed for sparseattn, what for the dense baseline)
@@ -69,6 +75,7 @@ COMPARISONS = {
     "functional forward+backward": ("sparse_attention(pattern)", "SDPA, same mask"),
     "first call": ("first call, new length", "cached call"),
     "hf forward": ("hf.sparsify", "sdpa"),
+    "llama prefill": ("hf.sparsify", "sdpa"),
 }
 
 
@@ -97,7 +104,11 @@ def run_user_suite(suite: UserSuite, out_dir: Path, log: Callable[[str], None] =
                    ns: tuple[int, ...] | None = None) -> dict:
     """Run ``suite`` (lengths ``ns`` if given) and write its results into ``out_dir``."""
     if ns:
-        suite = dataclasses.replace(suite, ns=tuple(ns), hf_ns=tuple(n for n in ns if n > 512))
+        if suite.prefill_ns:
+            suite = dataclasses.replace(suite, prefill_ns=tuple(ns))
+        else:
+            suite = dataclasses.replace(suite, ns=tuple(ns),
+                                        hf_ns=tuple(n for n in ns if n > 512))
     out_dir.mkdir(parents=True, exist_ok=True)
     header = {"suite": dataclasses.asdict(suite), "machine": machine_facts(),
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -111,6 +122,8 @@ def run_user_suite(suite: UserSuite, out_dir: Path, log: Callable[[str], None] =
         _hf_section(suite, n, rec, log, stopped)
     if suite.minilm:
         _hf_section(suite, 512, rec, log, stopped, minilm=True)
+    for n in suite.prefill_ns:
+        _prefill_section(suite, n, rec, log, stopped)
     rec.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     rec.data["load_end"] = machine_facts()["load_average"]
     write_json(out_dir / "results.json", rec.data)
@@ -257,6 +270,36 @@ def _hf_section(suite, n, rec, log, stopped, minilm: bool = False) -> None:
     hf.sparsify(model, pattern=sa.longformer(64, 1) if minilm else _pattern(suite))
     _time(rec, log, stopped, section, n, "hf.sparsify", run, suite)
     hf.restore(model)
+
+
+def _llama(n: int):
+    """A Llama-shaped decoder (8 layers, width 512, 8 heads, 2 key/value heads; random
+    weights, built from a config) with room for n positions; no LM head (a prefill computes
+    the logits of the last position only)."""
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408,
+                         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                         max_position_embeddings=n, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaModel(config).eval()
+
+
+def _prefill_section(suite, n, rec, log, stopped) -> None:
+    """Prefill (the prompt's forward pass that fills the KV cache) of the Llama-shaped model:
+    ``hf.sparsify(model, sliding_window(w, sinks))`` against its own ``sdpa`` (causal)."""
+    import sparseattn as sa
+    from sparseattn import hf
+
+    section = "llama prefill"
+    if rec.get(section, n, "hf.sparsify") and rec.get(section, n, "sdpa"):
+        return
+    model = _llama(n)
+    ids = torch.randint(0, 32000, (1, n), generator=torch.Generator().manual_seed(n))
+    run = torch.no_grad()(lambda: model(input_ids=ids, use_cache=True).last_hidden_state)
+    _time(rec, log, stopped, section, n, "sdpa", run, suite)
+    hf.sparsify(model, sa.sliding_window(suite.window, suite.global_tokens))
+    _time(rec, log, stopped, section, n, "hf.sparsify", run, suite)
 
 
 # ----------------------------------------------------------------------------- reporting

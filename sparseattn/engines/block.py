@@ -827,10 +827,21 @@ def _lead_and_graph(graph: AttentionGraph, bsz: int, heads: int) -> tuple[int, A
     """How the (B, H) pairs ride along: L = B·H / G, with G the graphs the plan covers."""
     shape = graph.batch_shape
     if math.prod(shape) == 1:
-        return bsz * heads, graph[(0,) * len(shape)] if shape else graph
+        return bsz * heads, _squeezed(graph, len(shape))
     if all(s == 1 for s in shape[:-1]) and shape[-1] == heads:
-        return bsz, graph[(0,) * (len(shape) - 1)] if len(shape) > 1 else graph
+        return bsz, _squeezed(graph, len(shape) - 1)
     return 1, graph.expand((bsz, heads))
+
+
+def _squeezed(graph: AttentionGraph, dims: int) -> AttentionGraph:
+    """``graph`` without its ``dims`` leading size-1 batch dims; the same object on every call
+    (cached on the graph), so that its block plan is built once."""
+    if not dims:
+        return graph
+    cache = graph.__dict__.setdefault("_squeezed", {})
+    if dims not in cache:
+        cache[dims] = graph[(0,) * dims]
+    return cache[dims]
 
 
 def block_attention(
