@@ -49,18 +49,18 @@ __all__ = [
     "ValueMapping",
     "check_float64_ids",
     "cycle_patterns",
+    "exact_threshold",
+    "format_relaxed_summary",
+    "format_relaxed_table",
     "grid_inputs",
     "hardmax_margin",
+    "prefix_max",
     "relaxed_attention",
     "relaxed_context_ids",
     "relaxed_error_table",
     "step3_eta",
     "step3_temperature",
-    "prefix_max",
     "value_mapping",
-    "exact_threshold",
-    "format_relaxed_summary",
-    "format_relaxed_table",
 ]
 
 
