@@ -7,6 +7,8 @@
   run in exact arithmetic on every grid input;
 * :mod:`.expressivity` — which patterns a self-attention matrix can express (Likhosherstov
   et al.): SAM, weak approximation, Algorithm 1, the Theorem 0.4 construction;
+* :mod:`.relaxed` — Yun Theorem 1 step 3: the contextual mapping with softmax, sparsemax or
+  1.5-entmax at temperature t through ``sparse_attention``, against the exact hardmax ids;
 * :mod:`.order_types` — the exact d = 2 decider of weak approximation for n <= 6 (planar order
   types), against which the d > 1 search is checked.
 """
@@ -57,6 +59,12 @@ from .order_types import (
     separable_subsets,
     weak_sam_approx_d2,
 )
+from .relaxed import (
+    exact_threshold,
+    relaxed_context_ids,
+    relaxed_error_table,
+    step3_temperature,
+)
 
 __all__ = [
     "RatioErrors",
@@ -76,6 +84,10 @@ __all__ = [
     "weak_sam_approx_d1",
     "weak_sam_approx_d1_lp",
     "weakly_approximates",
+    "exact_threshold",
+    "relaxed_context_ids",
+    "relaxed_error_table",
+    "step3_temperature",
     "OrderType",
     "candidate_chirotopes",
     "chirotope",
