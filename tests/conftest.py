@@ -99,12 +99,14 @@ class _TestTensorsOn(TorchFunctionMode):
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
+        self.moved = 0  # how many tensors were made on ``device`` (tests/test_gpu.py)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _FACTORIES or "device" in kwargs or not _called_from_a_test():
             return func(*args, **kwargs)
         grad = kwargs.pop("requires_grad", False)
+        self.moved += 1
         out = func(*args, **kwargs).to(self.device)
         return out.requires_grad_() if grad else out
 

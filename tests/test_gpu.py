@@ -39,6 +39,21 @@ def _qkv(n, dtype, device, grad=False, heads=4, d=32, seed=0):
             for _ in range(3)]
 
 
+def test_the_device_option_moves_the_tests_tensors_only():
+    """``--device``'s mode (tests/conftest.py) takes tensors made here, with or without
+    ``requires_grad`` (which stays a leaf), and leaves the library's own allocations alone."""
+    from conftest import _TestTensorsOn
+
+    with _TestTensorsOn(torch.device("cpu")) as mode:
+        x = torch.randn(3, requires_grad=True)
+        torch.zeros(2, device="cpu")  # an explicit device is kept
+        assert (mode.moved, x.is_leaf, x.requires_grad) == (1, True, True)
+        sa.window(4).graph(64)  # builds with torch.arange & co inside sparseattn
+        sa.sparse_attention(x.view(1, 1, 3, 1), x.view(1, 1, 3, 1), x.view(1, 1, 3, 1),
+                            sa.dense(), "entmax15")
+        assert mode.moved == 1
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("rho", ["softmax", "entmax15", "sparsemax"])
 @pytest.mark.parametrize("engine", ["dense", "block", "gather", "rows"])
