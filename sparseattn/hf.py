@@ -600,10 +600,13 @@ def _shifted_graph(pattern: Pattern, q: Tensor, k: Tensor, pads: Tensor) -> Atte
 
 def _layer_graph(spec: LayerSpec, q: Tensor, k: Tensor, view: _MaskView) -> AttentionGraph:
     """The layer's graph for this call: the (causal) pattern, laid over real tokens when a
-    decoder batch is left-padded, ∩ the model's own structure."""
+    decoder batch is left-padded (or given the key padding, for patterns that take it:
+    predicted patterns rank real tokens only), ∩ the model's own structure."""
     pattern = spec.causal_pattern if view.causal else spec.pattern
     if view.pads is not None and isinstance(pattern, Pattern):
         graph = _shifted_graph(pattern, q, k, view.pads)
+    elif getattr(pattern, "uses_key_padding", False) and view.kpm is not None:
+        graph = resolve_graph(pattern.build(q, k, key_padding_mask=view.kpm), q, k)
     else:
         graph = resolve_graph(pattern, q, k)
     if view.structure is not None:

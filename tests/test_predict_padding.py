@@ -212,18 +212,21 @@ def _tiny_bert():
     return transformers.AutoModel.from_config(config).eval()
 
 
-def _run(model, batch):
+def _run(model, batch, records_out=None):
     """Last hidden state and each layer's allowed real pairs (B, H, n, n)."""
     with torch.no_grad(), hf.capture_attention(model) as records:
         out = model(**batch).last_hidden_state
         allowed = [r.allowed.expand(r.scores.shape).clone() for r in records]
+        if records_out is not None:
+            records_out.extend(records)
     return out, allowed
 
 
 def test_predicted_pattern_in_hf_sparsify_on_a_padded_batch():
-    """A padded batch through a sparsified model, inside ``key_padding``: every layer's graph on
-    real tokens and the real tokens' outputs equal those of each sequence run alone; without
-    the block the graph on real tokens changes (the bug the block fixes)."""
+    """A padded batch through a sparsified model: every layer's graph on real tokens and the
+    real tokens' outputs equal those of each sequence run alone, with or without a
+    ``key_padding`` block (hf.sparsify hands the model's padding mask over itself); the same
+    pattern built on the padded batch without any mask changes the real pairs (the bug)."""
     model = _tiny_bert()
     lengths = (20, 13)
     gen = torch.Generator().manual_seed(1)
@@ -245,7 +248,12 @@ def test_predicted_pattern_in_hf_sparsify_on_a_padded_batch():
             batch = {"input_ids": ids, "attention_mask": mask}
             with key_padding(mask):
                 out, allowed = _run(model, batch)
-            blind_out, blind = _run(model, batch)
+            records = []
+            auto_out, auto = _run(model, batch, records)
+            torch.testing.assert_close(auto_out, out)
+            assert all(torch.equal(a, b) for a, b in zip(auto, allowed, strict=True))
+            pattern = PredictedPattern(predictor, FixedParts(1, True, True))
+            blind = [pattern.build(r.q, r.k).to_dense().expand(r.scores.shape) for r in records]
             changed = False
             for b, length in enumerate(lengths):
                 alone_out, alone = _run(

@@ -8,12 +8,13 @@ weights.
 Padding. A predicted graph depends on which tokens are real: quantization and Routing rank the
 tokens of a sequence, k-means and LSH put padding into buckets, the last global token is the last
 *real* one ([SEP]). :meth:`PredictedPattern.build` takes the key padding mask (B, n) and then
-gives, on real tokens, exactly the graph of the unpadded sequence. Models run through
-:func:`sparseattn.hf.sparsify` call ``build(q, k)`` without the mask; wrap such calls in
+gives, on real tokens, exactly the graph of the unpadded sequence. Inside
+:func:`sparseattn.hf.sparsify` the attention kernel passes the model's padding mask itself
+(``uses_key_padding``); elsewhere, callers that cannot pass it wrap their calls in
 :func:`key_padding`::
 
     with key_padding(batch["attention_mask"]):
-        out = model(**batch)
+        graph = pattern.build(q, k)
 """
 
 from __future__ import annotations
