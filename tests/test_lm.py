@@ -4,9 +4,12 @@ configuration's graphs (brute force over the edges and the model's logits), bad 
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
 
 from sparseattn.cli import main
 from sparseattn.experiments import lm
@@ -151,3 +154,45 @@ def test_bad_options_give_one_line_and_no_run_folder(argv, tmp_path, monkeypatch
     assert len(lines) == 1 and lines[0].startswith("Error: "), err
     assert "Traceback" not in out + err
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- scale-out
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TINY = dict(steps=3, widths=(4,), progress=False)
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    tdist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        torch.set_num_threads(1)
+        config = lm.quick_config(**TINY, dtype="float64")
+        model, metrics = lm.train(config, "fixed-multihead", 4, 0, lm.Dist(rank, world))
+        torch.save({"state": model.state_dict(), "loss": metrics["loss"]}, f"{out}/{rank}.pt")
+        sweep = lm.quick_config(**TINY, out_dir=f"{out}/sweep", columns=("dense",), seeds=(0, 1, 2))
+        lm.run(sweep, dist=lm.Dist(rank, world))
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_ddp_matches_single_process_and_cells_are_shared(tmp_path):
+    """Two gloo workers: data-parallel training equals one process on the same global batch
+    (float64, identical parameters and validation loss); a two-worker sweep trains each
+    pending cell once, spread over both workers, and rank 0 alone writes the table."""
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    a, b = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    model, metrics = lm.train(lm.quick_config(**TINY, dtype="float64"), "fixed-multihead", 4, 0)
+    for name, ref in model.state_dict().items():
+        assert torch.equal(a["state"][name], b["state"][name]), name
+        torch.testing.assert_close(a["state"][name], ref, rtol=1e-9, atol=1e-9)
+    assert a["loss"] == b["loss"] == pytest.approx(metrics["loss"], rel=1e-9)
+    written = {p.stem: json.loads(p.read_text()) for p in tmp_path.rglob("sweep/*/cells/*.json")}
+    assert set(written) == {"dense-s0", "dense-s1", "dense-s2"}
+    assert {c["rank"] for c in written.values()} == {0, 1}
+    assert len(list(tmp_path.rglob("sweep/*/table.md"))) == 1

@@ -108,10 +108,11 @@ class LMConfig:
     layers: int = 2  # Transformer blocks (paper: 12)
     ffn_mult: int = 4  # feed-forward width r = ffn_mult · d (paper: 1024 = 4d)
     dropout: float = 0.0
-    steps: int = 300  # optimiser steps per cell (paper: 240K)
-    batch_size: int = 8  # global batch of windows, sharded over data-parallel workers
+    positions: str = "learned"  # "learned" or "sinusoidal" position embeddings
+    steps: int = 800  # optimiser steps per cell (paper: 240K)
+    batch_size: int = 4  # global batch of windows, sharded over data-parallel workers
     lr: float = 3e-3  # peak learning rate
-    warmup: int = 30  # linear warm-up steps (paper: 10K), then cosine decay to 0
+    warmup: int = 50  # linear warm-up steps (paper: 10K), then cosine decay to 0
     weight_decay: float = 0.01  # AdamW (paper: Adafactor with weight decay)
     clip: float = 1.0  # gradient-norm clipping (0: off)
     causal_form: str = "child"  # STRIDED/FIXED: "child" (Child et al.) or "tril" (Yun G.2)
@@ -283,6 +284,7 @@ def make_model(config: LMConfig) -> Encoder:
             ffn_mult=config.ffn_mult,
             dropout=config.dropout,
             engine=config.engine,
+            positions=config.positions,
         )
     )
 
@@ -622,11 +624,10 @@ def run(config: LMConfig, dist: Dist | None = None) -> dict[str, Any]:
     if dist.world > 1:
         tdist.broadcast_object_list(pending, src=0)
     pending = pending[0]
-    mine, worker = (
-        (pending[dist.rank :: dist.world], Dist())
-        if config.parallel == "cells"
-        else (pending, dist)
-    )
+    if config.parallel == "cells":  # each worker trains its share alone
+        mine, worker = pending[dist.rank :: dist.world], Dist()
+    else:  # every worker takes part in every cell (DDP)
+        mine, worker = pending, dist
     threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
     machine = machine_facts()
