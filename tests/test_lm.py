@@ -4,6 +4,7 @@ configuration's graphs (brute force over the edges and the model's logits), bad 
 from __future__ import annotations
 
 import json
+import math
 import socket
 
 import pytest
@@ -196,3 +197,14 @@ def test_ddp_matches_single_process_and_cells_are_shared(tmp_path):
     assert set(written) == {"dense-s0", "dense-s1", "dense-s2"}
     assert {c["rank"] for c in written.values()} == {0, 1}
     assert len(list(tmp_path.rglob("sweep/*/table.md"))) == 1
+
+
+def test_ngram_reference_by_hand():
+    """Add-α bigram on a four-byte text, scored on the two predicted bytes, by hand."""
+    train, valid, a = torch.tensor([1, 2, 1, 2]), torch.tensor([1, 2, 1]), 0.01
+    p12, p21 = (2 + a) / (2 + 256 * a), (1 + a) / (1 + 256 * a)
+    expected = math.exp(-(math.log(p12) + math.log(p21)) / 2)
+    assert lm.ngram_perplexity(train, valid, 2, 2, a) == pytest.approx(expected, rel=1e-12)
+    unigram = math.exp(-(math.log((2 + a) / (4 + 256 * a)) * 2) / 2)  # both scored bytes
+    valid2 = torch.tensor([1, 2, 2])
+    assert lm.ngram_perplexity(train, valid2, 2, 1, a) == pytest.approx(unigram, rel=1e-12)

@@ -43,6 +43,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -200,6 +201,29 @@ def eval_windows(stream: Tensor, n: int) -> Tensor:
     if m < 1:
         raise ValueError(f"the validation text ({stream.numel()} bytes) is shorter than n + 1")
     return stream[torch.arange(m)[:, None] * n + torch.arange(n + 1)]
+
+
+def ngram_perplexity(
+    train: Tensor, valid: Tensor, n: int, order: int, alpha: float = 0.01
+) -> float:
+    """Perplexity of an add-α smoothed byte n-gram model, a reference level for the LMs.
+
+    P(b | c) = (count(c b) + α) / (count(c) + 256 α) with c the previous ``order`` − 1 bytes,
+    counted on ``train`` (LongTensor[T]) and scored on the bytes the LMs predict
+    (``valid[1 : m·n + 1]``, :func:`eval_windows`) that have a full context. order 1: unigram.
+    """
+    scored = (valid.numel() - 1) // n * n + 1
+    t, v = train.tolist(), valid[:scored].tolist()
+    k = order - 1
+    context, joint = Counter(), Counter()
+    for i in range(k, len(t)):
+        context[tuple(t[i - k : i])] += 1
+        joint[tuple(t[i - k : i + 1])] += 1
+    nll = 0.0
+    for i in range(max(1, k), len(v)):
+        c = tuple(v[i - k : i])
+        nll -= math.log((joint[(*c, v[i])] + alpha) / (context[c] + VOCAB * alpha))
+    return math.exp(nll / (len(v) - max(1, k)))
 
 
 # ---------------------------------------------------------------------------- patterns
@@ -485,9 +509,12 @@ def _label(column: str) -> str:
     return f"{family.upper()} {heads.upper()}" if heads else family.upper()
 
 
-def table_markdown(config: LMConfig, summary: dict[str, dict[str, Any]]) -> str:
+def table_markdown(
+    config: LMConfig, summary: dict[str, dict[str, Any]], ngram: dict[str, float]
+) -> str:
     """One row per column, one column per w: mean validation perplexity over seeds (± half
-    the min–max spread) and the measured sparsity in parentheses; "—" where nothing ran."""
+    the min–max spread) and the measured sparsity in parentheses; "—" where nothing ran.
+    ``ngram``: reference perplexities of byte n-gram models, named in the caption."""
     widths = sorted({s["w"] for s in summary.values() if s["w"] is not None})
     lines = [
         "| pattern | " + " | ".join(f"w = {w}" for w in widths) + " |",
@@ -506,7 +533,8 @@ def table_markdown(config: LMConfig, summary: dict[str, dict[str, Any]]) -> str:
         f"Validation perplexity per byte (mean over seeds {seeds}, ± half the spread), byte-level "
         f"LM, n = {config.n}, d = {config.d}, {config.layers} layers × {config.heads} heads, "
         f"{config.steps} steps of batch {config.batch_size}, causal form {config.causal_form!r}."
-        " Percentages: measured sparsity (causal denominator n(n + 1)/2).",
+        " Percentages: measured sparsity (causal denominator n(n + 1)/2). Byte n-gram models "
+        "on the same bytes: " + ", ".join(f"{k} {v:.2f}" for k, v in ngram.items()) + ".",
     ]
     return "\n".join(lines) + "\n"
 
@@ -539,9 +567,12 @@ def findings(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def plot(config: LMConfig, summary: dict[str, dict[str, Any]], path: Path) -> None:
+def plot(
+    config: LMConfig, summary: dict[str, dict[str, Any]], ngram: dict[str, float], path: Path
+) -> None:
     """Fig. 1a's axes: validation perplexity against sparsity, one curve per column (the mean
-    over seeds, bars from min to max), dense as a horizontal line."""
+    over seeds, bars from min to max), dense as a horizontal line, the bigram and trigram
+    levels (``ngram``) as grey dotted lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -581,6 +612,17 @@ def plot(config: LMConfig, summary: dict[str, dict[str, Any]], path: Path) -> No
         )
     if "dense" in summary:
         ax.axhline(summary["dense"]["perplexity"], color="black", lw=1, label="DENSE")
+    for name in ("bigram", "trigram"):
+        ax.axhline(ngram[name], color="grey", lw=1, ls=":")
+        ax.annotate(
+            f"byte {name}",
+            (0, ngram[name]),
+            xycoords=("axes fraction", "data"),
+            xytext=(3, 3),
+            textcoords="offset points",
+            fontsize=7,
+            color="grey",
+        )
     ax.set_xlabel("sparsity level (causal)")
     ax.set_ylabel("validation perplexity per byte")
     ax.set_title(
@@ -658,25 +700,34 @@ def run(config: LMConfig, dist: Dist | None = None) -> dict[str, Any]:
     return result
 
 
+def ngram_levels(config: LMConfig) -> dict[str, float]:
+    """Byte unigram / bigram / trigram perplexities on the validation bytes (reference levels)."""
+    train_stream, valid = byte_stream("train"), byte_stream("validation")
+    names = {1: "unigram", 2: "bigram", 3: "trigram"}
+    return {name: ngram_perplexity(train_stream, valid, config.n, k) for k, name in names.items()}
+
+
 def _report(config: LMConfig, folder: Path, todo: list, machine: dict, dist: Dist) -> dict:
     """metrics.json / table.md / lm.png from the finished cells (written by rank 0)."""
     cells = load_cells(folder)
     summary = summarise(cells)
+    ngram = ngram_levels(config)
     result = {
         "run": config.run_name(),
         "folder": str(folder),
         "summary": summary,
         "findings": findings(summary),
         "paper_findings": list(PAPER_FINDINGS),
+        "ngram_perplexity": ngram,
         "complete": all(cell_name(*k) in cells for k in todo),
         "train_seconds_total": sum(v["train_seconds"] for v in cells.values()),
         "train_cpu_seconds_total": sum(v["train_cpu_seconds"] for v in cells.values()),
         "machine": machine,
         "workers": dist.world,
-        "table": table_markdown(config, summary),
+        "table": table_markdown(config, summary, ngram),
     }
     if dist.rank == 0:
         atomic_write(folder / "table.md", lambda tmp: Path(tmp).write_text(result["table"]))
         write_json(folder / "metrics.json", result)
-        plot(config, summary, folder / "lm.png")
+        plot(config, summary, ngram, folder / "lm.png")
     return result
