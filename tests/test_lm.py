@@ -208,3 +208,12 @@ def test_ngram_reference_by_hand():
     unigram = math.exp(-(math.log((2 + a) / (4 + 256 * a)) * 2) / 2)  # both scored bytes
     valid2 = torch.tensor([1, 2, 2])
     assert lm.ngram_perplexity(train, valid2, 2, 1, a) == pytest.approx(unigram, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("positions", "rotary"), ("dropout", 1.0), ("warmup", -1), ("dtype", "float16")],
+)
+def test_config_fields_outside_the_cli_are_validated(field, value):
+    with pytest.raises(ValueError, match=field):
+        LMConfig(**{field: value}).validate()

@@ -3,8 +3,9 @@
 The paper trains 12-block Transformers (d = 256, 8 heads, n = 256) on the One Billion Word
 benchmark for 240K steps and plots validation perplexity against the sparsity level. Here:
 byte-level language models on the embedded corpus (:mod:`sparseattn.corpus`, the prose of
-Python's reference manual; 117 KB of training text, 13 KB of validation text), a few hundred
-steps on a CPU. Each passage split is joined with newlines into one byte stream; training draws
+Python's reference manual; 117 KB of training text, 13 KB of validation text), 800 steps of
+batch 4 per cell by default (the whole default sweep: about 25 CPU-minutes; docs/causal.md).
+Each passage split is joined with newlines into one byte stream; training draws
 random windows of n + 1 bytes, validation scores every byte of consecutive windows.
 
 Columns (§5.1), each at the segment lengths ``widths`` (one sparsity level per w):
@@ -121,7 +122,7 @@ class LMConfig:
     widths: tuple[int, ...] = (16, 32, 64)  # segment lengths w: one sparsity level each
     seeds: tuple[int, ...] = (0, 1)  # model init, batch order and RANDOM's draws
     columns: tuple[str, ...] = COLUMNS
-    engine: str = "dense"  # attention engine; masked dense is the fastest at n <= 256 on CPU
+    engine: str = "dense"  # attention engine; at n = 256 on this CPU "block" is no faster
     parallel: str = "cells"  # under torchrun: "cells" (one cell per worker) or "data" (DDP)
     device: str = "auto"  # "auto": cuda:<LOCAL_RANK> when CUDA is available, else cpu
     eval_batch: int = 32
@@ -156,6 +157,8 @@ class LMConfig:
             raise ValueError("warmup, weight_decay and clip must be >= 0 and lr > 0")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
+        if self.positions not in ("learned", "sinusoidal"):
+            raise ValueError(f"positions must be 'learned' or 'sinusoidal', got {self.positions!r}")
         if self.causal_form not in ("child", "tril"):
             raise ValueError(f"causal_form must be 'child' or 'tril', got {self.causal_form!r}")
         if self.dtype not in ("float32", "float64"):
