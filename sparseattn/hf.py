@@ -49,12 +49,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from . import kvcache
 from .attention import resolve_graph, sparse_attention
 from .engines import ENGINES
 from .graph import AttentionGraph
+from .kvcache import evictable_extent
 from .maps import ProbabilityMap, resolve_prob_map, softmax
-from .patterns import Causal, HeadSplit, Pattern, PatternCycle, Union, as_cycle, dense
-from .patterns.causal import CausalGlobal, CausalWindow
+from .patterns import Causal, HeadSplit, Pattern, PatternCycle, as_cycle, dense
 from .patterns.fixed import Dense
 from .validate import check_choice, check_int, check_positive, check_tensor
 
@@ -814,134 +815,19 @@ def _attention_forward(
 
 
 # --------------------------------------------------------------------------- evicting KV cache
-def evictable_extent(pattern: Pattern | AttentionGraph) -> tuple[int, int] | None:
-    """``(front, window)`` when every row i of the causal pattern lies in {j < front} ∪ the
-    previous ``window`` tokens {i − window + 1, …, i}, so a decoder may forget every other key
-    for good; None otherwise. ``sliding_window(w, sinks)``: (sinks or last sink + 1, w);
-    a head split: the widest of its parts."""
-    if isinstance(pattern, CausalWindow):
-        return 0, pattern.w
-    if isinstance(pattern, CausalGlobal):
-        return None  # a sink query sees everything before it; no window part to bound the rest
-    parts = getattr(pattern, "parts", None) if isinstance(pattern, Union) else None
-    if isinstance(pattern, HeadSplit):
-        parts = pattern.patterns
-    if not parts:
-        return None
-    front, window = 0, 0
-    for part in parts:
-        if isinstance(part, CausalGlobal):
-            last = part.tokens if isinstance(part.tokens, int) else max(part.tokens) + 1
-            front = max(front, last)
-            continue
-        extent = evictable_extent(part)
-        if extent is None:
-            return None
-        front, window = max(front, extent[0]), max(window, extent[1])
-    return (front, window) if window else None
-
-
-@functools.cache
-def _window_layer_class() -> type:
-    """transformers' DynamicLayer that keeps the first ``front`` keys and the last
-    ``window − 1`` (made on first use, so that importing sparseattn does not import
-    transformers)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class WindowLayer(DynamicLayer):
-        """One layer of :func:`window_cache`: keys (batch, kv_heads, n, d) beyond the first
-        ``front`` and the last ``window − 1`` are dropped after each update. ``update`` still
-        returns every key the current queries need (the kept ones and the new ones), so the
-        current call sees front + window − 1 + n_q keys at most; ``get_seq_length`` counts every
-        token seen (positions), ``get_mask_sizes`` the keys a call sees."""
-
-        is_croppable = False
-
-        def __init__(self, front: int, window: int) -> None:
-            super().__init__()
-            self.front, self.window = front, window
-            self.cumulative_length = 0
-
-        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            self.cumulative_length += key_states.shape[-2]
-            keys = torch.cat([self.keys, key_states], dim=-2)
-            values = torch.cat([self.values, value_states], dim=-2)
-            self.keys, self.values = self._evict(keys), self._evict(values)
-            return keys, values
-
-        def _evict(self, states: Tensor) -> Tensor:
-            n, recent = states.shape[-2], self.window - 1
-            if n <= self.front + recent:
-                return states
-            tail = states[..., n - recent :, :] if recent else states[..., n:, :]
-            return torch.cat([states[..., : self.front, :], tail], dim=-2)
-
-        def get_seq_length(self) -> int:
-            return self.cumulative_length
-
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            stored = self.keys.shape[-2] if self.is_initialized else 0
-            return stored + query_length, 0
-
-        def reset(self) -> None:
-            super().reset()
-            self.cumulative_length = 0
-
-        def crop(self, tokens_to_remove: int) -> None:
-            raise ValueError("a window_cache has dropped keys for good and cannot be cropped")
-
-    return WindowLayer
-
-
-def _left_padding(attention_mask: Tensor | None) -> int:
-    """The largest number of leading padding tokens in a (batch, n) 0/1 or bool mask."""
-    if attention_mask is None:
-        return 0
-    check_tensor("attention_mask", attention_mask, dim=2)
-    return int((attention_mask.long().cumsum(-1) == 0).sum(-1).max())
-
-
 def window_cache(model: nn.Module, attention_mask: Tensor | None = None):
-    """A KV cache for ``model.generate(cache=...)`` that forgets keys for good.
-
-    For a model sparsified with a pattern whose rows lie in {first ``front`` keys} ∪ {the
-    previous ``window`` tokens} (:func:`evictable_extent`: ``sliding_window(w, sinks)``, a
-    plain causal window), each layer keeps the first front keys (the sinks, plus the left
-    padding of ``attention_mask`` (batch, n) so that every item keeps its own first real
-    tokens) and the last window − 1: generating T tokens holds O(window + sinks) keys per
-    layer instead of T. The dropped keys are ones no later query may attend to, and the kept
-    ones stay in order, so the pattern applied to the kept keys (queries at the end, as for
-    any KV cache) gives the same rows as on the full cache — the same tokens (docs/causal.md).
-
-    Returns a ``transformers.DynamicCache`` whose layers are such windows. Raises ValueError
-    when the model is not sparsified, or a layer's pattern does not allow eviction, or layers
-    differ in (front, window) (transformers builds one mask for all layers).
-    """
-    from transformers.cache_utils import DynamicCache
-
-    modules = _attention_modules(model)
+    """A KV cache for ``model.generate(cache=...)`` of a sparsified ``model`` that forgets keys
+    for good (:func:`sparseattn.kvcache.window_cache` on the layers' causal patterns): every
+    layer must use a pattern whose rows lie in {first ``front`` keys} ∪ {the previous
+    ``window`` tokens}, e.g. ``sliding_window(w, sinks)``; ``attention_mask`` (batch, n) gives
+    the left padding to keep in front. Raises ValueError when the model is not sparsified, a
+    layer's pattern does not allow eviction, or layers differ in (front, window)."""
     specs = layer_specs(model)
-    extents = set()
-    for layer in range(len(modules)):
-        spec = specs.get(layer)
-        extent = None if spec is None else evictable_extent(spec.causal_pattern)
-        if extent is None:
-            pattern = "exact attention" if spec is None else repr(spec.pattern)
-            raise ValueError(
-                f"window_cache: layer {layer} uses {pattern}, which may attend to any earlier "
-                "key; sparsify every layer with a sliding window, e.g. sliding_window(w, sinks)"
-            )
-        extents.add(extent)
-    if len(extents) > 1:
-        raise ValueError(f"window_cache needs one (front, window) for all layers, got {extents}")
-    ((front, window),) = extents
-    front += _left_padding(attention_mask)
-    window_layer = _window_layer_class()
-    cache = DynamicCache()
-    cache.layers = [window_layer(front, window) for _ in modules]
-    return cache
+    patterns = [
+        None if layer not in specs else specs[layer].causal_pattern
+        for layer in range(len(_attention_modules(model)))
+    ]
+    return kvcache.window_cache(patterns, attention_mask)
 
 
 # --------------------------------------------------------------------------- MiniLM
