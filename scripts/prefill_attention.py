@@ -39,9 +39,11 @@ def main() -> None:
         dense = best(lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True))
         plain = best(lambda: sa.sparse_attention(q, ke, ve, pattern))
         group = best(lambda: sa.sparse_attention(grouped_q, k, v, grouped))
-    print(f"n = {n}, {torch.get_num_threads()} threads: causal SDPA {dense * 1e3:.0f} ms, "
-          f"sliding_window(512, 16) {plain * 1e3:.0f} ms, grouped {group * 1e3:.0f} ms "
-          f"({dense / group:.1f}x)")
+    print(
+        f"n = {n}, {torch.get_num_threads()} threads: causal SDPA {dense * 1e3:.0f} ms, "
+        f"sliding_window(512, 16) {plain * 1e3:.0f} ms, grouped {group * 1e3:.0f} ms "
+        f"({dense / group:.1f}x)"
+    )
 
 
 if __name__ == "__main__":
