@@ -89,3 +89,25 @@ def machine_facts() -> dict:
         "python": platform.python_version(),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
+
+
+class ResumableRows:
+    """A run's result rows, rewritten to ``path`` as JSON after each one; a re-run with the same
+    ``header["suite"]`` starts from the rows already there (the benchmark suites resume)."""
+
+    def __init__(self, path: Path, header: dict) -> None:
+        self.path, self.data = path, {**header, "rows": []}
+        if path.exists():
+            old = json.loads(path.read_text())
+            if old.get("suite") == json.loads(json.dumps(header["suite"], default=str)):
+                self.data["rows"] = old.get("rows", [])
+
+    def find(self, **key) -> dict | None:
+        """The first row holding every ``key`` item, or None."""
+        return next((r for r in self.data["rows"]
+                     if all(r.get(k) == v for k, v in key.items())), None)
+
+    def add(self, row: dict) -> None:
+        self.data["rows"].append(row)
+        write_json(self.path, self.data)
+

@@ -22,7 +22,6 @@ peak memory is ``torch.cuda.max_memory_allocated`` above the inputs. Results: re
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..results import machine_facts, save_figure, write_json
+from ..results import ResumableRows, machine_facts, save_figure, write_json
 
 __all__ = ["GPU_SUITES", "GpuSuite", "run_gpu_suite"]
 
@@ -59,24 +58,6 @@ GPU_SUITES = {
     "gpu-quick": GpuSuite("gpu-quick", ns=(8192,), fp32_ns=(), package_max_n=8192,
                           calibrate_ns=(2048,), samples=3),
 }
-
-
-class _Rows:
-    """Rows keyed by their identity, written to JSON after each; a re-run resumes."""
-
-    def __init__(self, path: Path, header: dict) -> None:
-        self.path, self.data = path, {**header, "rows": []}
-        if path.exists():
-            old = json.loads(path.read_text())
-            if old.get("suite") == json.loads(json.dumps(header["suite"])):
-                self.data["rows"] = old.get("rows", [])
-
-    def done(self, key: dict) -> bool:
-        return any(all(r.get(k) == v for k, v in key.items()) for r in self.data["rows"])
-
-    def add(self, row: dict) -> None:
-        self.data["rows"].append(row)
-        write_json(self.path, self.data)
 
 
 def cuda_time(fn: Callable[[], object], samples: int, min_sample_s: float) -> dict:
@@ -125,7 +106,7 @@ def run_gpu_suite(suite: GpuSuite, out_dir: Path, log: Callable[[str], None] = p
     out_dir.mkdir(parents=True, exist_ok=True)
     header = {"suite": dataclasses.asdict(suite), "machine": {**machine_facts(), **_gpu_facts()},
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    rows = _Rows(out_dir / "results.json", header)
+    rows = ResumableRows(out_dir / "results.json", header)
     log(f"machine: {header['machine']}")
     for dtype in (torch.bfloat16, torch.float32):
         for n in suite.ns if dtype == torch.bfloat16 else suite.fp32_ns:
@@ -148,7 +129,7 @@ def _inputs(suite: GpuSuite, n: int, dtype: torch.dtype, grad: bool):
 
 
 def _record(suite, rows, log, key: dict, fn: Callable[[], object]) -> None:
-    if rows.done(key):
+    if rows.find(**key):
         return
     row = dict(key)
     try:
@@ -176,7 +157,7 @@ def _fwd_bwd(fn, inputs, grad_out):
     return lambda: torch.autograd.grad(fn(), inputs, grad_out)
 
 
-def _main(suite: GpuSuite, rows: _Rows, log, n: int, dtype: torch.dtype) -> None:
+def _main(suite: GpuSuite, rows: ResumableRows, log, n: int, dtype: torch.dtype) -> None:
     import sparseattn as sa
     from sparseattn.engines.flex import _compiled
 
@@ -229,7 +210,7 @@ def _package(suite, rows, log, base, graph, q, k, v, scale) -> None:
     """entmax 1.3's entmax15 over the full masked (1, H, n, n) scores (all heads at once)."""
     key = {**base, "who": "entmax package (full)", "mode": "fwd"}
     if base["n"] > suite.package_max_n:
-        if not rows.done(key):
+        if not rows.find(**key):
             rows.add({**key, "skipped": f"n > package_max_n = {suite.package_max_n}"})
         return
     try:
@@ -246,7 +227,7 @@ def _package(suite, rows, log, base, graph, q, k, v, scale) -> None:
     _record(suite, rows, log, key, _fwd(full))
 
 
-def _calibrate(suite: GpuSuite, rows: _Rows, log, n: int) -> None:
+def _calibrate(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     import sparseattn as sa
 
     patterns = {

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..measure import measure
-from ..results import machine_facts, save_figure, write_json
+from ..results import ResumableRows, machine_facts, save_figure, write_json
 
 __all__ = ["USER_SUITES", "UserSuite", "run_user_suite"]
 
@@ -79,27 +79,6 @@ COMPARISONS = {
 }
 
 
-class _Record:
-    """Rows keyed by (section, n, who), written to JSON after each; resumes a finished row."""
-
-    def __init__(self, path: Path, header: dict) -> None:
-        self.path, self.data = path, {**header, "rows": []}
-        if path.exists():
-            import json
-
-            old = json.loads(path.read_text())
-            if old.get("suite") == json.loads(json.dumps(header["suite"])):
-                self.data["rows"] = old.get("rows", [])
-
-    def get(self, section: str, n: int, who: str) -> dict | None:
-        return next((r for r in self.data["rows"]
-                     if (r["section"], r["n"], r["who"]) == (section, n, who)), None)
-
-    def add(self, row: dict) -> None:
-        self.data["rows"].append(row)
-        write_json(self.path, self.data)
-
-
 def run_user_suite(suite: UserSuite, out_dir: Path, log: Callable[[str], None] = print,
                    ns: tuple[int, ...] | None = None) -> dict:
     """Run ``suite`` (lengths ``ns`` if given) and write its results into ``out_dir``."""
@@ -112,7 +91,7 @@ def run_user_suite(suite: UserSuite, out_dir: Path, log: Callable[[str], None] =
     out_dir.mkdir(parents=True, exist_ok=True)
     header = {"suite": dataclasses.asdict(suite), "machine": machine_facts(),
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    rec = _Record(out_dir / "results.json", header)
+    rec = ResumableRows(out_dir / "results.json", header)
     log(f"machine: {header['machine']}")
     stopped: set[str] = set()  # baselines that hit the time cap: skipped at longer n
     for n in suite.ns:
@@ -136,7 +115,7 @@ def run_user_suite(suite: UserSuite, out_dir: Path, log: Callable[[str], None] =
 def _time(rec, log, stopped, section, n, who, fn, suite, mem_gb=0.0) -> None:
     """Measure ``fn`` once per (section, n, who), unless done, over the memory cap, or past
     the length where it hit the time cap."""
-    if rec.get(section, n, who):
+    if rec.find(section=section, n=n, who=who):
         return
     key = f"{section}/{who}"
     row = {"section": section, "n": n, "who": who}
@@ -225,7 +204,7 @@ def _first_call(suite, n, q, k, v, rec, log, stopped) -> None:
     """A fresh pattern object at this length: the first call builds the graph and the plan."""
     import sparseattn as sa
 
-    if rec.get("first call", n, "first call, new length"):
+    if rec.find(section="first call", n=n, who="first call, new length"):
         return
     with torch.no_grad():
         sa.sparse_attention(q[..., :64, :], k[..., :64, :], v[..., :64, :], _pattern(suite))
@@ -261,7 +240,7 @@ def _hf_section(suite, n, rec, log, stopped, minilm: bool = False) -> None:
     from sparseattn import hf
 
     section = "hf forward" if not minilm else "hf forward (MiniLM, 512 max)"
-    if rec.get(section, n, "hf.sparsify") and rec.get(section, n, "sdpa"):
+    if all(rec.find(section=section, n=n, who=who) for who in ("hf.sparsify", "sdpa")):
         return
     model = hf.load_minilm()[0] if minilm else _bert(n)
     ids = torch.randint(1000, 20000, (1, n), generator=torch.Generator().manual_seed(n))
@@ -292,7 +271,7 @@ def _prefill_section(suite, n, rec, log, stopped) -> None:
     from sparseattn import hf
 
     section = "llama prefill"
-    if rec.get(section, n, "hf.sparsify") and rec.get(section, n, "sdpa"):
+    if all(rec.find(section=section, n=n, who=who) for who in ("hf.sparsify", "sdpa")):
         return
     model = _llama(n)
     ids = torch.randint(0, 32000, (1, n), generator=torch.Generator().manual_seed(n))
