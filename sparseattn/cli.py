@@ -379,6 +379,12 @@ def copying(
         "all", "--patterns", help="columns, e.g. strided-union,star,random,dense (default all)"
     ),
     causal: bool = typer.Option(False, help="autoregressive variant (Table 2)"),
+    causal_form: str = typer.Option(
+        "child", help="causal STRIDED/FIXED: 'child' (Child et al.) or 'tril' (eq. 4/5, j <= i)"
+    ),
+    stop_accuracy: float | None = typer.Option(
+        None, help="end a cell once its training-batch accuracy reaches this twice in a row"
+    ),
     w: int | None = typer.Option(None, help="segment length (default round(√n))"),
     d: int | None = typer.Option(None, help="embedding dimension (default 64)"),
     steps: int | None = typer.Option(None, help="optimiser steps per cell"),
@@ -387,6 +393,9 @@ def copying(
     parallel: str = typer.Option("cells", help="under torchrun: 'cells' or 'data' (DDP)"),
     threads: int = typer.Option(1, help="torch threads per process"),
     seed: int = typer.Option(0, help="seed for data, model and RANDOM"),
+    seeds: str | None = typer.Option(
+        None, help="several seeds, e.g. 0,1: one run each, then a table of all of them"
+    ),
     run: str | None = typer.Option(None, help="run folder name (default: from the config)"),
     out_dir: str = typer.Option("results/copying", help="results root"),
 ) -> None:
@@ -395,7 +404,7 @@ def copying(
     Resumable (finished cells are skipped); runs unchanged under `torchrun`."""
     import os
 
-    from .experiments.copying import COLUMNS, CopyConfig, paper_config, quick_config
+    from .experiments.copying import COLUMNS, CopyConfig, paper_config, quick_config, seeds_table
     from .experiments.copying import run as run_copying
 
     overrides = {
@@ -406,6 +415,8 @@ def copying(
         "batch_size": batch_size,
         "lr": lr,
         "causal": causal,
+        "causal_form": causal_form,
+        "stop_accuracy": stop_accuracy,
         "parallel": parallel,
         "threads": threads,
         "seed": seed,
@@ -421,12 +432,19 @@ def copying(
         if quick and paper:
             raise ValueError("give at most one of --quick and --paper")
         make = quick_config if quick else paper_config if paper else CopyConfig
-        result = run_copying(make(**overrides).validate())
+        seed_list = _numbers(seeds, "seeds", int) if seeds else (seed,)
+        if run and len(seed_list) > 1:
+            raise ValueError("--run names one folder; leave it out with several --seeds")
+        configs = [make(**{**overrides, "seed": s}).validate() for s in seed_list]
+        results = [run_copying(c) for c in configs]
     except ValueError as err:
         raise typer.BadParameter(f"{err} (columns: {', '.join(COLUMNS)})") from err
     if os.environ.get("RANK", "0") == "0":
-        print(result["table"])
-        console.print(f"wrote {result['folder']}/table.md and cells/*.json")
+        for result in results:
+            print(result["table"])
+            console.print(f"wrote {result['folder']}/table.md and cells/*.json")
+        if len(configs) > 1:
+            print(seeds_table(configs))
 
 
 @app.command()
@@ -439,6 +457,10 @@ def lm(
         "all", "--patterns", help="columns, e.g. strided-union,star,random,dense (default all)"
     ),
     causal_form: str | None = typer.Option(None, help="'child' (default) or 'tril' (Yun G.2)"),
+    prob_map: str | None = typer.Option(
+        None, help="ρ of every head: softmax (default), entmax15 or sparsemax"
+    ),
+    save_model: bool = typer.Option(False, help="also write each cell's weights (cells/*.pt)"),
     d: int | None = typer.Option(None, help="embedding dimension (default 64)"),
     layers: int | None = typer.Option(None, help="Transformer blocks (default 2)"),
     steps: int | None = typer.Option(None, help="optimiser steps per cell (default 800)"),
@@ -461,6 +483,8 @@ def lm(
     overrides = {
         "n": n,
         "causal_form": causal_form,
+        "prob_map": prob_map,
+        "save_model": save_model or None,
         "d": d,
         "layers": layers,
         "steps": steps,
@@ -670,6 +694,46 @@ def sparsefinder(
     console.print(table)
     console.print(f"wrote {summary['folder']}: summary.json, table.md, sweep.json, "
                   "downstream.json, timing.json, sparsity_recall.png, sparsity_downstream.png")
+
+
+@app.command("sparsefinder-decoder")
+def sparsefinder_decoder(
+    quick: bool = typer.Option(False, help="smoke run: a 20-step n = 64 teacher, few knobs"),
+    teacher_steps: int | None = typer.Option(
+        None, help="training steps of the 1.5-entmax LM teacher (default 4000)"),
+    train_windows: int | None = typer.Option(None, help="training windows for the fits"),
+    valid_windows: int | None = typer.Option(None, help="validation windows (default: all)"),
+    downstream: bool = typer.Option(True, help="measure bits per byte on the predicted graph"),
+    threads: int = typer.Option(1, help="torch threads (1 is fastest on a loaded machine)"),
+    run: str | None = typer.Option(None, help="run folder name (default: from the config)"),
+    out_dir: str = typer.Option("results/sparsefinder", help="results root"),
+) -> None:
+    """Sparsefinder on a decoder (Treviso et al. §5, decoder self-attention): the byte-level LM
+    trained with 1.5-entmax is the teacher; causal gold graphs, predictors and causal
+    baselines, recall vs sparsity over pairs j <= i, bits per byte with exact entmax on the
+    predicted causal graph.
+
+    Trains the teacher (`sparseattn lm --prob-map entmax15`) first if its weights are missing.
+    Resumable: finished steps (JSON under OUT_DIR/RUN/) are skipped when run again."""
+    from dataclasses import replace
+
+    from .experiments.sparsefinder_lm import DecoderSparsefinderConfig, quick_config
+    from .experiments.sparsefinder_lm import run as run_decoder
+
+    overrides = {"train_windows": train_windows, "valid_windows": valid_windows, "run": run,
+                 "out_dir": out_dir, "threads": threads}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        config = quick_config(**overrides) if quick else DecoderSparsefinderConfig(**overrides)
+        if teacher_steps is not None:
+            config = replace(config, teacher=replace(config.teacher, steps=teacher_steps))
+        if not downstream:
+            config = replace(config, downstream_knobs=())
+        summary = run_decoder(config)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    print(summary["table"])
+    console.print(f"wrote {summary['folder']}: table.md, summary.json, sparsity_recall.png")
 
 
 @app.command()

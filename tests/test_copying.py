@@ -32,7 +32,7 @@ from sparseattn.experiments.copying import (
     task_tensors,
     train,
 )
-from sparseattn.patterns import dense, fixed, star, strided
+from sparseattn.patterns import HeadSplit, causal_fixed, causal_strided, dense, fixed, star, strided
 
 TINY = dict(n=12, d=16, vocab=8, w=3, steps=3, warmup=1, batch_size=8, train_size=64)
 TINY.update(test_size=16, eval_batch=16, progress=False, threads=1)
@@ -89,21 +89,23 @@ def _mean(*xs):
     return sum(xs) / len(xs)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_reported_sparsity_matches_the_pattern_graphs(causal):
+@pytest.mark.parametrize("causal, form", [(False, "child"), (True, "tril"), (True, "child")])
+def test_reported_sparsity_matches_the_pattern_graphs(causal, form):
     n, w = 64, 8
-    config = CopyConfig(n=n, causal=causal)
+    config = CopyConfig(n=n, causal=causal, causal_form=form)
+    child = causal and form == "child"
+    strided_, fixed_ = (causal_strided, causal_fixed) if child else (strided, fixed)
 
     def level(p):
         return float((p.causal() if causal else p).graph(n).sparsity)
 
     expected = {
-        "strided-union": level(strided(w)),
-        "strided-multihead": _mean(level(strided(w, 1)), level(strided(w, 2))),
-        "strided-sequential": _mean(level(strided(w, 1)), level(strided(w, 2))),
-        "fixed-union": level(fixed(w)),
-        "fixed-multihead": _mean(level(fixed(w, 1)), level(fixed(w, 2))),
-        "fixed-sequential": _mean(level(fixed(w, 1)), level(fixed(w, 2))),
+        "strided-union": level(strided_(w)),
+        "strided-multihead": _mean(level(strided_(w, 1)), level(strided_(w, 2))),
+        "strided-sequential": _mean(level(strided_(w, 1)), level(strided_(w, 2))),
+        "fixed-union": level(fixed_(w)),
+        "fixed-multihead": _mean(level(fixed_(w, 1)), level(fixed_(w, 2))),
+        "fixed-sequential": _mean(level(fixed_(w, 1)), level(fixed_(w, 2))),
         "star": level(star(w)),
         "dense": 0.0,
     }
@@ -113,7 +115,7 @@ def test_reported_sparsity_matches_the_pattern_graphs(causal):
         assert f"({value:.1%})" in copying.column_header(column, config)
     # a SEQUENTIAL stack of three layers uses A1, A2, A1
     model = CopyModel(config, column_pattern("fixed-sequential", config), depth=3)
-    parts = [level(fixed(w, 1)), level(fixed(w, 2)), level(fixed(w, 1))]
+    parts = [level(fixed_(w, 1)), level(fixed_(w, 2)), level(fixed_(w, 1))]
     assert model.layer_sparsity() == pytest.approx(parts, abs=1e-12)
 
 
@@ -160,7 +162,7 @@ def test_connectivity_ceilings_by_hand():
     layer only when q − 32 ends a segment (7, 15, 23, 31: 4 of 31); STAR only at the relay
     q = 63. Causal: q predicts q + 1, whose source is q − 31 = 3·8 + 4 + 3 hops back: three
     STRIDED layers; STAR hops at most 8 back per layer: four."""
-    bi, ca = CopyConfig(n=64), CopyConfig(n=64, causal=True)
+    bi, ca = CopyConfig(n=64), CopyConfig(n=64, causal=True, causal_form="tril")
     expect = [
         (bi, "strided-union", 1, 1.0),
         (bi, "strided-multihead", 1, 1.0),
@@ -182,6 +184,42 @@ def test_connectivity_ceilings_by_hand():
         assert got == pytest.approx(value), (config.causal, column, depth)
 
 
+def test_child_causal_ceilings():
+    """Child et al.'s causal STRIDED keeps the previous w tokens and every w-th one back, so the
+    causal source q − (n/2 − 1) is two hops away: 31 = 3·8 + 7 at n = 64, 127 = 7·16 + 15 at
+    the paper's n = 256, w = 16 — in every head configuration. One layer reaches none of it."""
+    for n in (64, 256):
+        config = CopyConfig(n=n, causal=True)  # causal_form="child" is the default
+        for column in ("strided-union", "strided-multihead", "strided-sequential"):
+            assert copying.reachable_fraction(column, 1, config) == 0.0, (n, column)
+            assert copying.reachable_fraction(column, 2, config) == 1.0, (n, column)
+    # FIXED: both readings are one graph
+    tril = CopyConfig(n=64, causal=True, causal_form="tril")
+    for column in ("fixed-union", "fixed-multihead", "fixed-sequential"):
+        a = column_pattern(column, CopyConfig(n=64, causal=True))
+        b = column_pattern(column, tril)
+        for pa, pb in zip(copying.as_cycle(a), copying.as_cycle(b), strict=True):
+            ga = pa.graph(64, num_heads=4) if isinstance(pa, HeadSplit) else pa.graph(64)
+            gb = pb.graph(64, num_heads=4) if isinstance(pb, HeadSplit) else pb.graph(64)
+            assert torch.equal(ga.to_dense(), gb.to_dense()), column
+
+
+def test_identity_keeps_the_names_of_earlier_runs():
+    """Fields added later are left out of the identity at the value earlier runs used, so the
+    run folders quoted in docs/experiments.md still resolve; a new value names a new run."""
+    assert CopyConfig().run_name() == "bidir-n64-d64-w8-cb96ed44"
+    tril = CopyConfig(causal=True, causal_form="tril")
+    assert tril.run_name() == "causal-n64-d64-w8-2edc3566"
+    assert CopyConfig(causal_form="tril").run_name() == CopyConfig().run_name()  # bidirectional
+    assert CopyConfig(causal=True).identity()["causal_form"] == "child"
+    assert CopyConfig(causal=True).run_name() != tril.run_name()
+    assert CopyConfig(stop_accuracy=0.99).run_name() != CopyConfig().run_name()
+    with pytest.raises(ValueError, match="causal_form"):
+        CopyConfig(causal=True, causal_form="child-ish").validate()
+    with pytest.raises(ValueError, match="stop_accuracy"):
+        CopyConfig(stop_accuracy=1.5).validate()
+
+
 def test_dense_column_is_dense():
     assert sparsity(column_pattern("dense", CopyConfig(n=16)), 16, 4) == 0.0
     assert float(dense().graph(16).sparsity) == 0.0
@@ -198,6 +236,40 @@ def test_tiny_dense_model_learns_to_copy():
     assert metrics["chance"] == pytest.approx(0.2)
     assert metrics["accuracy"] > 0.9, metrics["accuracy"]
     assert metrics["curve"][-1]["loss"] < metrics["curve"][0]["loss"]
+
+
+def test_training_stops_after_two_checks_at_stop_accuracy():
+    """A learnable cell with ``stop_accuracy`` ends at a check step once two checks in a row
+    reach it (the last curve point shows it), long before its step budget; the held-out
+    accuracy is still measured on the test set."""
+    config = CopyConfig(
+        n=10, d=32, vocab=6, steps=1000, warmup=10, batch_size=32, train_size=2000,
+        test_size=200, lr=1e-2, progress=False, stop_accuracy=0.9,
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    _, metrics = train(config, "dense", depth=2)
+    every = copying.STOP_CHECK_EVERY
+    assert metrics["steps"] == 1000 and metrics["steps_trained"] < 1000
+    assert (metrics["steps_trained"] - 1) % every == 0 and metrics["steps_trained"] > every
+    assert metrics["curve"][-1]["batch_accuracy"] >= 0.9
+    assert metrics["accuracy"] > 0.8
+    _, full = train(replace(config, stop_accuracy=None, steps=60), "dense", depth=2)
+    assert full["steps_trained"] == 60  # without it the whole budget is trained
+
+
+def test_seeds_table_lists_every_seed_the_paper_and_the_ceiling(tmp_path):
+    configs = [
+        CopyConfig(**TINY, out_dir=str(tmp_path), depths=(1,), columns=("star", "dense"), seed=s)
+        for s in (0, 1)
+    ]
+    for config in configs:
+        copying.run(config, dist=Dist())
+    table = copying.seeds_table(configs)
+    star_cell = table.splitlines()[2].split("|")[2]
+    assert star_cell.count("%") == 3 and " / " in star_cell  # two seeds and one ceiling
+    assert "(1.5;" in star_cell  # the paper's 1-layer STAR: 1.53 %
+    assert "(—; 100%)" in table.splitlines()[2].split("|")[3]  # dense: not in the paper
+    assert "Seeds 0, 1" in table
 
 
 def test_sweep_writes_cells_skips_finished_ones_and_resumes(tmp_path, monkeypatch):

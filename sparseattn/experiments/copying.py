@@ -47,6 +47,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,8 @@ from ..patterns import (
     PatternCycle,
     as_cycle,
     block_local,
+    causal_fixed,
+    causal_strided,
     cycle,
     dense,
     fixed,
@@ -126,12 +129,14 @@ class CopyConfig:
     ffn: int | None = None  # feed-forward width r; None: 2d (paper: 512 = 2d)
     vocab: int = 128  # token 0 is the separator, symbols are 1 … vocab − 1 (paper: [0, 127])
     causal: bool = False  # autoregressive variant (Table 2) instead of bidirectional (Table 1)
+    causal_form: str = "child"  # causal STRIDED/FIXED: "child" (Child et al.) or "tril"
     steps: int = 1000  # optimiser steps per cell (paper: 500K)
     batch_size: int = 64  # global batch, sharded over data-parallel workers (paper: 1024)
     lr: float = 3e-3  # peak learning rate (paper: 1e-4 over 500K steps)
     warmup: int = 100  # linear warm-up steps (paper: 3000), then cosine decay to 0
     weight_decay: float = 0.01  # AdamW
     clip: float = 1.0  # gradient-norm clipping (0: off)
+    stop_accuracy: float | None = None  # stop a cell once two checks in a row reach it
     train_size: int = 100_000  # training sequences (paper: 100K)
     test_size: int = 2_000  # held-out sequences (paper: 10K)
     random_sparsity: float | None = None  # RANDOM sparsity; None: mean of the other columns
@@ -158,11 +163,17 @@ class CopyConfig:
         return self.ffn if self.ffn is not None else 2 * self.d
 
     def identity(self) -> dict[str, Any]:
-        """The fields that determine a cell's result (a re-run with equal identity resumes)."""
+        """The fields that determine a cell's result (a re-run with equal identity resumes).
+
+        Fields at their value from before they existed (:data:`LEGACY`) are left out, and so
+        is ``causal_form`` of a bidirectional run, so earlier run folders keep their names."""
         keep = [f.name for f in dataclasses.fields(self)]
         keep = keep[: keep.index("dtype") + 1]
         out = {k: getattr(self, k) for k in keep}
         out["w"], out["ffn"] = self.segment, self.ffn_width
+        for name, value in LEGACY.items():
+            if out[name] == value or (name == "causal_form" and not self.causal):
+                del out[name]
         return out
 
     def run_name(self) -> str:
@@ -199,7 +210,18 @@ class CopyConfig:
             raise ValueError(f"columns must be a non-empty subset of {COLUMNS}, got {unknown}")
         if self.parallel not in ("cells", "data"):
             raise ValueError(f"parallel must be 'cells' or 'data', got {self.parallel!r}")
+        if self.causal_form not in ("child", "tril"):
+            raise ValueError(f"causal_form must be 'child' or 'tril', got {self.causal_form!r}")
+        if self.stop_accuracy is not None and not 0 < self.stop_accuracy <= 1:
+            raise ValueError(f"stop_accuracy must lie in (0, 1], got {self.stop_accuracy}")
         return self
+
+
+#: Identity fields added after runs existed, with the value those runs used.
+LEGACY = {"causal_form": "tril", "stop_accuracy": None}
+
+#: Steps between the early-stopping checks of ``stop_accuracy``.
+STOP_CHECK_EVERY = 25
 
 
 def quick_config(**overrides: Any) -> CopyConfig:
@@ -247,6 +269,25 @@ def task_tensors(seqs: Tensor, vocab: int, causal: bool) -> tuple[Tensor, Tensor
 
 
 # ---------------------------------------------------------------------------- patterns
+def head_configuration(
+    family: str, heads: str, w: int, causal_form: str | None = None
+) -> Pattern | PatternCycle:
+    """STRIDED or FIXED (eq. 4 / 5) in one of §5.1's head configurations: ``union`` (A¹ ∪ A²
+    in every head), ``multihead`` (half the heads A¹, half A²) or ``sequential`` (layer l uses
+    A^(l mod 2 + 1)). ``causal_form``: None (bidirectional), ``"child"`` (Child et al.'s
+    autoregressive originals) or ``"tril"`` (eq. 4 / 5 intersected with j ≤ i)."""
+    if causal_form == "child":
+        make = causal_strided if family == "strided" else causal_fixed
+    else:
+        base = strided if family == "strided" else fixed
+        make = (lambda *a: base(*a).causal()) if causal_form == "tril" else base
+    if heads == "union":
+        return make(w)
+    if heads == "multihead":
+        return split_heads(make(w, 1), make(w, 2))
+    return cycle(make(w, 1), make(w, 2))
+
+
 def column_pattern(column: str, config: CopyConfig) -> Pattern | PatternCycle:
     """The pattern (or SEQUENTIAL cycle) of one table column at the config's n, w, causality."""
     w, causal = config.segment, config.causal
@@ -255,14 +296,8 @@ def column_pattern(column: str, config: CopyConfig) -> Pattern | PatternCycle:
         return p.causal() if causal else p
 
     family, _, heads = column.partition("-")
-    if family in ("strided", "fixed"):
-        make = strided if family == "strided" else fixed
-        a1, a2 = c(make(w, 1)), c(make(w, 2))
-        if heads == "union":
-            return c(make(w))
-        if heads == "multihead":
-            return split_heads(a1, a2)
-        return cycle(a1, a2)
+    if family in ("strided", "fixed") and heads in ("union", "multihead", "sequential"):
+        return head_configuration(family, heads, w, config.causal_form if causal else None)
     if column == "star":
         return c(star(w))
     if column == "dense":
@@ -520,6 +555,7 @@ def train(
     batches = torch.Generator().manual_seed(config.seed + 2)
     curve: list[dict[str, float]] = []
     every = max(1, config.steps // 20)
+    hits, stopped_at = 0, None  # consecutive checks at stop_accuracy; the step training ended
     start = time.perf_counter()
     bar = tqdm(
         range(config.steps),
@@ -540,10 +576,21 @@ def train(
             nn.utils.clip_grad_norm_(model.parameters(), config.clip)
         opt.step()
         sched.step()
-        if step % every == 0 or step == config.steps - 1:
+        check = config.stop_accuracy is not None and step % STOP_CHECK_EVERY == 0
+        if check or step % every == 0 or step == config.steps - 1:
             acc = (logits.argmax(-1) == targets.to(device)).double().mean().item()
-            curve.append({"step": step, "loss": loss.item(), "batch_accuracy": acc})
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.3f}")
+            if check and dist.world > 1:  # every worker takes the same decision
+                mean = torch.tensor(acc / dist.world, dtype=torch.float64, device=device)
+                tdist.all_reduce(mean)
+                acc = mean.item()
+            if check:
+                hits = hits + 1 if acc >= config.stop_accuracy else 0
+                stopped_at = step if hits == 2 else None
+            if step % every == 0 or stopped_at is not None or step == config.steps - 1:
+                curve.append({"step": step, "loss": loss.item(), "batch_accuracy": acc})
+                bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.3f}")
+            if stopped_at is not None:
+                break
     seconds = time.perf_counter() - start
     metrics: dict[str, Any] = {
         "column": column,
@@ -559,6 +606,7 @@ def train(
         "curve": curve,
         "train_seconds": seconds,
         "steps": config.steps,
+        "steps_trained": curve[-1]["step"] + 1,
         "workers": dist.world,
     }
     if column == "random":
@@ -623,6 +671,40 @@ def table_markdown(config: CopyConfig, cells: dict[str, dict[str, Any]]) -> str:
     )
     lines += ["", "Share of copied symbols whose source can reach them through the graphs:", ""]
     return "\n".join(lines + ceiling) + "\n"
+
+
+def seeds_table(configs: Sequence[CopyConfig]) -> str:
+    """Table 1 or 2 over several seeds (one run folder per config, equal but for the seed):
+    each cell reads "seed accuracies (the paper's number; connectivity ceiling)", with "—"
+    where a cell has not run and one ceiling per seed where they differ (RANDOM's graphs
+    depend on the seed)."""
+    base = configs[0]
+    cells = [load_cells(Path(c.out_dir) / c.run_name()) for c in configs]
+    paper = PAPER_TABLE2 if base.causal else PAPER_TABLE1
+    found = [v for run_cells in cells for v in run_cells.values()]
+    columns = [c for c in COLUMNS if any(v["column"] == c for v in found)]
+    lines = [
+        "| depth | " + " | ".join(column_header(c, base) for c in columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for depth in sorted({v["depth"] for v in found}):
+        row = []
+        for c in columns:
+            runs = [run_cells.get(cell_name(c, depth)) for run_cells in cells]
+            accuracy = " / ".join(f"{r['accuracy']:.1%}" if r else "—" for r in runs)
+            ref = f"{paper[c][1][depth - 1]:.1f}" if c in paper and depth <= 4 else "—"
+            ceiling = dict.fromkeys(f"{reachable_fraction(c, depth, k):.0%}" for k in configs)
+            row.append(f"{accuracy} ({ref}; {' / '.join(ceiling)})")
+        lines.append(f"| {depth}-layer | " + " | ".join(row) + " |")
+    stop = f", stopped at batch accuracy {base.stop_accuracy:g}" if base.stop_accuracy else ""
+    lines += [
+        "",
+        f"Seeds {', '.join(str(c.seed) for c in configs)}: test token accuracy per seed (the "
+        "paper's % ; the share of copied symbols whose source reaches them). "
+        f"n = {base.n}, w = {base.segment}, d = {base.d}, up to {base.steps} steps of batch "
+        f"{base.batch_size}{stop}.",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _folder(config: CopyConfig) -> Path:

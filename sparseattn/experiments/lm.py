@@ -61,19 +61,15 @@ from ..patterns import (
     Pattern,
     PatternCycle,
     block_local,
-    causal_fixed,
-    causal_strided,
     cycle,
     dense,
-    fixed,
     random,
     split_heads,
     star,
-    strided,
     union,
 )
 from ..results import atomic_write, machine_facts, save_figure, write_json
-from .copying import Dist, init_distributed, sparsity
+from .copying import Dist, head_configuration, init_distributed, sparsity
 
 #: The curves of Fig. 1a (plus dense attention as a reference), in table order.
 COLUMNS = (
@@ -94,6 +90,9 @@ PAPER_FINDINGS = (
     "for STRIDED and FIXED, the UNION configuration performs best",
     "RANDOM performs worse than the deterministic patterns",
 )
+
+#: The maps ρ a model may be trained with (``LMConfig.prob_map``).
+PROB_MAPS = ("softmax", "entmax15", "sparsemax")
 
 #: Bytes are the tokens: no tokenizer, no unknown symbols.
 VOCAB = 256
@@ -118,6 +117,7 @@ class LMConfig:
     weight_decay: float = 0.01  # AdamW (paper: Adafactor with weight decay)
     clip: float = 1.0  # gradient-norm clipping (0: off)
     causal_form: str = "child"  # STRIDED/FIXED: "child" (Child et al.) or "tril" (Yun G.2)
+    prob_map: str = "softmax"  # ρ of every head: "softmax" or e.g. "entmax15" (a teacher)
     dtype: str = "float32"
     widths: tuple[int, ...] = (16, 32, 64)  # segment lengths w: one sparsity level each
     seeds: tuple[int, ...] = (0, 1)  # model init, batch order and RANDOM's draws
@@ -128,19 +128,26 @@ class LMConfig:
     eval_batch: int = 32
     run: str | None = None  # run folder name; default derived from the result-defining fields
     out_dir: str = "results/lm"
+    save_model: bool = False  # also write cells/<cell>.pt (the trained weights)
     threads: int = 1  # torch threads per process (the machine is shared)
     progress: bool = True
 
     def identity(self) -> dict[str, Any]:
-        """The fields that determine a cell's result (a re-run with equal identity resumes)."""
+        """The fields that determine a cell's result (a re-run with equal identity resumes).
+        ``prob_map`` only when it is not softmax, so runs from before the field keep their
+        identity (and run folder)."""
         names = [f.name for f in dataclasses.fields(self)]
-        return {k: getattr(self, k) for k in names[: names.index("dtype") + 1]}
+        out = {k: getattr(self, k) for k in names[: names.index("dtype") + 1]}
+        if out["prob_map"] == "softmax":
+            del out["prob_map"]
+        return out
 
     def run_name(self) -> str:
         if self.run:
             return self.run
         digest = hashlib.sha1(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
-        return f"n{self.n}-d{self.d}-L{self.layers}-{self.steps}steps-{digest[:8]}"
+        rho = "" if self.prob_map == "softmax" else f"-{self.prob_map}"
+        return f"n{self.n}-d{self.d}-L{self.layers}-{self.steps}steps{rho}-{digest[:8]}"
 
     def validate(self) -> LMConfig:
         """Check every field; raises ValueError naming the field and what was expected."""
@@ -161,6 +168,8 @@ class LMConfig:
             raise ValueError(f"positions must be 'learned' or 'sinusoidal', got {self.positions!r}")
         if self.causal_form not in ("child", "tril"):
             raise ValueError(f"causal_form must be 'child' or 'tril', got {self.causal_form!r}")
+        if self.prob_map not in PROB_MAPS:
+            raise ValueError(f"prob_map must be one of {PROB_MAPS}, got {self.prob_map!r}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
         if not self.widths or not all(1 <= w < self.n for w in self.widths):
@@ -234,15 +243,7 @@ def column_pattern(column: str, w: int, config: LMConfig, seed: int = 0) -> Patt
     """The causal pattern (or SEQUENTIAL cycle) of one Fig. 1a curve at segment length w."""
     family, _, heads = column.partition("-")
     if family in ("strided", "fixed"):
-        if config.causal_form == "child":
-            make = causal_strided if family == "strided" else causal_fixed
-            a1, a2, both = make(w, 1), make(w, 2), make(w)
-        else:
-            make = strided if family == "strided" else fixed
-            a1, a2, both = make(w, 1).causal(), make(w, 2).causal(), make(w).causal()
-        if heads == "union":
-            return both
-        return split_heads(a1, a2) if heads == "multihead" else cycle(a1, a2)
+        return head_configuration(family, heads, w, config.causal_form)
     if column == "star":
         return star(w).causal()
     if column == "random":
@@ -310,6 +311,7 @@ def make_model(config: LMConfig) -> Encoder:
             layers=config.layers,
             ffn_mult=config.ffn_mult,
             dropout=config.dropout,
+            prob_map=config.prob_map,
             engine=config.engine,
             positions=config.positions,
         )
@@ -535,7 +537,8 @@ def table_markdown(
         "",
         f"Validation perplexity per byte (mean over seeds {seeds}, ± half the spread), byte-level "
         f"LM, n = {config.n}, d = {config.d}, {config.layers} layers × {config.heads} heads, "
-        f"{config.steps} steps of batch {config.batch_size}, causal form {config.causal_form!r}."
+        f"{config.steps} steps of batch {config.batch_size}, causal form {config.causal_form!r}"
+        f"{'' if config.prob_map == 'softmax' else ', ρ = ' + config.prob_map}."
         " Percentages: measured sparsity (causal denominator n(n + 1)/2). Byte n-gram models "
         "on the same bytes: " + ", ".join(f"{k} {v:.2f}" for k, v in ngram.items()) + ".",
     ]
@@ -665,7 +668,7 @@ def run(config: LMConfig, dist: Dist | None = None) -> dict[str, Any]:
     if dist.world > 1:
         tdist.barrier()  # the folder and config.json exist before anyone looks at them
     todo = cell_keys(config)
-    pending = [[k for k in todo if not (folder / "cells" / f"{cell_name(*k)}.json").exists()]]
+    pending = [[k for k in todo if not _cell_done(folder, cell_name(*k), config)]]
     if dist.world > 1:
         tdist.broadcast_object_list(pending, src=0)
     pending = pending[0]
@@ -684,10 +687,13 @@ def run(config: LMConfig, dist: Dist | None = None) -> dict[str, Any]:
             disable=not config.progress,
         )
         for column, w, seed in bar:
-            _, metrics = train(config, column, w, seed, worker, data)
+            model, metrics = train(config, column, w, seed, worker, data)
             metrics.update(machine=machine, rank=dist.rank, config=config.identity())
             if dist.rank == 0 or config.parallel == "cells":  # one writer per cell
                 name = cell_name(column, w, seed)
+                if config.save_model:  # the weights first: a cell is done once its JSON is
+                    path = model_path(config, column, w, seed)
+                    atomic_write(path, lambda tmp, m=model: torch.save(m.state_dict(), tmp))
                 write_json(folder / "cells" / f"{name}.json", metrics)
                 bar.write(
                     f"{name}: perplexity {metrics['perplexity']:.3f} "
@@ -701,6 +707,29 @@ def run(config: LMConfig, dist: Dist | None = None) -> dict[str, Any]:
     if owns_group and dist.world > 1:
         tdist.destroy_process_group()
     return result
+
+
+def model_path(config: LMConfig, column: str, w: int | None, seed: int) -> Path:
+    """Where ``save_model`` puts a cell's weights: ``<out_dir>/<run>/cells/<cell>.pt``."""
+    return Path(config.out_dir) / config.run_name() / "cells" / f"{cell_name(column, w, seed)}.pt"
+
+
+def load_model(config: LMConfig, column: str, w: int | None, seed: int) -> Encoder:
+    """The trained model of a cell saved with ``save_model`` (in eval mode, on the CPU)."""
+    path = model_path(config, column, w, seed)
+    if not path.exists():
+        raise ValueError(f"no saved weights at {path}: run the cell with save_model=True")
+    model = make_model(config).to(dtype=getattr(torch, config.dtype))
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return model.eval()
+
+
+def _cell_done(folder: Path, name: str, config: LMConfig) -> bool:
+    """A cell is done when its JSON exists (and, with ``save_model``, its weights)."""
+    cells = folder / "cells"
+    return (cells / f"{name}.json").exists() and (
+        not config.save_model or (cells / f"{name}.pt").exists()
+    )
 
 
 def ngram_levels(config: LMConfig) -> dict[str, float]:
