@@ -243,10 +243,11 @@ def sparse_attention(
 
 
 def _full_rows(pattern: object, q: Tensor, k: Tensor) -> bool | None:
-    """For the dense pattern: whether it is causal (False: every key); else None."""
+    """For the dense pattern: whether it is causal (False: every key; True also for queries at
+    an offset, n_q < n_k); else None."""
     if type(pattern) is Dense:
         return False
-    if isinstance(pattern, Causal) and type(pattern.base) is Dense and q.shape[-2] == k.shape[-2]:
+    if isinstance(pattern, Causal) and type(pattern.base) is Dense and q.shape[-2] <= k.shape[-2]:
         return True
     return None
 

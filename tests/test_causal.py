@@ -242,7 +242,7 @@ def test_split_heads_and_topk_at_an_offset():
     assert torch.equal(topk.build(q[..., -5:, :], k).to_dense(), want)
 
 
-ENGINES = ["dense", "gather", "block"]
+ENGINES = ["dense", "gather", "block", "rows", "auto"]
 
 
 def qkv(n, dtype=torch.float64, seed=0):
@@ -270,6 +270,26 @@ def test_offset_queries_equal_the_last_rows(name, engine):
         torch.testing.assert_close(qo.grad, qf.grad[..., -m:, :])
         torch.testing.assert_close(ko.grad, kf.grad)
         torch.testing.assert_close(vo.grad, vf.grad)
+
+
+@pytest.mark.parametrize("prob_map", ["softmax", "entmax15", "sparsemax"])
+def test_dense_causal_offset_takes_full_rows(prob_map, monkeypatch):
+    """dense().causal() at an offset runs on full rows (no (n_q × n_k) graph is built) and
+    equals the last rows of the full call, forward and backward; SDPA's top-left causal
+    triangle would not."""
+    from sparseattn import attention
+
+    pattern, n, m = sa.dense().causal(), 40, 7
+    q, k, v = qkv(n)
+    full = sa.sparse_attention(q, k, v, pattern, prob_map, engine="dense")[..., -m:, :]
+    monkeypatch.setattr(attention, "resolve_graph", None)  # any graph build would fail
+    qo, ko, vo = (t.clone().requires_grad_() for t in (q[..., -m:, :], k, v))
+    out = sa.sparse_attention(qo, ko, vo, pattern, prob_map)
+    torch.testing.assert_close(out, full)
+    out.sum().backward()
+    assert ko.grad[..., n - m :, :].abs().sum() > 0 and vo.grad.abs().sum() > 0
+    topleft = torch.nn.functional.scaled_dot_product_attention(q[..., -m:, :], k, v, is_causal=True)
+    assert not torch.allclose(topleft, full)
 
 
 @pytest.mark.parametrize("name", ["causal_strided", "sliding_window", "causal_bigbird"])

@@ -46,6 +46,7 @@ class _Run:
         bsz, heads, n_q, _ = q.shape
         self.n_k, self.shape = k.shape[-2], (bsz, heads)
         self.prob_map, self.scale, self.dropout_p, self.causal = prob_map, scale, dropout_p, causal
+        self.offset = self.n_k - n_q if causal else 0  # query i sits at position offset + i
         self.key_ok = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
         if graph is not None and graph.batch_shape:
             graph = graph.expand((bsz, heads))
@@ -54,17 +55,16 @@ class _Run:
         self.chunks = [(i, min(i + m, n_q)) for i in range(0, n_q, m)]
 
     def keys(self, i1: int) -> int:
-        """How many keys the rows before i1 may see (causal rows stop at the diagonal)."""
-        return min(i1, self.n_k) if self.causal else self.n_k
+        """How many keys the rows before i1 may see (causal rows stop at their position)."""
+        return min(self.offset + i1, self.n_k) if self.causal else self.n_k
 
     def valid(self, i0: int, i1: int, device: torch.device) -> Tensor | None:
         """Bool mask broadcastable to the chunk's scores (B, H, m, keys), or None (all)."""
         nk = self.keys(i1)
         masks = []
         if self.causal:
-            masks.append(
-                torch.arange(nk, device=device) <= torch.arange(i0, i1, device=device)[:, None]
-            )
+            rows = torch.arange(self.offset + i0, self.offset + i1, device=device)
+            masks.append(torch.arange(nk, device=device) <= rows[:, None])
         if self.graph is not None:
             masks.append(self._graph_rows(i0, i1).to(device))
         if self.key_ok is not None:
@@ -180,13 +180,17 @@ def rows_attention(
         scale: score scale.
         key_padding_mask: (B, n_k) bool, True for real keys.
         dropout_p: dropout on the attention weights.
-        causal: rows see keys j ≤ i only (the causal dense pattern; n_q = n_k).
+        causal: rows see keys j ≤ i only (the causal dense pattern). With n_q < n_k the queries
+            sit at positions n_k − n_q … n_k − 1 (prefill in pieces, decoding): row i sees
+            keys j ≤ n_k − n_q + i.
         budget: most score entries per chunk (at least one query row per chunk); None:
             ``BUDGET`` for the inputs' device type.
     Returns:
         (B, H, n_q, d_v).
     """
     bsz, heads, n_q, _ = q.shape
+    if causal and n_q > k.shape[-2]:
+        raise ValueError(f"causal rows need n_q <= n_k, got n_q={n_q}, n_k={k.shape[-2]}")
     alpha = prob_map.row_alpha(bsz, heads, n_q)
     if alpha is not None:
         alpha = alpha.to(q.dtype)
@@ -206,16 +210,19 @@ def full_rows_attention(
     dropout_p: float = 0.0,
     causal: bool = False,
 ) -> Tensor:
-    """The dense pattern (all keys, or j ≤ i when ``causal``) without building its graph.
+    """The dense pattern (all keys, or j ≤ i when ``causal``, queries at an offset when
+    n_q < n_k) without building its graph.
 
     Softmax goes to torch's fused ``scaled_dot_product_attention`` (a batch whose keys are all
-    padding gets a zero output, as on every engine); any other map to :func:`rows_attention`.
+    padding gets a zero output, as on every engine), except causal rows at an offset (SDPA's
+    ``is_causal`` aligns the triangle top-left); any other map to :func:`rows_attention`.
     Shapes as :func:`rows_attention`.
     """
     softmax = prob_map.name == "softmax" or (
         prob_map.name == "entmax" and prob_map.params.get("alpha") == 1.0
     )
-    if not softmax or (causal and key_padding_mask is not None):
+    offset = causal and q.shape[-2] != k.shape[-2]
+    if not softmax or offset or (causal and key_padding_mask is not None):
         return rows_attention(q, k, v, None, prob_map, scale, key_padding_mask, dropout_p, causal)
     if key_padding_mask is None:
         return F.scaled_dot_product_attention(
