@@ -77,6 +77,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
+def tiny_bert():
+    """A fresh 2-layer ``BertModel`` (width 32, 4 heads, random weights from seed 0, SDPA
+    attention) in eval mode; the global RNG continues from its initialisation."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    return transformers.BertModel(config).eval()
+
+
+@pytest.fixture
 def device(request: pytest.FixtureRequest) -> torch.device:
     """The device of this run (``--device``)."""
     return _device(request.config)

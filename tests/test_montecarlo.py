@@ -193,23 +193,13 @@ def test_reference_accounting_counts_padding_as_free_positions():
     assert reference_sample_sizes(a, 0.0, d_in).unique().tolist() == [d_in]
 
 
-def test_mca_hook_reports_both_accountings():
+def test_mca_hook_reports_both_accountings(tiny_bert):
     """Inside a padded BERT batch: the reference metric averages the reference r over every
     position (padding at 0), so it equals its real-token average × the real share of positions;
     ours counts real tokens only."""
-    transformers = pytest.importorskip("transformers")
     from sparseattn import hf
 
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=64,
-    )
-    model = transformers.BertModel(config).eval()
+    model = tiny_bert
     ids = torch.randint(1, 99, (2, 24))
     mask = (torch.arange(24) < torch.tensor([[6], [9]])).long()
     hook = MCAMethod(alpha=0.5)
@@ -239,21 +229,11 @@ def test_head_weights_and_bad_input():
         mca_attention(xx[0], q, k, ww, None, 0.1, sa.dense())
 
 
-def test_mca_hook_inside_a_hugging_face_bert():
-    transformers = pytest.importorskip("transformers")
+def test_mca_hook_inside_a_hugging_face_bert(tiny_bert):
     from sparseattn import hf
     from sparseattn.montecarlo import MCAMethod
 
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=64,
-    )
-    model = transformers.BertModel(config).eval()
+    model = tiny_bert
     ids = torch.randint(1, 99, (2, 20))
     mask = torch.ones(2, 20, dtype=torch.long)
     mask[0, 15:] = 0

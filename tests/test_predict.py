@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-import transformers
 
 from sparseattn import AttentionGraph, attention_weights, dense, hf, sparse_attention
 from sparseattn.maps import entmax
@@ -501,20 +500,6 @@ def test_pareto_frontier_and_dominance():
 
 
 # --------------------------------------------------------------------------- inside a model
-def _tiny_bert():
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=64,
-    )
-    config._attn_implementation = "sdpa"
-    return transformers.AutoModel.from_config(config).eval()
-
-
 class _Oracle(GraphPredictor):
     """Predicts the exact 1.5-entmax support plus ``extra`` random edges (a superset of G)."""
 
@@ -533,10 +518,10 @@ class _Oracle(GraphPredictor):
         )
 
 
-def test_predicted_pattern_in_model_is_exact_on_a_superset():
+def test_predicted_pattern_in_model_is_exact_on_a_superset(tiny_bert):
     """Proposition 1 end to end: a model whose layers attend on Ĝ ⊇ G (predicted from their own
     q, k) reproduces the full 1.5-entmax model; gold graphs come out through hooks only."""
-    model = _tiny_bert()
+    model = tiny_bert
     gen = torch.Generator().manual_seed(1)
     batch = {
         "input_ids": torch.randint(5, 99, (2, 20), generator=gen),

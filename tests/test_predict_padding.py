@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-import transformers
 
 from sparseattn import hf
 from sparseattn.predict.baselines import (
@@ -198,20 +197,6 @@ def test_bad_masks_are_refused():
         pattern.build(q, k)
 
 
-def _tiny_bert():
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=64,
-    )
-    config._attn_implementation = "sdpa"
-    return transformers.AutoModel.from_config(config).eval()
-
-
 def _run(model, batch, records_out=None):
     """Last hidden state and each layer's allowed real pairs (B, H, n, n)."""
     with torch.no_grad(), hf.capture_attention(model) as records:
@@ -222,12 +207,12 @@ def _run(model, batch, records_out=None):
     return out, allowed
 
 
-def test_predicted_pattern_in_hf_sparsify_on_a_padded_batch():
+def test_predicted_pattern_in_hf_sparsify_on_a_padded_batch(tiny_bert):
     """A padded batch through a sparsified model: every layer's graph on real tokens and the
     real tokens' outputs equal those of each sequence run alone, with or without a
     ``key_padding`` block (hf.sparsify hands the model's padding mask over itself); the same
     pattern built on the padded batch without any mask changes the real pairs (the bug)."""
-    model = _tiny_bert()
+    model = tiny_bert
     lengths = (20, 13)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(5, 99, (2, 20), generator=gen)
