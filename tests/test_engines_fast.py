@@ -487,3 +487,25 @@ def test_block_layout_imports_to_the_expected_graphs():
     torch.testing.assert_close(out, reference(q, k, v, expected, softmax(), 0.5))
     with pytest.raises(ValueError, match="heads, nb, nb"):
         from_block_layout(torch.ones(2, 3, 4), block=2)
+
+
+def test_dense_engine_hands_sdpa_a_mask_of_the_inputs_rank(monkeypatch):
+    """A per-head graph's (H, n, n) mask reaches SDPA as (1, H, n, n): torch's CPU kernel ran
+    the 3-D form 3x slower. The result equals the reference either way."""
+    from sparseattn.engines import dense as dense_module
+
+    seen = []
+    sdpa = dense_module.F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, **kwargs):
+        seen.append(attn_mask.shape)
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(dense_module.F, "scaled_dot_product_attention", recording)
+    pattern = sa.split_heads(sa.window(3), sa.strided(4))
+    q, k, v = torch.randn(3, 2, 2, 16, 8).unbind(0)
+    out = sa.sparse_attention(q, k, v, pattern, engine="dense")
+    assert seen == [torch.Size([1, 2, 16, 16])]
+    mask = pattern.graph(16, num_heads=2).to_dense()
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~mask, -math.inf)
+    torch.testing.assert_close(out, scores.softmax(-1) @ v)
