@@ -698,7 +698,7 @@ def sparsefinder(
 
 @app.command("sparsefinder-decoder")
 def sparsefinder_decoder(
-    quick: bool = typer.Option(False, help="smoke run: a 20-step n = 64 teacher, few knobs"),
+    quick: bool = typer.Option(False, help="smoke run: a 150-step n = 64 teacher, few knobs"),
     teacher_steps: int | None = typer.Option(
         None, help="training steps of the 1.5-entmax LM teacher (default 4000)"),
     train_windows: int | None = typer.Option(None, help="training windows for the fits"),

@@ -300,8 +300,17 @@ def _extract(data: _Data, config: SparsefinderConfig, bar) -> None:
 
 
 # --------------------------------------------------------------------------- fitting
-def _fit(data: _Data, config: SparsefinderConfig, bar) -> dict:
-    """Fitted state per layer (plain tensors and dicts, for torch.save)."""
+def _fit(
+    train: list[LayerGraphs],
+    config: SparsefinderConfig,
+    bar,
+    causal: bool = False,
+    chunked: bool = True,
+) -> dict:
+    """Fitted state per layer of the ``train`` graphs (plain tensors and dicts, for torch.save).
+
+    ``causal`` (decoder self-attention): keys after the query are left out of eq. 7's training
+    (never sampled as negatives). ``chunked=False`` skips the chunked (§6.1) fits."""
     fits: dict = {
         "projection": [],
         "projection_all_edges": [],
@@ -329,17 +338,22 @@ def _fit(data: _Data, config: SparsefinderConfig, bar) -> dict:
     }
     excluded = FixedParts(config.train_window, True, config.last_token)
 
-    def exclude(batch):
-        return excluded.graph(batch.n, batch.lengths).to_dense()
+    def future(batch):
+        return torch.ones(batch.n, batch.n, dtype=torch.bool).triu(1)
 
-    for layer in data.train:
+    def exclude(batch):
+        fixed = excluded.graph(batch.n, batch.lengths).to_dense()
+        return fixed | future(batch) if causal else fixed
+
+    for layer in train:
         bar.set_postfix_str(f"projections, layer {layer.layer}")
         t = time.perf_counter()
         proj = QKProjection(**kwargs).fit(layer, exclude=exclude)
         timer["projection"] += time.perf_counter() - t
         fits["projection"].append(proj.state_dict())
         t = time.perf_counter()
-        fits["projection_all_edges"].append(QKProjection(**kwargs).fit(layer).state_dict())
+        everything = QKProjection(**kwargs).fit(layer, exclude=future if causal else None)
+        fits["projection_all_edges"].append(everything.state_dict())
         timer["projection_all_edges"] += time.perf_counter() - t
         q, k = layer.tokens()
         t = time.perf_counter()
@@ -352,6 +366,8 @@ def _fit(data: _Data, config: SparsefinderConfig, bar) -> dict:
             rt = RoutingBaseline(c, proj, seed=config.seed).fit(q, k)
             fits["routing"].setdefault(c, []).append(rt.centroids_)
         timer["routing"] += time.perf_counter() - t
+        if not chunked:
+            continue
         t = time.perf_counter()
         chunks = chunk_layer(layer, config.chunk_block)
         cproj = QKProjection(**kwargs).fit(chunks)  # chunk-level: fixed parts not excluded
@@ -432,11 +448,14 @@ class _Fitted:
 
 
 # --------------------------------------------------------------------------- steps
-def _sweep_method(fitted: _Fitted, method: str, test: list[LayerGraphs]) -> list[dict]:
+def _sweep_method(
+    fitted: _Fitted, method: str, test: list[LayerGraphs], causal: bool = False
+) -> list[dict]:
+    """Recall / sparsity of ``method`` at every knob × fixed window (pairs j ≤ i if causal)."""
     variants = fitted.fixed_variants(method)
     points = []
     for knob in fitted.config.grid(method):
-        results = sweep(test, fitted.make(method, knob), [f for _, f in variants])
+        results = sweep(test, fitted.make(method, knob), [f for _, f in variants], causal)
         for (w, _), res in zip(variants, results, strict=True):
             if method == "window":
                 w = int(knob)
@@ -794,7 +813,12 @@ def _table_md(
     return "\n".join(lines) + "\n"
 
 
-def _plot_recall(sweeps: dict, gold: float, path: Path) -> None:
+def _plot_recall(
+    sweeps: dict,
+    gold: float,
+    path: Path,
+    title: str = "Sparsity–recall, 1.5-entmax MiniLM (test, mean of layers × heads)",
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -820,7 +844,7 @@ def _plot_recall(sweeps: dict, gold: float, path: Path) -> None:
     ax.axvline(gold, color="k", ls=":", lw=1, label=f"gold sparsity {gold:.3f}")
     ax.set_xlabel("sparsity (eq. 5)")
     ax.set_ylabel("recall (eq. 4)")
-    ax.set_title("Sparsity–recall, 1.5-entmax MiniLM (test, mean of layers × heads)", fontsize=9)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6.5, loc="lower left", ncol=2)
     fig.tight_layout()
@@ -968,7 +992,7 @@ def _run(config: SparsefinderConfig) -> dict:
             fits = torch.load(fits_path, weights_only=False)
         else:
             with step("fit"):
-                fits = _fit(data, config, bar)
+                fits = _fit(data.train, config, bar)
             atomic_write(fits_path, lambda tmp: torch.save(fits, tmp))
             write_json(
                 paths["fits"],

@@ -31,7 +31,7 @@ from torch import Tensor
 from ..graph import AttentionGraph
 from ..patterns import Pattern
 from ..validate import check_positive, check_tensor
-from .predictors import FixedParts, GraphPredictor, check_right_padding, union_fixed
+from .predictors import FixedParts, GraphPredictor, check_right_padding, merge_union, union_fixed
 
 __all__ = ["PredictedPattern", "key_padding"]
 
@@ -80,10 +80,16 @@ class PredictedPattern(Pattern):
     A query row left empty (possible with a distance threshold and no fixed parts, and for every
     padding query) gets its own key, so every query attends to something (the engines reject
     empty rows).
+
+    The causal variant (``pattern.causal()``, or ``is_causal=True``; decoder self-attention):
+    Ĝ ∪ fixed parts ∪ the diagonal, restricted to keys j ≤ i — a causal graph in which every
+    query keeps at least itself. The first token's fixed row then holds only itself; its column
+    stays (an attention sink).
     """
 
     predictor: GraphPredictor
     fixed: FixedParts | None = FixedParts()
+    is_causal: bool = False  # type: ignore[assignment]
 
     data_dependent = True
     #: ``build`` takes ``key_padding_mask``: a caller that knows the padding (an attention
@@ -97,10 +103,16 @@ class PredictedPattern(Pattern):
             )
         if self.fixed is not None and not isinstance(self.fixed, FixedParts):
             raise TypeError(f"fixed must be a FixedParts or None, got {type(self.fixed).__name__}")
+        if not isinstance(self.is_causal, bool):
+            raise TypeError(f"is_causal must be a bool, got {type(self.is_causal).__name__}")
+
+    def causal(self) -> PredictedPattern:
+        """The same predictor and fixed parts, restricted to keys j ≤ i (with the diagonal)."""
+        return dataclasses.replace(self, is_causal=True)
 
     @property
     def name(self) -> str:
-        return f"sparsefinder {self.predictor.name}"
+        return f"{'causal ' if self.is_causal else ''}sparsefinder {self.predictor.name}"
 
     def graph(
         self,
@@ -141,6 +153,9 @@ class PredictedPattern(Pattern):
             lengths = None if valid is None else valid.sum(-1)
             graph = union_fixed(predicted, self.fixed, lengths)
         graph = graph.expand(tuple(q.shape[:2]))
+        if self.is_causal:  # every row keeps itself, then nothing after it
+            diagonal = torch.arange(n)
+            return merge_union(graph, AttentionGraph.from_edges(diagonal, diagonal, n, n)).tril()
         empty = (graph.degrees == 0).reshape(-1).nonzero().squeeze(1)
         if empty.numel():
             graph = graph | AttentionGraph.from_edges(empty, empty % n, n, n, graph.batch_shape)
@@ -172,4 +187,4 @@ class PredictedPattern(Pattern):
         )
 
     def params(self) -> dict:
-        return {"predictor": self.predictor, "fixed": self.fixed}
+        return {"predictor": self.predictor, "fixed": self.fixed, "is_causal": self.is_causal}
