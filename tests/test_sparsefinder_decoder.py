@@ -23,6 +23,7 @@ from sparseattn.experiments.sparsefinder_lm import (
     run,
 )
 from sparseattn.graph import AttentionGraph
+from sparseattn.maps import resolve_prob_map
 from sparseattn.predict.baselines import (
     BigBirdBaseline,
     LongformerBaseline,
@@ -94,6 +95,12 @@ def test_check_causal_counts_future_edges_and_missing_diagonals():
     off = PredictedPattern(StridedBaseline(3), None)  # j − i ≡ 0 mod 3 holds the diagonal
     assert check_causal(off, graphs)["future_edges"] > 0
     assert check_causal(off.causal(), graphs)["future_edges"] == 0
+    # the kept attention mass against the entmax package: keys i − 1 and i of each row
+    scores = (q @ q.transpose(-1, -2) / 2).masked_fill(~torch.ones(10, 10).bool().tril(), -1e9)
+    p = entmax_pkg.entmax15(scores, dim=-1)
+    kept = sum(float(p[..., i, max(i - 1, 0) : i + 1].sum()) for i in range(10))
+    mass = check_causal(free.causal(), graphs, resolve_prob_map("entmax15"))["mass"]
+    assert mass == pytest.approx(kept, rel=1e-5)
 
 
 class _Fixed(GraphPredictor):
@@ -250,6 +257,9 @@ def test_quick_pipeline_end_to_end_and_resume(tmp_path):
     assert complete["recall"] == 1.0 and complete["exact"] == 1.0
     assert complete["sparsity"] == 0.0
     assert complete["bits_per_byte"] == pytest.approx(ref, abs=1e-5)
+    assert complete["attention_mass_kept"] == pytest.approx(1.0, abs=1e-5)
+    for p in summary["downstream"]["sf_kmeans"]:
+        assert 0.0 < p["attention_mass_kept"] <= 1.0 + 1e-6
     for rows in json.loads((folder / "sweep.json").read_text()).values():
         for r in rows:
             assert 0.0 <= r["sparsity"] <= 1.0 and 0.0 <= r["recall"] <= 1.0

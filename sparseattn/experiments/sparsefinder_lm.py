@@ -324,17 +324,28 @@ def _windows(config: DecoderSparsefinderConfig) -> tuple[Tensor, Tensor]:
     return train, valid
 
 
-def check_causal(pattern: PredictedPattern, graphs: LayerGraphs) -> dict:
+def check_causal(pattern: PredictedPattern, graphs: LayerGraphs, rho=None) -> dict:
     """Build ``pattern`` on every batch of ``graphs`` and count what a decoder forbids: edges
-    j > i, and rows without their own key (the diagonal). Both must be 0."""
+    j > i, and rows without their own key (the diagonal). Both must be 0.
+
+    With ``rho`` (the teacher's map) also ``mass``: the teacher's attention weight that falls
+    on Ĝ, Σ_{(i,j) ∈ Ĝ} p_ij summed over rows (p = ρ of the causal scores; each row sums to 1,
+    so ``mass / rows`` is the mean kept share — recall weighted by attention instead of
+    counting edges)."""
     future = missing = rows = 0
+    mass = 0.0
+    causal = dense().causal()
     for batch in graphs.batches:
         mask = pattern.build(batch.q, batch.k).to_dense()
         n = mask.shape[-1]
         future += int((mask & torch.ones(n, n, dtype=torch.bool).triu(1)).sum())
         missing += int((~mask.diagonal(dim1=-2, dim2=-1)).sum())
         rows += mask.shape[0] * mask.shape[1] * n
-    return {"future_edges": future, "rows_without_diagonal": missing, "rows": rows}
+        if rho is not None:
+            probs = attention_weights(batch.q, batch.k, causal, rho)
+            mass += float((probs * mask).sum())
+    out = {"future_edges": future, "rows_without_diagonal": missing, "rows": rows}
+    return out | ({"mass": mass} if rho is not None else {})
 
 
 # --------------------------------------------------------------------------- steps
@@ -353,7 +364,8 @@ def _downstream_point(
     make = fitted.make(method, knob)
     parts = FixedParts(None if method == "window" else window, True, False)
     patterns = [PredictedPattern(make(layer), parts).causal() for layer in range(len(test))]
-    checks = [check_causal(p, g) for p, g in zip(patterns, test, strict=True)]
+    rho = model.blocks[0].rho
+    checks = [check_causal(p, g, rho) for p, g in zip(patterns, test, strict=True)]
     metrics = lm.evaluate(model, cycle(*patterns), valid, config.teacher)
     return metrics | {
         "knob": knob,
@@ -361,6 +373,7 @@ def _downstream_point(
         "future_edges": sum(c["future_edges"] for c in checks),
         "rows_without_diagonal": sum(c["rows_without_diagonal"] for c in checks),
         "rows_checked": sum(c["rows"] for c in checks),
+        "attention_mass_kept": sum(c["mass"] for c in checks) / sum(c["rows"] for c in checks),
     }
 
 
@@ -426,11 +439,12 @@ def table_markdown(summary: dict) -> str:
             f"Downstream: validation bits per byte with exact {t['prob_map']} on Ĝ in every "
             f"layer; full teacher {ref['bits_per_byte']:.4f} (perplexity "
             f"{ref['perplexity']:.3f}). Sparsity, recall, exact: the sweep's point at that "
-            "knob and window (full teacher's q, k).",
+            "knob and window (full teacher's q, k); mass: the full teacher's attention weight "
+            "on Ĝ (mean over layers, heads and queries).",
             "",
-            "| method | knob | window | sparsity | recall | exact queries | bits per byte | "
-            "Δ vs full | perplexity | future edges / rows w/o diagonal |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| method | knob | window | sparsity | recall | exact queries | mass | "
+            "bits per byte | Δ vs full | perplexity | future edges / rows w/o diagonal |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for method, points in summary["downstream"].items():
             later = " †" if method in USES_LATER_TOKENS else ""
@@ -438,7 +452,8 @@ def table_markdown(summary: dict) -> str:
                 lines.append(
                     f"| {METHODS[method][0]}{later} | {p['knob']} | {p['window']} | "
                     f"{_fmt(p.get('sparsity'))} | {_fmt(p.get('recall'))} | "
-                    f"{_fmt(p.get('exact'))} | {p['bits_per_byte']:.4f} | "
+                    f"{_fmt(p.get('exact'))} | {_fmt(p.get('attention_mass_kept'))} | "
+                    f"{p['bits_per_byte']:.4f} | "
                     f"{p['bits_per_byte'] - ref['bits_per_byte']:+.4f} | "
                     f"{p['perplexity']:.3f} | {p['future_edges']} / "
                     f"{p['rows_without_diagonal']} |"
