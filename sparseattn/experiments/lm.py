@@ -69,20 +69,10 @@ from ..patterns import (
     union,
 )
 from ..results import atomic_write, machine_facts, save_figure, write_json
-from .copying import Dist, head_configuration, init_distributed, sparsity
+from .copying import COLUMNS, Dist, head_configuration, init_distributed, sparsity
 
-#: The curves of Fig. 1a (plus dense attention as a reference), in table order.
-COLUMNS = (
-    "strided-union",
-    "strided-multihead",
-    "strided-sequential",
-    "fixed-union",
-    "fixed-multihead",
-    "fixed-sequential",
-    "star",
-    "random",
-    "dense",
-)
+# COLUMNS: the curves of Fig. 1a are the columns of Tables 1–2 (plus dense attention as a
+# reference), in the same order.
 
 #: What the paper reports from Fig. 1a (§5 "Language modeling" and "Discussion").
 PAPER_FINDINGS = (
