@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -404,7 +405,14 @@ def copying(
     Resumable (finished cells are skipped); runs unchanged under `torchrun`."""
     import os
 
-    from .experiments.copying import COLUMNS, CopyConfig, paper_config, quick_config, seeds_table
+    from .experiments.copying import (
+        COLUMNS,
+        CopyConfig,
+        paper_config,
+        quick_config,
+        seeds_figure,
+        seeds_table,
+    )
     from .experiments.copying import run as run_copying
 
     overrides = {
@@ -444,7 +452,11 @@ def copying(
             print(result["table"])
             console.print(f"wrote {result['folder']}/table.md and cells/*.json")
         if len(configs) > 1:
-            print(seeds_table(configs))
+            table, folder = seeds_table(configs), Path(results[0]["folder"])
+            (folder / "seeds.md").write_text(table)
+            seeds_figure(configs, folder / "seeds.png")
+            print(table)
+            console.print(f"wrote {folder}/seeds.md and seeds.png (every seed)")
 
 
 @app.command()

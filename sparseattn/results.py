@@ -6,16 +6,27 @@ interrupt never leaves a half-written file (temp file in the same folder + ``os.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-__all__ = ["atomic_write", "write_json", "read_json", "save_figure", "machine_facts"]
+__all__ = [
+    "atomic_write",
+    "write_json",
+    "read_json",
+    "save_figure",
+    "machine_facts",
+    "run_folder",
+    "torch_threads",
+    "StepClock",
+]
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
@@ -48,6 +59,59 @@ def read_json(path: str | Path) -> object | None:
     """The JSON at ``path``, or None when it does not exist."""
     path = Path(path)
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def run_folder(folder: str | Path, identity: dict, subfolders: tuple[str, ...] = ()) -> Path:
+    """Create ``folder`` (and its ``subfolders``) and pin it to ``identity``: the first run writes
+    ``config.json``; a later run with the same identity resumes there, another one is refused."""
+    folder = Path(folder)
+    for sub in ("", *subfolders):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    path = folder / "config.json"
+    identity = json.loads(json.dumps(identity, default=str))  # as it reads back from the file
+    saved = read_json(path)
+    if saved is None:
+        write_json(path, identity)
+    elif saved != identity:
+        raise ValueError(f"run folder {folder} holds a different config; choose another run name")
+    return folder
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the block with ``torch.set_num_threads(threads)``; the old count is restored after."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+class StepClock:
+    """Wall-clock and CPU seconds (all threads of this process) of a run's named steps, kept in
+    ``path`` as JSON and rewritten after each step; a resumed run keeps the earlier steps."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.steps: dict = read_json(self.path) or {}
+
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        yield
+        self.steps[name] = {
+            "wall_seconds": time.perf_counter() - wall,
+            "cpu_seconds": time.process_time() - cpu,
+        }
+        write_json(self.path, self.steps)
+
+    def total(self, skip: tuple[str, ...] = ()) -> dict:
+        """Summed wall and CPU seconds over the steps not in ``skip``."""
+        return {
+            key: sum(v[key] for name, v in self.steps.items() if name not in skip)
+            for key in ("wall_seconds", "cpu_seconds")
+        }
 
 
 def save_figure(fig, path: str | Path, dpi: int = 110) -> None:
@@ -104,10 +168,10 @@ class ResumableRows:
 
     def find(self, **key) -> dict | None:
         """The first row holding every ``key`` item, or None."""
-        return next((r for r in self.data["rows"]
-                     if all(r.get(k) == v for k, v in key.items())), None)
+        return next(
+            (r for r in self.data["rows"] if all(r.get(k) == v for k, v in key.items())), None
+        )
 
     def add(self, row: dict) -> None:
         self.data["rows"].append(row)
         write_json(self.path, self.data)
-

@@ -270,6 +270,8 @@ def test_seeds_table_lists_every_seed_the_paper_and_the_ceiling(tmp_path):
     assert "(1.5;" in star_cell  # the paper's 1-layer STAR: 1.53 %
     assert "(—; 100%)" in table.splitlines()[2].split("|")[3]  # dense: not in the paper
     assert "Seeds 0, 1" in table
+    copying.seeds_figure(configs, tmp_path / "seeds.png")
+    assert (tmp_path / "seeds.png").stat().st_size > 1000
 
 
 def test_sweep_writes_cells_skips_finished_ones_and_resumes(tmp_path, monkeypatch):

@@ -76,7 +76,14 @@ from ..patterns import (
     strided,
     union,
 )
-from ..results import atomic_write, machine_facts, write_json
+from ..results import (
+    atomic_write,
+    machine_facts,
+    run_folder,
+    save_figure,
+    torch_threads,
+    write_json,
+)
 
 #: The columns of Tables 1 and 2 (plus dense attention as a reference), in table order.
 COLUMNS = (
@@ -707,19 +714,55 @@ def seeds_table(configs: Sequence[CopyConfig]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _folder(config: CopyConfig) -> Path:
-    folder = Path(config.out_dir) / config.run_name()
-    (folder / "cells").mkdir(parents=True, exist_ok=True)
-    config_path = folder / "config.json"
-    identity = json.loads(json.dumps(config.identity()))
-    if config_path.exists():
-        if json.loads(config_path.read_text()) != identity:
-            raise ValueError(
-                f"run folder {folder} holds a different config; choose another run name"
-            )
-    else:
-        write_json(config_path, identity)
-    return folder
+def seeds_figure(configs: Sequence[CopyConfig], path: Path) -> None:
+    """The seeds table as a picture: one panel per column, test accuracy against depth for
+    every seed (dots) beside the paper's number (black line) and the connectivity ceiling
+    (grey steps; the first seed's for RANDOM, whose graphs depend on the seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = configs[0]
+    cells = [load_cells(Path(c.out_dir) / c.run_name()) for c in configs]
+    paper = PAPER_TABLE2 if base.causal else PAPER_TABLE1
+    found = [v for run_cells in cells for v in run_cells.values()]
+    columns = [c for c in COLUMNS if any(v["column"] == c for v in found)]
+    depths = sorted({v["depth"] for v in found})
+    cols = 3
+    rows = -(-len(columns) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.1 * cols, 2.3 * rows), squeeze=False)
+    for ax, column in zip(axes.flat, columns, strict=False):
+        ceiling = [100 * reachable_fraction(column, dep, base) for dep in depths]
+        ax.step(depths, ceiling, where="mid", color="grey", lw=4, alpha=0.35, label="ceiling")
+        if column in paper:
+            ref = [paper[column][1][dep - 1] for dep in depths if dep <= 4]
+            ax.plot(depths[: len(ref)], ref, "k-", marker="s", ms=3, lw=1, label="paper")
+        for k, run_cells in enumerate(cells):
+            pts = [(dep, run_cells.get(cell_name(column, dep))) for dep in depths]
+            shift = 0.06 * (k - (len(cells) - 1) / 2)  # seeds side by side
+            x = [dep + shift for dep, r in pts if r]
+            y = [100 * r["accuracy"] for _, r in pts if r]
+            ax.plot(x, y, "o", ms=4, label=f"seed {configs[k].seed}")
+        ax.set_title(column_header(column, base), fontsize=8)
+        ax.set_xticks(depths)
+        ax.set_ylim(-5, 105)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(columns) :]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("test accuracy %")
+    for ax in axes[-1]:
+        ax.set_xlabel("layers")
+    axes[0, 0].legend(fontsize=6, loc="center right")
+    table = "Table 2 (autoregressive)" if base.causal else "Table 1 (bidirectional)"
+    fig.suptitle(
+        f"Copying, {table}: n = {base.n}, w = {base.segment}, d = {base.d}, "
+        f"≤ {base.steps} steps of batch {base.batch_size}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    save_figure(fig, path, dpi=80)
 
 
 def run(config: CopyConfig, dist: Dist | None = None) -> dict[str, Any]:
@@ -734,7 +777,9 @@ def run(config: CopyConfig, dist: Dist | None = None) -> dict[str, Any]:
     config.validate()
     owns_group = dist is None and not (tdist.is_available() and tdist.is_initialized())
     dist = init_distributed() if dist is None else dist
-    folder = _folder(config) if dist.rank == 0 else Path(config.out_dir) / config.run_name()
+    folder = Path(config.out_dir) / config.run_name()
+    if dist.rank == 0:
+        run_folder(folder, config.identity(), ("cells",))
     if dist.world > 1:
         tdist.barrier()  # the folder and config.json exist before anyone looks at them
     todo = [cell_name(c, d) for d in sorted(config.depths) for c in config.columns]
@@ -746,11 +791,9 @@ def run(config: CopyConfig, dist: Dist | None = None) -> dict[str, Any]:
         mine, worker = pending[dist.rank :: dist.world], Dist()
     else:
         mine, worker = pending, dist
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    machine = machine_facts()
-    data = _datasets(config)
-    try:
+    with torch_threads(config.threads):
+        machine = machine_facts()
+        data = _datasets(config)
         bar = tqdm(
             mine,
             desc="copying cells" + (f" [rank {dist.rank}]" if dist.world > 1 else ""),
@@ -767,8 +810,6 @@ def run(config: CopyConfig, dist: Dist | None = None) -> dict[str, Any]:
                 bar.write(
                     f"{key}: accuracy {metrics['accuracy']:.2%} ({metrics['train_seconds']:.0f} s)"
                 )
-    finally:
-        torch.set_num_threads(threads)
     if dist.world > 1:
         tdist.barrier()
     cells = load_cells(folder)

@@ -67,7 +67,14 @@ from ..learned_mask import (
 )
 from ..models.encoder import Encoder, EncoderConfig
 from ..patterns import Pattern, bigbird, dense, fixed, longformer, star, strided
-from ..results import atomic_write, machine_facts, save_figure, write_json
+from ..results import (
+    atomic_write,
+    machine_facts,
+    run_folder,
+    save_figure,
+    torch_threads,
+    write_json,
+)
 
 #: Fixed patterns, parameters chosen so that at n = 128 their sparsity is near the SparseBERT
 #: table (strided 70.4 %, fixed 72.7 %, Longformer 88.7 %, BigBird 93.2 %, Star 96.1 %).
@@ -751,17 +758,7 @@ def plot(config: DamConfig, records: dict[str, dict[str, Any]], folder: Path) ->
 def run(config: DamConfig) -> dict[str, Any]:
     """Run (or resume) the study; returns the metrics dict written to metrics.json."""
     config.validate()
-    folder = Path(config.out_dir) / config.run_name()
-    (folder / "cells").mkdir(parents=True, exist_ok=True)
-    config_path = folder / "config.json"
-    identity = config.identity()
-    if config_path.exists():
-        if json.loads(config_path.read_text()) != identity:
-            raise ValueError(
-                f"run folder {folder} holds a different config; choose another run name"
-            )
-    else:
-        write_json(config_path, identity)
+    folder = run_folder(Path(config.out_dir) / config.run_name(), config.identity(), ("cells",))
     cells = cells_of(config)
     records: dict[str, dict[str, Any]] = {}
     for cell in cells:
@@ -769,10 +766,8 @@ def run(config: DamConfig) -> dict[str, Any]:
         if path.exists():
             records[cell.key] = json.loads(path.read_text())
     pending = [c for c in cells if c.key not in records]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    start = time.perf_counter()
-    try:
+    with torch_threads(config.threads):
+        start = time.perf_counter()
         data = build_data(config.seq_len, config.min_count)
         warm, warm_info = warm_start(config, data, folder)
         bar = tqdm(
@@ -787,8 +782,6 @@ def run(config: DamConfig) -> dict[str, Any]:
             bar.set_postfix_str(cell.key)
             records[cell.key] = train_cell(config, data, cell, warm)
             write_json(folder / "cells" / f"{cell.key}.json", records[cell.key])
-    finally:
-        torch.set_num_threads(threads)
     result = {
         "run": config.run_name(),
         "summary": summarise(config, records),

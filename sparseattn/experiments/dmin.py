@@ -36,7 +36,7 @@ from ..analysis.expressivity import (
     theorem_d,
     theorem_slope,
 )
-from ..results import machine_facts, write_json
+from ..results import machine_facts, run_folder, torch_threads, write_json
 from ..validate import check_finite_float, check_int, check_positive
 
 #: The paper's grid: n from 512 to 3072 in steps of 256, 5 matrices per n.
@@ -280,18 +280,8 @@ def _cell(config: DminConfig, cell: _Cell) -> dict[str, Any]:
 def run(config: DminConfig) -> dict[str, Any]:
     """Run (or resume) the study; returns the metrics dict written to metrics.json."""
     config.validate()
-    folder = Path(config.out_dir) / config.run_name()
-    folder.mkdir(parents=True, exist_ok=True)
-    config_path, metrics_path = folder / "config.json", folder / "metrics.json"
-    identity = config.identity()
-    if config_path.exists():
-        old = json.loads(config_path.read_text())
-        if old != identity:
-            raise ValueError(
-                f"run folder {folder} holds a different config; choose another run name"
-            )
-    else:
-        write_json(config_path, identity)
+    folder = run_folder(Path(config.out_dir) / config.run_name(), config.identity())
+    metrics_path = folder / "metrics.json"
     cells: dict[str, dict[str, Any]] = {}
     if metrics_path.exists():
         cells = json.loads(metrics_path.read_text()).get("cells", {})
@@ -299,21 +289,19 @@ def run(config: DminConfig) -> dict[str, Any]:
         _Cell(q, n, r) for q in config.qs for n in sorted(config.ns) for r in range(config.draws)
     ]
     pending = [c for c in todo if c.key not in cells]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    machine = machine_facts()
+    with torch_threads(config.threads):
+        machine = machine_facts()
 
-    def metrics(complete: bool) -> dict[str, Any]:
-        return {
-            "cells": cells,
-            "summary": summarise(config, cells),
-            "complete": complete,
-            "machine": machine,
-            "run": config.run_name(),
-        }
+        def metrics(complete: bool) -> dict[str, Any]:
+            return {
+                "cells": cells,
+                "summary": summarise(config, cells),
+                "complete": complete,
+                "machine": machine,
+                "run": config.run_name(),
+            }
 
-    started = time.perf_counter()
-    try:
+        started = time.perf_counter()
         bar = tqdm(
             pending,
             total=len(todo),
@@ -327,8 +315,6 @@ def run(config: DminConfig) -> dict[str, Any]:
             bar.set_postfix_str(cell.key)
             cells[cell.key] = _cell(config, cell)
             write_json(metrics_path, metrics(False))
-    finally:
-        torch.set_num_threads(threads)
     result = metrics(all(c.key in cells for c in todo))
     result["total_seconds"] = sum(c["seconds"] for c in cells.values())
     write_json(metrics_path, result)

@@ -68,7 +68,14 @@ from ..patterns import (
     star,
     union,
 )
-from ..results import atomic_write, machine_facts, save_figure, write_json
+from ..results import (
+    atomic_write,
+    machine_facts,
+    run_folder,
+    save_figure,
+    torch_threads,
+    write_json,
+)
 from .copying import COLUMNS, Dist, head_configuration, init_distributed, sparsity
 
 # COLUMNS: the curves of Fig. 1a are the columns of Tables 1–2 (plus dense attention as a
@@ -630,19 +637,6 @@ def plot(
     save_figure(fig, path)
 
 
-def _folder(config: LMConfig) -> Path:
-    folder = Path(config.out_dir) / config.run_name()
-    (folder / "cells").mkdir(parents=True, exist_ok=True)
-    config_path = folder / "config.json"
-    identity = json.loads(json.dumps(config.identity()))
-    if config_path.exists():
-        if json.loads(config_path.read_text()) != identity:
-            raise ValueError(f"run folder {folder} holds a different config; choose another run")
-    else:
-        write_json(config_path, identity)
-    return folder
-
-
 def run(config: LMConfig, dist: Dist | None = None) -> dict[str, Any]:
     """Run (or resume) a sweep; returns the metrics written to ``metrics.json``.
 
@@ -654,7 +648,9 @@ def run(config: LMConfig, dist: Dist | None = None) -> dict[str, Any]:
     config.validate()
     owns_group = dist is None and not (tdist.is_available() and tdist.is_initialized())
     dist = init_distributed() if dist is None else dist
-    folder = _folder(config) if dist.rank == 0 else Path(config.out_dir) / config.run_name()
+    folder = Path(config.out_dir) / config.run_name()
+    if dist.rank == 0:
+        run_folder(folder, config.identity(), ("cells",))
     if dist.world > 1:
         tdist.barrier()  # the folder and config.json exist before anyone looks at them
     todo = cell_keys(config)
@@ -666,11 +662,9 @@ def run(config: LMConfig, dist: Dist | None = None) -> dict[str, Any]:
         mine, worker = pending[dist.rank :: dist.world], Dist()
     else:  # every worker takes part in every cell (DDP)
         mine, worker = pending, dist
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    machine = machine_facts()
-    data = datasets(config)
-    try:
+    with torch_threads(config.threads):
+        machine = machine_facts()
+        data = datasets(config)
         bar = tqdm(
             mine,
             desc="lm cells" + (f" [rank {dist.rank}]" if dist.world > 1 else ""),
@@ -689,8 +683,6 @@ def run(config: LMConfig, dist: Dist | None = None) -> dict[str, Any]:
                     f"{name}: perplexity {metrics['perplexity']:.3f} "
                     f"({metrics['train_cpu_seconds']:.0f} s CPU)"
                 )
-    finally:
-        torch.set_num_threads(threads)
     if dist.world > 1:
         tdist.barrier()
     result = _report(config, folder, todo, machine, dist)

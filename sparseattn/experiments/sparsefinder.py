@@ -28,7 +28,6 @@ Run: ``sparseattn sparsefinder`` (``--quick`` for a ~2 minute smoke version).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -77,7 +76,16 @@ from ..predict.predictors import (
 )
 from ..predict.projection import QKProjection
 from ..predict.teacher import TeacherConfig, load_teacher, teacher_folder
-from ..results import atomic_write, machine_facts, read_json, save_figure, write_json
+from ..results import (
+    StepClock,
+    atomic_write,
+    machine_facts,
+    read_json,
+    run_folder,
+    save_figure,
+    torch_threads,
+    write_json,
+)
 
 __all__ = ["METHODS", "SparsefinderConfig", "quick_config", "run"]
 
@@ -895,22 +903,12 @@ def _plot_downstream(rows: dict, reference: dict, gold: float, path: Path) -> No
 def run(config: SparsefinderConfig) -> dict:
     """Run (or resume) the whole pipeline; returns the summary (with ``folder``)."""
     config = config.validate()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    try:
+    with torch_threads(config.threads):
         return _run(config)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(config: SparsefinderConfig) -> dict:
-    folder = Path(config.out_dir) / config.run_name()
-    folder.mkdir(parents=True, exist_ok=True)
-    identity = config.identity()
-    saved = read_json(folder / "config.json")
-    if saved is not None and saved != identity:
-        raise ValueError(f"{folder} holds a different config; choose another run name")
-    write_json(folder / "config.json", identity)
+    folder = run_folder(Path(config.out_dir) / config.run_name(), config.identity())
     paths = {
         name: folder / f"{name}.json"
         for name in (
@@ -922,22 +920,10 @@ def _run(config: SparsefinderConfig) -> dict:
             "timing",
             "padding",
             "summary",
-            "steps",
         )
     }
-    clock: dict = read_json(paths["steps"]) or {}
-
-    @contextlib.contextmanager
-    def step(name: str):
-        """Record the wall-clock and CPU seconds of a step (CPU: all threads of this process)."""
-        wall, cpu = time.perf_counter(), time.process_time()
-        yield
-        clock[name] = {
-            "wall_seconds": time.perf_counter() - wall,
-            "cpu_seconds": time.process_time() - cpu,
-        }
-        write_json(paths["steps"], clock)
-
+    clock = StepClock(folder / "steps.json")
+    step = clock.step
     fits_path = folder / "fits.pt"
     sweeps: dict = read_json(paths["sweep"]) or {}
     down: dict = read_json(paths["downstream"]) or {"reference": None, "methods": {}}
@@ -1055,11 +1041,8 @@ def _run(config: SparsefinderConfig) -> dict:
     summary["teacher"] = {k: tmetrics[k] for k in ("before", "after", "distill_seconds")}
     summary["downstream_reference"] = down["reference"]
     summary["padding"] = padding
-    summary["steps"] = clock
-    summary["seconds_after_teacher"] = {
-        key: sum(v[key] for name, v in clock.items() if name != "teacher")
-        for key in ("wall_seconds", "cpu_seconds")
-    }
+    summary["steps"] = clock.steps
+    summary["seconds_after_teacher"] = clock.total(skip=("teacher",))
     write_json(paths["summary"], summary)
     table = _table_md(summary, tmetrics, timing, padding)
     atomic_write(folder / "table.md", lambda tmp: Path(tmp).write_text(table))

@@ -32,11 +32,9 @@ methods and downstream points are skipped when the same config runs again.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -50,7 +48,16 @@ from ..predict.evaluate import frontier_value, gold_summary
 from ..predict.extract import GraphBatch, LayerGraphs
 from ..predict.pattern import PredictedPattern
 from ..predict.predictors import FixedParts
-from ..results import atomic_write, machine_facts, read_json, save_figure, write_json
+from ..results import (
+    StepClock,
+    atomic_write,
+    machine_facts,
+    read_json,
+    run_folder,
+    save_figure,
+    torch_threads,
+    write_json,
+)
 from . import lm
 from .sparsefinder import (
     COLORS,
@@ -519,39 +526,19 @@ def _plot_downstream(summary: dict, path: Path) -> None:
 def run(config: DecoderSparsefinderConfig) -> dict:
     """Run (or resume) the decoder pipeline; returns the summary (with ``folder``)."""
     config = config.validate()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    try:
+    with torch_threads(config.threads):
         return _run(config)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(config: DecoderSparsefinderConfig) -> dict:
     load_start = os.getloadavg()
-    folder = Path(config.out_dir) / config.run_name()
-    folder.mkdir(parents=True, exist_ok=True)
-    identity = config.identity()
-    saved = read_json(folder / "config.json")
-    if saved is not None and saved != identity:
-        raise ValueError(f"{folder} holds a different config; choose another run name")
-    write_json(folder / "config.json", identity)
+    folder = run_folder(Path(config.out_dir) / config.run_name(), config.identity())
     paths = {
         name: folder / f"{name}.json"
-        for name in ("teacher", "gold", "fits", "sweep", "downstream", "summary", "steps")
+        for name in ("teacher", "gold", "fits", "sweep", "downstream", "summary")
     }
-    clock: dict = read_json(paths["steps"]) or {}
-
-    @contextlib.contextmanager
-    def step(name: str):
-        wall, cpu = time.perf_counter(), time.process_time()
-        yield
-        clock[name] = {
-            "wall_seconds": time.perf_counter() - wall,
-            "cpu_seconds": time.process_time() - cpu,
-        }
-        write_json(paths["steps"], clock)
-
+    clock = StepClock(folder / "steps.json")
+    step = clock.step
     fits_path = folder / "fits.pt"
     sweeps: dict = read_json(paths["sweep"]) or {}
     down: dict = read_json(paths["downstream"]) or {"reference": None, "methods": {}}
@@ -650,10 +637,8 @@ def _run(config: DecoderSparsefinderConfig) -> dict:
         "downstream_reference": down["reference"],
         "downstream": down_rows,
         "uses_later_tokens": list(USES_LATER_TOKENS),
-        "steps": clock,
-        "seconds_total": {
-            key: sum(v[key] for v in clock.values()) for key in ("wall_seconds", "cpu_seconds")
-        },
+        "steps": clock.steps,
+        "seconds_total": clock.total(),
         "machine": machine_facts(),
         "load_average_start": load_start,
     }
