@@ -650,15 +650,18 @@ def dam(
     console.print(table)
     console.print(f"wrote {result['folder']}: cells/*.json, metrics.json, figures")
 
+
 @app.command()
 def sparsefinder(
     quick: bool = typer.Option(False, help="smoke run (~2 min): few passages and knobs"),
     teacher_steps: int | None = typer.Option(
-        None, help="distillation steps of the entmax teacher (default 150)"),
+        None, help="distillation steps of the entmax teacher (default 150)"
+    ),
     train_passages: int | None = typer.Option(None, help="train passages (default: all)"),
     test_passages: int | None = typer.Option(None, help="test passages (default: all)"),
     max_pairs: int | None = typer.Option(
-        None, help="triplets per head and epoch for the projections (default: every edge)"),
+        None, help="triplets per head and epoch for the projections (default: every edge)"
+    ),
     downstream: bool = typer.Option(True, help="measure embedding cosine / retrieval"),
     timing: bool = typer.Option(True, help="time prediction + attention vs full entmax"),
     threads: int = typer.Option(1, help="torch threads (1 is fastest on a loaded machine)"),
@@ -675,8 +678,14 @@ def sparsefinder(
     from .experiments.sparsefinder import SparsefinderConfig, quick_config
     from .experiments.sparsefinder import run as run_sparsefinder
 
-    overrides = {"train_passages": train_passages, "test_passages": test_passages,
-                 "max_pairs": max_pairs, "run": run, "out_dir": out_dir, "threads": threads}
+    overrides = {
+        "train_passages": train_passages,
+        "test_passages": test_passages,
+        "max_pairs": max_pairs,
+        "run": run,
+        "out_dir": out_dir,
+        "threads": threads,
+    }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
         config = quick_config(**overrides) if quick else SparsefinderConfig(**overrides)
@@ -689,10 +698,15 @@ def sparsefinder(
         summary = run_sparsefinder(config)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
-    table = Table(title=f"Sparsefinder on the entmax MiniLM (gold sparsity "
-                  f"{summary['gold_sparsity']:.3f})")
-    for col in ("method", "recall at gold sparsity", "best recall, sparsity ≥ gold",
-                "window points dominated"):
+    table = Table(
+        title=f"Sparsefinder on the entmax MiniLM (gold sparsity {summary['gold_sparsity']:.3f})"
+    )
+    for col in (
+        "method",
+        "recall at gold sparsity",
+        "best recall, sparsity ≥ gold",
+        "window points dominated",
+    ):
         table.add_column(col)
 
     def fmt(x):
@@ -700,19 +714,25 @@ def sparsefinder(
 
     for row in summary["methods"].values():
         vs = row.get("vs_window", {})
-        table.add_row(escape(row["label"]), fmt(row["recall_at_gold_sparsity"]),
-                      fmt(row["best_recall_with_sparsity_at_least_gold"]),
-                      fmt(vs.get("dominated_base_points")))
+        table.add_row(
+            escape(row["label"]),
+            fmt(row["recall_at_gold_sparsity"]),
+            fmt(row["best_recall_with_sparsity_at_least_gold"]),
+            fmt(vs.get("dominated_base_points")),
+        )
     console.print(table)
-    console.print(f"wrote {summary['folder']}: summary.json, table.md, sweep.json, "
-                  "downstream.json, timing.json, sparsity_recall.png, sparsity_downstream.png")
+    console.print(
+        f"wrote {summary['folder']}: summary.json, table.md, sweep.json, "
+        "downstream.json, timing.json, sparsity_recall.png, sparsity_downstream.png"
+    )
 
 
 @app.command("sparsefinder-decoder")
 def sparsefinder_decoder(
     quick: bool = typer.Option(False, help="smoke run: a 150-step n = 64 teacher, few knobs"),
     teacher_steps: int | None = typer.Option(
-        None, help="training steps of the 1.5-entmax LM teacher (default 4000)"),
+        None, help="training steps of the 1.5-entmax LM teacher (default 4000)"
+    ),
     train_windows: int | None = typer.Option(None, help="training windows for the fits"),
     valid_windows: int | None = typer.Option(None, help="validation windows (default: all)"),
     downstream: bool = typer.Option(True, help="measure bits per byte on the predicted graph"),
@@ -732,8 +752,13 @@ def sparsefinder_decoder(
     from .experiments.sparsefinder_lm import DecoderSparsefinderConfig, quick_config
     from .experiments.sparsefinder_lm import run as run_decoder
 
-    overrides = {"train_windows": train_windows, "valid_windows": valid_windows, "run": run,
-                 "out_dir": out_dir, "threads": threads}
+    overrides = {
+        "train_windows": train_windows,
+        "valid_windows": valid_windows,
+        "run": run,
+        "out_dir": out_dir,
+        "threads": threads,
+    }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
         config = quick_config(**overrides) if quick else DecoderSparsefinderConfig(**overrides)
@@ -751,7 +776,8 @@ def sparsefinder_decoder(
 @app.command()
 def bench(
     suite: str = typer.Argument(
-        "full", help="full or quick (engines on ready graphs), user or user-quick (the user path)"),
+        "full", help="full or quick (engines on ready graphs), user or user-quick (the user path)"
+    ),
     quick: bool = typer.Option(False, "--quick", help="the quick suite (under 2 minutes)"),
     run: str = typer.Option("", help="run name (default: the suite name and the date)"),
     out: str = typer.Option("results/bench", help="parent folder of the run folder"),
@@ -799,7 +825,8 @@ def bench(
     known = ("longformer", "bigbird", "strided", "random")
     if patterns_ and (name not in SUITES or any(p not in known for p in patterns_)):
         raise typer.BadParameter(
-            f"only must name patterns among {list(known)} (kernel suites only), got {patterns_}")
+            f"only must name patterns among {list(known)} (kernel suites only), got {patterns_}"
+        )
     run_dir = Path(out) / (run or f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     start = time.perf_counter()
     log = lambda m: console.print(escape(m))  # noqa: E731
@@ -812,8 +839,9 @@ def bench(
     else:
         run_suite(SUITES[name], run_dir, log=log, ns=lengths, patterns=patterns_)
         figure = "bench.png"
-    console.print(f"wrote {run_dir}/results.json, results.md, {figure} "
-                  f"in {time.perf_counter() - start:.0f} s")
+    console.print(
+        f"wrote {run_dir}/results.json, results.md, {figure} in {time.perf_counter() - start:.0f} s"
+    )
 
 
 @app.command()
@@ -821,12 +849,15 @@ def mca(
     alphas: str = typer.Option("0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0", help="α values"),
     max_passages: int = typer.Option(48, help="test passages of the embedded corpus"),
     run: str = typer.Option("default", help="run name under results/mca/"),
-    quick: bool = typer.Option(False, help="3 α values on 16 passages (replaces --alphas and "
-                               "--max-passages)"),
-    sweep: bool = typer.Option(True, help="run the α sweep (--no-sweep: only the accounting "
-                               "comparison)"),
+    quick: bool = typer.Option(
+        False, help="3 α values on 16 passages (replaces --alphas and --max-passages)"
+    ),
+    sweep: bool = typer.Option(
+        True, help="run the α sweep (--no-sweep: only the accounting comparison)"
+    ),
     accounting_alphas: str = typer.Option(
-        "0.1,0.2,0.5,1.0", help="α values of the accounting comparison ('' to skip it)"),
+        "0.1,0.2,0.5,1.0", help="α values of the accounting comparison ('' to skip it)"
+    ),
 ) -> None:
     """MCA sweep on MiniLM: error vs Theorem 2 bound, fidelity vs value-projection MACs kept;
     then the MCA reference code's cost accounting beside ours, on 8-word passages padded to 128
@@ -836,9 +867,13 @@ def mca(
 
     values = (0.0, 0.2, 1.0) if quick else _numbers(alphas, "alphas")
     try:
-        config = MCAConfig(values, 16 if quick else max_passages, run=run, sweep=sweep,
-                           accounting_alphas=_numbers(accounting_alphas, "accounting_alphas"),
-                           ).validate()
+        config = MCAConfig(
+            values,
+            16 if quick else max_passages,
+            run=run,
+            sweep=sweep,
+            accounting_alphas=_numbers(accounting_alphas, "accounting_alphas"),
+        ).validate()
         result = run_mca(config)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
@@ -850,31 +885,51 @@ def mca(
 
 
 def _print_mca_accounting(acc: dict) -> None:
-    table = Table(title=f"MACs kept, two accountings: {acc['passages']} passages of "
-                  f"{acc['mean_real_tokens']:.1f} tokens padded to {acc['padded_length']}")
-    for col in ("α", "reference code (all positions)", "reference r, real tokens",
-                "ours (real tokens)", "ours, unpadded"):
+    table = Table(
+        title=f"MACs kept, two accountings: {acc['passages']} passages of "
+        f"{acc['mean_real_tokens']:.1f} tokens padded to {acc['padded_length']}"
+    )
+    for col in (
+        "α",
+        "reference code (all positions)",
+        "reference r, real tokens",
+        "ours (real tokens)",
+        "ours, unpadded",
+    ):
         table.add_column(col)
     for r in acc["rows"]:
-        table.add_row(f"{r['alpha']:.1f}", f"{r['reference_padded']:.1%}",
-                      f"{r['reference_real_tokens']:.1%}", f"{r['ours_padded']:.1%}",
-                      f"{r['ours_unpadded']:.1%}")
+        table.add_row(
+            f"{r['alpha']:.1f}",
+            f"{r['reference_padded']:.1%}",
+            f"{r['reference_real_tokens']:.1%}",
+            f"{r['ours_padded']:.1%}",
+            f"{r['ours_unpadded']:.1%}",
+        )
     console.print(table)
 
 
 def _print_mca_sweep(result: dict) -> None:
     table = Table(title=f"MCA on MiniLM ({result['passages']} test passages)")
-    for col in ("α", "MACs kept", "sampled / exact projection time", "embedding cosine",
-                "retrieval acc."):
+    for col in (
+        "α",
+        "MACs kept",
+        "sampled / exact projection time",
+        "embedding cosine",
+        "retrieval acc.",
+    ):
         table.add_column(col)
     for c in result["cells"]:
         t = c["projection_seconds"]
         ratio = t["sampled"] / t["exact"] if t["exact"] else float("nan")
-        table.add_row(f"{c['alpha']:.1f}", f"{c['macs_kept']:.1%}", f"{ratio:.1f}×",
-                      f"{c['embedding_cosine_mean']:.4f}", f"{c['retrieval_accuracy']:.3f}")
+        table.add_row(
+            f"{c['alpha']:.1f}",
+            f"{c['macs_kept']:.1%}",
+            f"{ratio:.1f}×",
+            f"{c['embedding_cosine_mean']:.4f}",
+            f"{c['retrieval_accuracy']:.3f}",
+        )
     console.print(table)
     console.print(f"exact retrieval accuracy {result['exact_retrieval_accuracy']:.3f}")
-
 
 
 @app.command()

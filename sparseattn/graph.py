@@ -117,8 +117,9 @@ class AttentionGraph:
         batch_shape = tuple(check_int("batch_shape[i]", b, 0) for b in batch_shape)
         n_rows = _prod(batch_shape) * n_q
         if rows.numel() != cols.numel():
-            raise ValueError(f"rows and cols must hold one entry per edge, got {rows.numel()} "
-                             f"and {cols.numel()}")
+            raise ValueError(
+                f"rows and cols must hold one entry per edge, got {rows.numel()} and {cols.numel()}"
+            )
         rows = rows.reshape(-1).long()
         cols = cols.reshape(-1).long()
         if rows.numel() and (cols.min() < 0 or cols.max() >= n_k):
@@ -130,8 +131,9 @@ class AttentionGraph:
             key = torch.unique(key)  # sorted: by row, then by key
             rows, cols = key // n_k, key % n_k
         if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= n_rows):  # rows now sorted
-            raise ValueError(f"row indices must lie in [0, {n_rows}), got "
-                             f"[{int(rows[0])}, {int(rows[-1])}]")
+            raise ValueError(
+                f"row indices must lie in [0, {n_rows}), got [{int(rows[0])}, {int(rows[-1])}]"
+            )
         counts = torch.bincount(rows, minlength=n_rows)
         crow = torch.zeros(n_rows + 1, dtype=torch.long)
         torch.cumsum(counts, 0, out=crow[1:])
@@ -150,8 +152,9 @@ class AttentionGraph:
         degrees = (stop.clamp(max=n_k) - start).clamp_min(0)
         crow = torch.zeros(start.numel() + 1, dtype=torch.long)
         torch.cumsum(degrees, 0, out=crow[1:])
-        graph = cls(crow, torch.empty(int(crow[-1]), dtype=torch.long), start.numel(), n_k,
-                    (), causal)
+        graph = cls(
+            crow, torch.empty(int(crow[-1]), dtype=torch.long), start.numel(), n_k, (), causal
+        )
         shift = start - crow[:-1]  # col[e] = e + shift[row of e]
         for lo, hi in graph.row_pieces():
             e0, e1 = int(crow[lo]), int(crow[hi])
@@ -264,7 +267,7 @@ class AttentionGraph:
         if not self.num_rows:
             return []
         n_graphs = self.num_rows // self.n_q
-        cuts = (torch.arange(n_graphs)[:, None] * self.n_q + torch.arange(0, self.n_q, align))
+        cuts = torch.arange(n_graphs)[:, None] * self.n_q + torch.arange(0, self.n_q, align)
         cuts = [*cuts.reshape(-1).tolist(), self.num_rows]
         edges = self.crow[cuts].tolist()
         step = len(cuts) if max_rows is None else max(1, max_rows // align)

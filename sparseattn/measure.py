@@ -30,9 +30,21 @@ class _Heap:
             libc = ctypes.CDLL("libc.so.6")
 
             class MallInfo2(ctypes.Structure):
-                _fields_ = [(f, ctypes.c_size_t) for f in (
-                    "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-                    "uordblks", "fordblks", "keepcost")]
+                _fields_ = [
+                    (f, ctypes.c_size_t)
+                    for f in (
+                        "arena",
+                        "ordblks",
+                        "smblks",
+                        "hblks",
+                        "hblkhd",
+                        "usmblks",
+                        "fsmblks",
+                        "uordblks",
+                        "fordblks",
+                        "keepcost",
+                    )
+                ]
 
             libc.mallinfo2.restype = MallInfo2
             libc.mallinfo2()
@@ -92,8 +104,12 @@ def measure(fn: Callable[[], object], repeats: int, time_cap: float) -> dict:
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
-    return {"time_s": statistics.median(times), "times_s": times, "peak_mb": mem["mb"],
-            "warmup_s": warm}
+    return {
+        "time_s": statistics.median(times),
+        "times_s": times,
+        "peak_mb": mem["mb"],
+        "warmup_s": warm,
+    }
 
 
 def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:

@@ -41,8 +41,19 @@ DEVICE_MODULES = {
 }
 
 _FACTORIES = {
-    torch.arange, torch.empty, torch.eye, torch.full, torch.linspace, torch.ones, torch.rand,
-    torch.randint, torch.randn, torch.randperm, torch.tensor, torch.zeros, torch.as_tensor,
+    torch.arange,
+    torch.empty,
+    torch.eye,
+    torch.full,
+    torch.linspace,
+    torch.ones,
+    torch.rand,
+    torch.randint,
+    torch.randn,
+    torch.randperm,
+    torch.tensor,
+    torch.zeros,
+    torch.as_tensor,
 }
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(torch.__file__)
@@ -50,7 +61,8 @@ _TORCH = os.path.dirname(torch.__file__)
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--device", default="cpu",
+        "--device",
+        default="cpu",
         help="device for the device-aware test modules (cpu, cuda, cuda:1); see tests/conftest.py",
     )
 

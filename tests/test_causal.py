@@ -101,17 +101,23 @@ def test_causal_bigbird_matches_definition(n, w, g, r, b):
     positions = set(range(g)) if isinstance(g, int) else set(g)
     check_against(
         pattern,
-        lambda i, j: child_strided_1(i, j, w)
-        or causal_global(i, j, positions)
-        or (j <= i and j // b in choice[i // b].tolist()),
+        lambda i, j: (
+            child_strided_1(i, j, w)
+            or causal_global(i, j, positions)
+            or (j <= i and j // b in choice[i // b].tolist())
+        ),
         n,
     )
 
 
 def test_causal_rows_do_not_depend_on_n():
     """Row i depends on i alone: a decoder's rows are the full-length graph's rows."""
-    for pattern in (sa.causal_strided(4), sa.causal_fixed(4), sa.sliding_window(4, 2),
-                    sa.causal_bigbird(3, 1, 2, 4, seed=3)):
+    for pattern in (
+        sa.causal_strided(4),
+        sa.causal_fixed(4),
+        sa.sliding_window(4, 2),
+        sa.causal_bigbird(3, 1, 2, 4, seed=3),
+    ):
         big = pattern.graph(50).to_dense()
         for n in (1, 13, 37):
             assert torch.equal(pattern.graph(n).to_dense(), big[:n, :n]), pattern
@@ -207,8 +213,13 @@ def test_offset_graph_is_the_last_rows(name):
 
 def test_offset_graph_does_not_build_the_full_graph():
     n = 1 << 18  # a full graph would take seconds (dense: 2^36 edges)
-    for pattern in (sa.sliding_window(64, 4), sa.causal_strided(1024), sa.causal_fixed(1024),
-                    sa.window(64).causal(), sa.dense().causal()):
+    for pattern in (
+        sa.sliding_window(64, 4),
+        sa.causal_strided(1024),
+        sa.causal_fixed(1024),
+        sa.window(64).causal(),
+        sa.dense().causal(),
+    ):
         graph = pattern.graph(n, 1)
         row = pattern.allows(n - 1, torch.arange(n), n)
         assert graph.n_q == 1 and torch.equal(graph.col, row.nonzero().squeeze(1))

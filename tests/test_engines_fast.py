@@ -93,9 +93,17 @@ def test_block_matches_reference(pattern_name, map_name):
     graph = pattern.graph(n)
     for block in (8, 16):
         check_forward_backward(
-            lambda q, k, v, block=block: block_attention(q, k, v, graph, rho, 0.4, block=block,
-                                                         budget=512),
-            q, k, v, mask, rho, 0.4, 1e-9)
+            lambda q, k, v, block=block: block_attention(
+                q, k, v, graph, rho, 0.4, block=block, budget=512
+            ),
+            q,
+            k,
+            v,
+            mask,
+            rho,
+            0.4,
+            1e-9,
+        )
 
 
 @pytest.mark.parametrize("map_name", ["softmax", "entmax15"])
@@ -108,11 +116,25 @@ def test_block_key_padding_float32_and_other_value_width(map_name):
     q, k, v = qkv(n=n, grad=True)
     check_forward_backward(
         lambda q, k, v: block_attention(q, k, v, pattern.graph(n), rho, 0.3, keep, block=8),
-        q, k, v, mask, rho, 0.3, 1e-9)
+        q,
+        k,
+        v,
+        mask,
+        rho,
+        0.3,
+        1e-9,
+    )
     q, k, v = qkv(n=n, dtype=torch.float32, grad=True, d_v=7)  # d_v != d: general path
     check_forward_backward(
         lambda q, k, v: block_attention(q, k, v, pattern.graph(n), rho, 0.3, block=16),
-        q, k, v, predicate_mask(pattern, n), rho, 0.3, 2e-5)
+        q,
+        k,
+        v,
+        predicate_mask(pattern, n),
+        rho,
+        0.3,
+        2e-5,
+    )
 
 
 def test_block_runs_of_full_blocks_are_views_and_exact():
@@ -124,9 +146,17 @@ def test_block_runs_of_full_blocks_are_views_and_exact():
     q, k, v = qkv(n=n, grad=True)
     for rho in (softmax(), entmax(1.5)):
         check_forward_backward(
-            lambda q, k, v, rho=rho: block_attention(q, k, v, pattern.graph(n), rho, 0.3,
-                                                     block=4, budget=2000),
-            q, k, v, predicate_mask(pattern, n), rho, 0.3, 1e-9)
+            lambda q, k, v, rho=rho: block_attention(
+                q, k, v, pattern.graph(n), rho, 0.3, block=4, budget=2000
+            ),
+            q,
+            k,
+            v,
+            predicate_mask(pattern, n),
+            rho,
+            0.3,
+            1e-9,
+        )
 
 
 @pytest.mark.parametrize("n", [96, 101])
@@ -143,9 +173,17 @@ def test_block_band_edges_and_shared_global_blocks_join_the_flash_call(n):
     assert not any(c.bias is not None for c in plan.chunks(6, 4000, split=False))
     q, k, v = qkv(n=n, grad=True)
     check_forward_backward(
-        lambda q, k, v: block_attention(q, k, v, pattern.graph(n), softmax(), 0.3, block=4,
-                                        budget=4000),
-        q, k, v, predicate_mask(pattern, n), softmax(), 0.3, 1e-9)
+        lambda q, k, v: block_attention(
+            q, k, v, pattern.graph(n), softmax(), 0.3, block=4, budget=4000
+        ),
+        q,
+        k,
+        v,
+        predicate_mask(pattern, n),
+        softmax(),
+        0.3,
+        1e-9,
+    )
 
 
 def test_block_full_blocks_off_the_band_are_gathered_beside_the_run():
@@ -157,7 +195,14 @@ def test_block_full_blocks_off_the_band_are_gathered_beside_the_run():
     q, k, v = qkv(n=n, grad=True)
     check_forward_backward(
         lambda q, k, v: block_attention(q, k, v, pattern.graph(n), softmax(), 0.3, block=8),
-        q, k, v, predicate_mask(pattern, n), softmax(), 0.3, 1e-9)
+        q,
+        k,
+        v,
+        predicate_mask(pattern, n),
+        softmax(),
+        0.3,
+        1e-9,
+    )
 
 
 @pytest.mark.parametrize("block", [32, 64])  # closed-form and flash-kernel backward of the band
@@ -168,7 +213,14 @@ def test_block_band_backward_on_both_sides_of_the_flash_backward_threshold(block
     q, k, v = qkv(b=1, h=4, n=n, d=8, grad=True)
     check_forward_backward(
         lambda q, k, v: block_attention(q, k, v, pattern.graph(n), softmax(), 0.3, block=block),
-        q, k, v, predicate_mask(pattern, n), softmax(), 0.3, 1e-9)
+        q,
+        k,
+        v,
+        predicate_mask(pattern, n),
+        softmax(),
+        0.3,
+        1e-9,
+    )
 
 
 def test_block_chunks_cover_every_row_block_once():
@@ -190,13 +242,27 @@ def test_block_batched_graphs_topk_split_heads_and_layouts():
     for rho in (softmax(), entmax(1.5)):
         check_forward_backward(
             lambda q, k, v, rho=rho: block_attention(q, k, v, graph, rho, 0.5, block=8),
-            q, k, v, graph.to_dense(), rho, 0.5, 1e-9)
+            q,
+            k,
+            v,
+            graph.to_dense(),
+            rho,
+            0.5,
+            1e-9,
+        )
     split = sa.split_heads(sa.strided(4, 1), sa.strided(4, 2))
     graph = split.graph(30, num_heads=3)  # batch_shape (H,)
     keep = torch.arange(30) < torch.tensor([[25], [30]])
     check_forward_backward(
         lambda q, k, v: block_attention(q, k, v, graph, softmax(), 0.5, keep, block=4),
-        q, k, v, graph.to_dense() & keep[:, None, None, :], softmax(), 0.5, 1e-9)
+        q,
+        k,
+        v,
+        graph.to_dense() & keep[:, None, None, :],
+        softmax(),
+        0.5,
+        1e-9,
+    )
 
 
 def test_block_gradcheck_and_dropout():
@@ -204,8 +270,8 @@ def test_block_gradcheck_and_dropout():
     graph = sa.longformer(4, 1).graph(9)
     for rho in (softmax(), entmax(1.5)):
         assert torch.autograd.gradcheck(
-            lambda q, k, v, rho=rho: block_attention(q, k, v, graph, rho, 0.5, block=4),
-            (q, k, v))
+            lambda q, k, v, rho=rho: block_attention(q, k, v, graph, rho, 0.5, block=4), (q, k, v)
+        )
 
     def dropped(q, k, v):
         torch.manual_seed(7)
@@ -248,8 +314,9 @@ def test_flex_matches_reference_and_block_masks():
     for graph, kpm in cases:
         out = flex_attention_engine(q, k, v, graph, softmax(), 0.25, kpm)
         mask = graph.to_dense() if kpm is None else graph.to_dense() & kpm[:, None, None, :]
-        torch.testing.assert_close(out, reference(q, k, v, mask, softmax(), 0.25),
-                                   atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(
+            out, reference(q, k, v, mask, softmax(), 0.25), atol=2e-5, rtol=2e-5
+        )
 
 
 @needs_flex
@@ -262,10 +329,14 @@ def test_pattern_to_block_mask_equals_the_predicate():
         assert bm.BLOCK_SIZE == (64, 64)
         dense = create_mask(bm.mask_mod, 1, 1, n, n, device="cpu")[0, 0]
         layout = pattern.graph(n).to_block_layout(64)
-        assert torch.equal(bm.to_dense()[0, 0, : layout.shape[0], : layout.shape[1]].bool(),
-                           layout)
-        full_or_partial = dense & bm.to_dense()[0, 0].bool().repeat_interleave(64, 0)[
-            :n].repeat_interleave(64, 1)[:, :n]
+        assert torch.equal(bm.to_dense()[0, 0, : layout.shape[0], : layout.shape[1]].bool(), layout)
+        full_or_partial = (
+            dense
+            & bm.to_dense()[0, 0]
+            .bool()
+            .repeat_interleave(64, 0)[:n]
+            .repeat_interleave(64, 1)[:, :n]
+        )
         assert torch.equal(full_or_partial | _full_blocks(bm, n), predicate_mask(pattern, n))
 
 
@@ -304,8 +375,12 @@ def _can_compute(engine, q, k, v, rho, dropout_p):
 @pytest.mark.parametrize("n", [16, 300, 2048])
 @pytest.mark.parametrize("pattern_name", ["longformer", "random", "strided", "dense"])
 def test_auto_never_picks_an_engine_that_cannot_compute(n, pattern_name):
-    pattern = {"longformer": sa.longformer(64, 4), "random": sa.random(k=8),
-               "strided": sa.strided(32), "dense": sa.dense()}[pattern_name]
+    pattern = {
+        "longformer": sa.longformer(64, 4),
+        "random": sa.random(k=8),
+        "strided": sa.strided(32),
+        "dense": sa.dense(),
+    }[pattern_name]
     graph = pattern.graph(n)
     for dtype in (torch.float32, F64):
         for grad in (False, True):
@@ -357,15 +432,17 @@ def test_fast_maps_equal_the_entmax_package(dtype, k):
     ]
     for got, fn in cases:
         assert got.dtype == dtype
-        torch.testing.assert_close(got.double(), _package_on_valid(fn, xd, valid),
-                                   atol=tol, rtol=0)
+        torch.testing.assert_close(got.double(), _package_on_valid(fn, xd, valid), atol=tol, rtol=0)
         assert torch.all(got[~valid] == 0)
 
 
 def test_maps_use_the_fast_kernels_on_long_inputs_with_the_same_results():
     x = torch.randn(16, 600, dtype=F64)  # > 8192 entries: the Newton kernels
-    for rho, fn in ((entmax(1.5), package.entmax15), (sparsemax(), package.sparsemax),
-                    (entmax(1.4), lambda r: package.entmax_bisect(r, 1.4, n_iter=70))):
+    for rho, fn in (
+        (entmax(1.5), package.entmax15),
+        (sparsemax(), package.sparsemax),
+        (entmax(1.4), lambda r: package.entmax_bisect(r, 1.4, n_iter=70)),
+    ):
         torch.testing.assert_close(rho(x), fn(x), atol=1e-12, rtol=0)
         xs = x.clone().requires_grad_()
         xr = x.clone().requires_grad_()
@@ -376,8 +453,15 @@ def test_maps_use_the_fast_kernels_on_long_inputs_with_the_same_results():
 
 
 def test_fast_maps_adversarial_rows():
-    rows = torch.tensor([[1e6, 0.0, -1e6, 5e5], [1e-8, 0.0, -1e-8, 2e-8],
-                         [3.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]], dtype=F64)
+    rows = torch.tensor(
+        [
+            [1e6, 0.0, -1e6, 5e5],
+            [1e-8, 0.0, -1e-8, 2e-8],
+            [3.0, 1.0, 1.0, 1.0],
+            [2.0, 2.0, 2.0, 2.0],
+        ],
+        dtype=F64,
+    )
     rows = rows.repeat(1, 3000)  # long rows: the Newton path
     for ours, fn in ((sparsemax_rows, package.sparsemax), (entmax15_rows, package.entmax15)):
         torch.testing.assert_close(ours(rows), fn(rows), atol=1e-12, rtol=0)
@@ -418,32 +502,49 @@ def test_deepspeed_other_layouts_by_hand():
     dense = DenseSparsityConfig(num_heads=3, block=2).make_layout(8)
     assert torch.equal(dense, torch.ones(3, 4, 4, dtype=torch.long))
     window = LocalSlidingWindowSparsityConfig(1, block=2, num_sliding_window_blocks=3)
-    assert torch.equal(window.make_layout(10)[0].bool(), _grid("""
+    assert torch.equal(
+        window.make_layout(10)[0].bool(),
+        _grid("""
         10000
         11000
         01100
         00110
-        00011"""))
-    longformer = BSLongformerSparsityConfig(1, block=2, num_sliding_window_blocks=3,
-                                            global_block_indices=[0, 4])
-    assert torch.equal(longformer.make_layout(12)[0].bool(), _grid("""
+        00011"""),
+    )
+    longformer = BSLongformerSparsityConfig(
+        1, block=2, num_sliding_window_blocks=3, global_block_indices=[0, 4]
+    )
+    assert torch.equal(
+        longformer.make_layout(12)[0].bool(),
+        _grid("""
         111111
         111010
         111110
         101110
         111111
-        100011"""))
-    variable = VariableSparsityConfig(1, block=2, local_window_blocks=[1, 2],
-                                      global_block_indices=[3])
-    assert torch.equal(variable.make_layout(12)[0].bool(), _grid("""
+        100011"""),
+    )
+    variable = VariableSparsityConfig(
+        1, block=2, local_window_blocks=[1, 2], global_block_indices=[3]
+    )
+    assert torch.equal(
+        variable.make_layout(12)[0].bool(),
+        _grid("""
         100100
         011100
         011100
         000110
         000110
-        000101"""))  # windows {0}, {1, 2}, then 2 repeating: {3, 4}, {5}; global column 3
-    bigbird = BigBirdSparsityConfig(2, block=2, num_random_blocks=1, num_sliding_window_blocks=3,
-                                    different_layout_per_head=True, seed=3).make_layout(16)
+        000101"""),
+    )  # windows {0}, {1, 2}, then 2 repeating: {3, 4}, {5}; global column 3
+    bigbird = BigBirdSparsityConfig(
+        2,
+        block=2,
+        num_random_blocks=1,
+        num_sliding_window_blocks=3,
+        different_layout_per_head=True,
+        seed=3,
+    ).make_layout(16)
     base = _grid("""
         11111111
         11100000

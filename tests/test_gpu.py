@@ -35,8 +35,10 @@ def rel_err(out, ref):
 
 def _qkv(n, dtype, device, grad=False, heads=4, d=32, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, heads, n, d, generator=gen).to(device, dtype).requires_grad_(grad)
-            for _ in range(3)]
+    return [
+        torch.randn(2, heads, n, d, generator=gen).to(device, dtype).requires_grad_(grad)
+        for _ in range(3)
+    ]
 
 
 def test_the_device_option_moves_the_tests_tensors_only():
@@ -49,8 +51,9 @@ def test_the_device_option_moves_the_tests_tensors_only():
         torch.zeros(2, device="cpu")  # an explicit device is kept
         assert (mode.moved, x.is_leaf, x.requires_grad) == (1, True, True)
         sa.window(4).graph(64)  # builds with torch.arange & co inside sparseattn
-        sa.sparse_attention(x.view(1, 1, 3, 1), x.view(1, 1, 3, 1), x.view(1, 1, 3, 1),
-                            sa.dense(), "entmax15")
+        sa.sparse_attention(
+            x.view(1, 1, 3, 1), x.view(1, 1, 3, 1), x.view(1, 1, 3, 1), sa.dense(), "entmax15"
+        )
         assert mode.moved == 1
 
 
@@ -125,9 +128,14 @@ def test_sparse_attention_module_trains_on_the_device(device, dtype):
 
 def _tiny_bert():
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, intermediate_size=128,
-                                     max_position_embeddings=128)
+    config = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
     config._attn_implementation = "sdpa"
     return transformers.BertModel(config).eval()
 

@@ -86,9 +86,15 @@ def test_a_sparsified_gqa_decoder_plans_once_per_length(monkeypatch):
     from sparseattn import hf
 
     config = transformers.LlamaConfig(
-        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        attn_implementation="sdpa")
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     model = transformers.LlamaModel(config).eval()
     hf.sparsify(model, sa.sliding_window(16, 2), engine="block")
@@ -209,8 +215,12 @@ def _layouts(n, b=2, h=3, d=6, dtype=torch.float64):
     return [(q, k, v), (heads_last.transpose(1, 2), k, wide[..., ::2])]
 
 
-MAPS = {"softmax": "softmax", "sparsemax": "sparsemax", "entmax15": "entmax15",
-        "entmax1.3": sa.entmax(1.3)}
+MAPS = {
+    "softmax": "softmax",
+    "sparsemax": "sparsemax",
+    "entmax15": "entmax15",
+    "entmax1.3": sa.entmax(1.3),
+}
 
 
 @pytest.mark.parametrize("engine", ["dense", "gather", "block"])
@@ -237,8 +247,9 @@ def test_flex_engine_on_strided_inputs():
     for views in _layouts(64, dtype=torch.float32):
         with torch.no_grad():
             out = sa.sparse_attention(*views, sa.longformer(16, 2), engine="flex")
-            ref = sa.sparse_attention(*(t.contiguous() for t in views), sa.longformer(16, 2),
-                                      engine="dense")
+            ref = sa.sparse_attention(
+                *(t.contiguous() for t in views), sa.longformer(16, 2), engine="dense"
+            )
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 
@@ -246,8 +257,9 @@ def test_module_float32_strided_path_matches_contiguous_block_engine():
     layer = sa.SparseAttention(32, 4, pattern=sa.longformer(16, 2), engine="block")
     x = torch.randn(2, 300, 32)
     q, k, v = layer.qkv(x).view(2, 300, 3, 4, 8).permute(2, 0, 3, 1, 4)
-    ref = sa.sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                              layer.pattern, engine="block")
+    ref = sa.sparse_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), layer.pattern, engine="block"
+    )
     out = sa.sparse_attention(q, k, v, layer.pattern, engine="block")
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
 
@@ -255,8 +267,9 @@ def test_module_float32_strided_path_matches_contiguous_block_engine():
 # ---------------------------------------------------------------------- the bench command
 def test_bench_help_works_outside_the_checkout(tmp_path):
     exe = os.path.join(os.path.dirname(sys.executable), "sparseattn")
-    res = subprocess.run([exe, "bench", "--help"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [exe, "bench", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr
     assert "user" in res.stdout and "Traceback" not in res.stderr
 
@@ -264,12 +277,26 @@ def test_bench_help_works_outside_the_checkout(tmp_path):
 def test_user_suite_runs_and_reports(tmp_path):
     from sparseattn.bench.userpath import USER_SUITES, run_user_suite
 
-    suite = dataclasses.replace(USER_SUITES["user-quick"], ns=(96,), hf_ns=(), minilm=False,
-                                embed_dim=32, heads=2, window=16, global_tokens=2, repeats=1)
+    suite = dataclasses.replace(
+        USER_SUITES["user-quick"],
+        ns=(96,),
+        hf_ns=(),
+        minilm=False,
+        embed_dim=32,
+        heads=2,
+        window=16,
+        global_tokens=2,
+        repeats=1,
+    )
     data = run_user_suite(suite, tmp_path, log=lambda m: None)
     sections = {r["section"] for r in data["rows"]}
-    assert sections == {"module forward", "module training step", "functional forward",
-                        "functional forward+backward", "first call"}
+    assert sections == {
+        "module forward",
+        "module training step",
+        "functional forward",
+        "functional forward+backward",
+        "first call",
+    }
     assert all(r["time_s"] > 0 for r in data["rows"])
     assert data["machine"]["vector_extensions"] is not None
     table = (tmp_path / "results.md").read_text()

@@ -46,21 +46,23 @@ def _call(engine, q, k, v, graph, rho):
 
 
 PATTERNS = {
-        "window(64)": sa.window(64),
-        "longformer(512, 16)": sa.longformer(512, 16),
-        "bigbird(448, 16, 1, 64)": sa.bigbird(448, 16, 1, 64),
-        "strided(256)": sa.strided(256),
-        "random(k=512)": sa.random(k=512),
-        "random(k=64)": sa.random(k=64),
-        "random(k=16)": sa.random(k=16),
+    "window(64)": sa.window(64),
+    "longformer(512, 16)": sa.longformer(512, 16),
+    "bigbird(448, 16, 1, 64)": sa.bigbird(448, 16, 1, 64),
+    "strided(256)": sa.strided(256),
+    "random(k=512)": sa.random(k=512),
+    "random(k=64)": sa.random(k=64),
+    "random(k=16)": sa.random(k=16),
 }
 
 
 def main(ns: list[int]) -> None:
     torch.set_num_threads(1)
     patterns = PATTERNS
-    print("| n | pattern | K | block b | fill | block ms | gather ms | dense ms | block ns/entry "
-          "| gather ns/edge | fastest | auto |")
+    print(
+        "| n | pattern | K | block b | fill | block ms | gather ms | dense ms | block ns/entry "
+        "| gather ns/edge | fastest | auto |"
+    )
     print("|" + "---|" * 12)
     rho, heads, d = softmax(), 8, 64
     for n in ns:
@@ -77,11 +79,13 @@ def main(ns: list[int]) -> None:
             auto = choose_engine(graph, q, k, rho)
             fastest = min(times, key=times.get)
             dense_ms = f"{times['dense'] * 1e3:.0f}" if "dense" in times else "—"
-            print(f"| {n} | {name} | {edges / n:.0f} | {b} | {edges / work:.3f} "
-                  f"| {times['block'] * 1e3:.0f} | {times['gather'] * 1e3:.0f} | {dense_ms} "
-                  f"| {times['block'] / (work * heads) * 1e9:.1f} "
-                  f"| {times['gather'] / (edges * heads) * 1e9:.0f} | {fastest} | {auto} |",
-                  flush=True)
+            print(
+                f"| {n} | {name} | {edges / n:.0f} | {b} | {edges / work:.3f} "
+                f"| {times['block'] * 1e3:.0f} | {times['gather'] * 1e3:.0f} | {dense_ms} "
+                f"| {times['block'] / (work * heads) * 1e9:.1f} "
+                f"| {times['gather'] / (edges * heads) * 1e9:.0f} | {fastest} | {auto} |",
+                flush=True,
+            )
 
 
 def blocks(ns: list[int]) -> None:
@@ -89,8 +93,13 @@ def blocks(ns: list[int]) -> None:
     torch.set_num_threads(1)
     rho, heads, d = softmax(), 8, 64
     sizes = (16, 32, 64, 128)
-    print("| n | pattern | " + " | ".join(f"fwd b={b}" for b in sizes) + " | "
-          + " | ".join(f"fwd+bwd b={b}" for b in sizes) + " |")
+    print(
+        "| n | pattern | "
+        + " | ".join(f"fwd b={b}" for b in sizes)
+        + " | "
+        + " | ".join(f"fwd+bwd b={b}" for b in sizes)
+        + " |"
+    )
     print("|" + "---|" * (2 + 2 * len(sizes)))
     for n in ns:
         q, k, v = (torch.randn(1, heads, n, d, requires_grad=True) for _ in range(3))
@@ -113,9 +122,14 @@ def blocks(ns: list[int]) -> None:
 
                 cells[("f", b)] = cpu_time(fwd, 2) / work * 1e9
                 cells[("fb", b)] = cpu_time(fwd_bwd, 2) / work * 1e9
-            print(f"| {n} | {name} | " + " | ".join(f"{cells[('f', b)]:.2f}" for b in sizes)
-                  + " | " + " | ".join(f"{cells[('fb', b)]:.1f}" for b in sizes) + " |",
-                  flush=True)
+            print(
+                f"| {n} | {name} | "
+                + " | ".join(f"{cells[('f', b)]:.2f}" for b in sizes)
+                + " | "
+                + " | ".join(f"{cells[('fb', b)]:.1f}" for b in sizes)
+                + " |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

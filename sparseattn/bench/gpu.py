@@ -55,8 +55,9 @@ class GpuSuite:
 
 GPU_SUITES = {
     "gpu": GpuSuite("gpu"),
-    "gpu-quick": GpuSuite("gpu-quick", ns=(8192,), fp32_ns=(), package_max_n=8192,
-                          calibrate_ns=(2048,), samples=3),
+    "gpu-quick": GpuSuite(
+        "gpu-quick", ns=(8192,), fp32_ns=(), package_max_n=8192, calibrate_ns=(2048,), samples=3
+    ),
 }
 
 
@@ -85,27 +86,43 @@ def cuda_time(fn: Callable[[], object], samples: int, min_sample_s: float) -> di
         end.record()
         end.synchronize()
         times.append(begin.elapsed_time(end) / 1e3 / inner)
-    return {"time_s": statistics.median(times), "times_s": times, "inner": inner,
-            "peak_mb": peak, "warmup_s": warmup}
+    return {
+        "time_s": statistics.median(times),
+        "times_s": times,
+        "inner": inner,
+        "peak_mb": peak,
+        "warmup_s": warmup,
+    }
 
 
 def _gpu_facts() -> dict:
     props = torch.cuda.get_device_properties(0)
-    return {"gpu": props.name, "gpu_memory_gb": round(props.total_memory / 2**30, 1),
-            "multiprocessors": props.multi_processor_count, "cuda": torch.version.cuda,
-            "torch": torch.__version__}
+    return {
+        "gpu": props.name,
+        "gpu_memory_gb": round(props.total_memory / 2**30, 1),
+        "multiprocessors": props.multi_processor_count,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+    }
 
 
-def run_gpu_suite(suite: GpuSuite, out_dir: Path, log: Callable[[str], None] = print,
-                  ns: tuple[int, ...] | None = None) -> dict:
+def run_gpu_suite(
+    suite: GpuSuite,
+    out_dir: Path,
+    log: Callable[[str], None] = print,
+    ns: tuple[int, ...] | None = None,
+) -> dict:
     """Run ``suite`` (main lengths ``ns`` if given) on ``cuda:0``; write into ``out_dir``."""
     if not torch.cuda.is_available():
         raise RuntimeError("sparseattn bench gpu needs a CUDA device; torch sees none")
     if ns:
         suite = dataclasses.replace(suite, ns=tuple(ns), fp32_ns=tuple(ns))
     out_dir.mkdir(parents=True, exist_ok=True)
-    header = {"suite": dataclasses.asdict(suite), "machine": {**machine_facts(), **_gpu_facts()},
-              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    header = {
+        "suite": dataclasses.asdict(suite),
+        "machine": {**machine_facts(), **_gpu_facts()},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     rows = ResumableRows(out_dir / "results.json", header)
     log(f"machine: {header['machine']}")
     for dtype in (torch.bfloat16, torch.float32):
@@ -123,8 +140,10 @@ def run_gpu_suite(suite: GpuSuite, out_dir: Path, log: Callable[[str], None] = p
 def _inputs(suite: GpuSuite, n: int, dtype: torch.dtype, grad: bool):
     gen = torch.Generator(device="cuda").manual_seed(n)
     shape = (1, suite.heads, n, suite.head_dim)
-    qkv = [torch.randn(shape, generator=gen, device="cuda", dtype=dtype).requires_grad_(grad)
-           for _ in range(3)]
+    qkv = [
+        torch.randn(shape, generator=gen, device="cuda", dtype=dtype).requires_grad_(grad)
+        for _ in range(3)
+    ]
     return qkv, torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
 
 
@@ -140,16 +159,21 @@ def _record(suite, rows, log, key: dict, fn: Callable[[], object]) -> None:
         row["skipped"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     torch.cuda.empty_cache()
     rows.add(row)
-    shown = row.get("skipped") or (f"{row['time_s'] * 1e3:10.3f} ms  peak {row['peak_mb']:8.0f} "
-                                   f"MiB  (warm-up {row['warmup_s']:.1f} s)")
-    log(f"{key.get('section')} {key.get('dtype')} n={key['n']:6d} "
-        f"{key.get('pattern', '')} {key['who']:22s} {key['mode']:8s} {shown}")
+    shown = row.get("skipped") or (
+        f"{row['time_s'] * 1e3:10.3f} ms  peak {row['peak_mb']:8.0f} "
+        f"MiB  (warm-up {row['warmup_s']:.1f} s)"
+    )
+    log(
+        f"{key.get('section')} {key.get('dtype')} n={key['n']:6d} "
+        f"{key.get('pattern', '')} {key['who']:22s} {key['mode']:8s} {shown}"
+    )
 
 
 def _fwd(fn):
     def call():
         with torch.no_grad():
             return fn()
+
     return call
 
 
@@ -163,8 +187,12 @@ def _main(suite: GpuSuite, rows: ResumableRows, log, n: int, dtype: torch.dtype)
 
     pattern = sa.longformer(suite.window, suite.sinks)
     (q, k, v), g = _inputs(suite, n, dtype, grad=True)
-    base = {"section": "main", "dtype": str(dtype).removeprefix("torch."), "n": n,
-            "pattern": f"longformer({suite.window}, {suite.sinks})"}
+    base = {
+        "section": "main",
+        "dtype": str(dtype).removeprefix("torch."),
+        "n": n,
+        "pattern": f"longformer({suite.window}, {suite.sinks})",
+    }
     flash = [torch.nn.attention.SDPBackend.FLASH_ATTENTION] if dtype != torch.float32 else None
 
     def sdpa(causal: bool):
@@ -173,6 +201,7 @@ def _main(suite: GpuSuite, rows: ResumableRows, log, n: int, dtype: torch.dtype)
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
             with torch.nn.attention.sdpa_kernel(flash):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
         return call
 
     def ours(engine: str, rho: str = "softmax"):
@@ -200,8 +229,9 @@ def _main(suite: GpuSuite, rows: ResumableRows, log, n: int, dtype: torch.dtype)
     }
     for who, fn in timed.items():
         _record(suite, rows, log, {**base, "who": who, "mode": "fwd"}, _fwd(fn))
-        _record(suite, rows, log, {**base, "who": who, "mode": "fwd+bwd"},
-                _fwd_bwd(fn, (q, k, v), g))
+        _record(
+            suite, rows, log, {**base, "who": who, "mode": "fwd+bwd"}, _fwd_bwd(fn, (q, k, v), g)
+        )
     if dtype == torch.float32:
         _package(suite, rows, log, base, graph, q, k, v, scale)
 
@@ -238,16 +268,29 @@ def _calibrate(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     (q, k, v), g = _inputs(suite, n, torch.bfloat16, grad=True)
     for name, pattern in patterns.items():
         graph = pattern.graph(n)
-        auto = {rho: sa.choose_engine(graph, q, k, sa.maps.resolve_prob_map(rho))
-                for rho in ("softmax", "entmax15")}
-        for rho, engines in (("softmax", ("dense", "block", "gather", "flex")),
-                             ("entmax15", ("dense", "block", "gather"))):
+        auto = {
+            rho: sa.choose_engine(graph, q, k, sa.maps.resolve_prob_map(rho))
+            for rho in ("softmax", "entmax15")
+        }
+        for rho, engines in (
+            ("softmax", ("dense", "block", "gather", "flex")),
+            ("entmax15", ("dense", "block", "gather")),
+        ):
             for engine in engines:
-                key = {"section": "calibrate", "dtype": "bfloat16", "n": n, "pattern": name,
-                       "map": rho, "who": engine, "mode": "fwd+bwd", "auto": auto[rho],
-                       "fill": graph.col.numel() / (n * n)}
-                fn = (lambda e=engine, r=rho, gr=graph:  # noqa: E731
-                      sa.sparse_attention(q, k, v, gr, r, engine=e))
+                key = {
+                    "section": "calibrate",
+                    "dtype": "bfloat16",
+                    "n": n,
+                    "pattern": name,
+                    "map": rho,
+                    "who": engine,
+                    "mode": "fwd+bwd",
+                    "auto": auto[rho],
+                    "fill": graph.col.numel() / (n * n),
+                }
+                fn = lambda e=engine, r=rho, gr=graph: (  # noqa: E731
+                    sa.sparse_attention(q, k, v, gr, r, engine=e)
+                )
                 _record(suite, rows, log, key, _fwd_bwd(fn, (q, k, v), g))
 
 
@@ -255,44 +298,72 @@ def _calibrate(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
 def markdown(data: dict) -> str:
     """The run as Markdown tables: main (ms and the ratios that the targets name), calibrate."""
     m = data["machine"]
-    lines = [f"# sparseattn bench {data['suite']['name']}", "",
-             f"GPU: {m['gpu']} ({m['gpu_memory_gb']} GiB, {m['multiprocessors']} SMs), CUDA "
-             f"{m['cuda']}, torch {m['torch']}; started {data['started']}.", ""]
+    lines = [
+        f"# sparseattn bench {data['suite']['name']}",
+        "",
+        f"GPU: {m['gpu']} ({m['gpu_memory_gb']} GiB, {m['multiprocessors']} SMs), CUDA "
+        f"{m['cuda']}, torch {m['torch']}; started {data['started']}.",
+        "",
+    ]
     main = [r for r in data["rows"] if r["section"] == "main"]
-    lines += ["## Longformer (window ±256 + 16 sinks), (1, 8, n, 64)", "",
-              "| dtype | n | who | mode | ms | peak MiB |", "|---|---|---|---|---|---|"]
+    lines += [
+        "## Longformer (window ±256 + 16 sinks), (1, 8, n, 64)",
+        "",
+        "| dtype | n | who | mode | ms | peak MiB |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in main:
         t = r.get("skipped") or f"{r['time_s'] * 1e3:.3f}"
-        lines.append(f"| {r['dtype']} | {r['n']} | {r['who']} | {r['mode']} | {t} | "
-                     f"{r.get('peak_mb', float('nan')):.0f} |")
-    lines += ["", "## Ratios", "", "| dtype | n | mode | flex engine / flex direct | "
-              "SDPA dense / flex engine | entmax15 / flex engine | package / entmax15 |",
-              "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['dtype']} | {r['n']} | {r['who']} | {r['mode']} | {t} | "
+            f"{r.get('peak_mb', float('nan')):.0f} |"
+        )
+    lines += [
+        "",
+        "## Ratios",
+        "",
+        "| dtype | n | mode | flex engine / flex direct | "
+        "SDPA dense / flex engine | entmax15 / flex engine | package / entmax15 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for dtype, n, mode in sorted({(r["dtype"], r["n"], r["mode"]) for r in main}):
-        t = {r["who"].split(" (")[0]: r.get("time_s") for r in main
-             if (r["dtype"], r["n"], r["mode"]) == (dtype, n, mode)}
+        t = {
+            r["who"].split(" (")[0]: r.get("time_s")
+            for r in main
+            if (r["dtype"], r["n"], r["mode"]) == (dtype, n, mode)
+        }
 
         def ratio(a, b, t=t):
             return f"{t[a] / t[b]:.3f}" if t.get(a) and t.get(b) else "–"
 
-        lines.append(f"| {dtype} | {n} | {mode} | {ratio('sparseattn flex', 'flex direct')} | "
-                     f"{ratio('sdpa dense', 'sparseattn flex')} | "
-                     f"{ratio('sparseattn entmax15', 'sparseattn flex')} | "
-                     f"{ratio('entmax package', 'sparseattn entmax15')} |")
+        lines.append(
+            f"| {dtype} | {n} | {mode} | {ratio('sparseattn flex', 'flex direct')} | "
+            f"{ratio('sdpa dense', 'sparseattn flex')} | "
+            f"{ratio('sparseattn entmax15', 'sparseattn flex')} | "
+            f"{ratio('entmax package', 'sparseattn entmax15')} |"
+        )
     cal = [r for r in data["rows"] if r["section"] == "calibrate"]
     if cal:
-        lines += ["", "## Calibration of `auto` (bf16, forward+backward, ms)", "",
-                  "| n | pattern | map | fill | dense | block | gather | flex | auto picks | "
-                  "fastest |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Calibration of `auto` (bf16, forward+backward, ms)",
+            "",
+            "| n | pattern | map | fill | dense | block | gather | flex | auto picks | fastest |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for n, pat, rho in sorted({(r["n"], r["pattern"], r["map"]) for r in cal}):
             sel = {r["who"]: r for r in cal if (r["n"], r["pattern"], r["map"]) == (n, pat, rho)}
             ms = {e: r["time_s"] * 1e3 for e, r in sel.items() if "time_s" in r}
-            cells = [f"{ms[e]:.2f}" if e in ms else ("–" if e not in sel else "skip")
-                     for e in ("dense", "block", "gather", "flex")]
+            cells = [
+                f"{ms[e]:.2f}" if e in ms else ("–" if e not in sel else "skip")
+                for e in ("dense", "block", "gather", "flex")
+            ]
             one = next(iter(sel.values()))
             fastest = min(ms, key=ms.get) if ms else "–"
-            lines.append(f"| {n} | {pat} | {rho} | {one['fill']:.4f} | {' | '.join(cells)} | "
-                         f"{one['auto']} | {fastest} |")
+            lines.append(
+                f"| {n} | {pat} | {rho} | {one['fill']:.4f} | {' | '.join(cells)} | "
+                f"{one['auto']} | {fastest} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -314,8 +385,7 @@ def _plot(data: dict, path: Path) -> None:
             for who in dict.fromkeys(r["who"] for r in sel):
                 pts = sorted((r["n"], r["time_s"] * 1e3) for r in sel if r["who"] == who)
                 ax.plot(*zip(*pts, strict=True), marker="o", label=who)
-            ax.set(xscale="log", yscale="log", xlabel="n", ylabel="ms",
-                   title=f"{dtype}, {mode}")
+            ax.set(xscale="log", yscale="log", xlabel="n", ylabel="ms", title=f"{dtype}, {mode}")
             ax.legend(fontsize=7)
     fig.suptitle(f"sparseattn bench gpu ({data['machine']['gpu']})")
     save_figure(fig, path)

@@ -103,8 +103,11 @@ def machine() -> dict:
         **machine_facts(),
         "memory_gb": mem_gb,
         "memory_measure": HEAP.kind,
-        "env": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-                if k in os.environ},
+        "env": {
+            k: os.environ[k]
+            for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+            if k in os.environ
+        },
     }
 
 
@@ -128,8 +131,13 @@ class _Recorder:
         self.skip_from: dict[tuple, int] = {}
 
     def key(self, row: dict) -> tuple:
-        return (row["section"], row.get("pattern"), row.get("n"), row.get("engine"),
-                row.get("mode"))
+        return (
+            row["section"],
+            row.get("pattern"),
+            row.get("n"),
+            row.get("engine"),
+            row.get("mode"),
+        )
 
     def done(self, **key) -> dict | None:
         k = self.key(key)
@@ -153,16 +161,23 @@ def run_suite(
     """Run ``suite`` (optionally restricted to ``ns``/``patterns``), write JSON, markdown and
     PNG into ``out_dir``; return the results dict."""
     if ns or patterns:
-        suite = dataclasses.replace(suite, ns=tuple(ns or suite.ns),
-                                    patterns=tuple(patterns or suite.patterns))
+        suite = dataclasses.replace(
+            suite, ns=tuple(ns or suite.ns), patterns=tuple(patterns or suite.patterns)
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    header = {"suite": dataclasses.asdict(suite), "machine": machine(),
-              "load_start": os.getloadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    header = {
+        "suite": dataclasses.asdict(suite),
+        "machine": machine(),
+        "load_start": os.getloadavg(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     rec = _Recorder(out_dir / "results.json", header)
     rec.data["matmul_gflops_start"] = matmul_gflops()
-    log(f"machine: {header['machine']}; matmul {rec.data['matmul_gflops_start']:.0f} GFLOP/s; "
-        f"load {header['load_start']}")
+    log(
+        f"machine: {header['machine']}; matmul {rec.data['matmul_gflops_start']:.0f} GFLOP/s; "
+        f"load {header['load_start']}"
+    )
     _maps_section(suite, rec, log)
     for name in suite.patterns:
         _pattern_section(suite, name, rec, log)
@@ -203,8 +218,10 @@ def _maps_section(suite: Suite, rec: _Recorder, log) -> None:
     checks = {
         "entmax15": (fastmaps.entmax15_rows(x), package.entmax15(x.double(), -1)),
         "sparsemax": (fastmaps.sparsemax_rows(x), package.sparsemax(x.double(), -1)),
-        "entmax α=1.3": (fastmaps.entmax_rows(x, None, 1.3),
-                         package.entmax_bisect(x.double(), 1.3, -1, n_iter=100)),
+        "entmax α=1.3": (
+            fastmaps.entmax_rows(x, None, 1.3),
+            package.entmax_bisect(x.double(), 1.3, -1, n_iter=100),
+        ),
     }
     rec.data["maps_max_abs_diff"] = {
         k: float((a.double() - b).abs().max()) for k, (a, b) in checks.items()
@@ -264,8 +281,10 @@ def _one_length(suite, name, n, graph, rec, log, stopped) -> None:
         if res["time_s"] > suite.time_cap_s:
             stopped[(engine, mode)] = n
         rec.add({**row, "status": "ok", **res})
-        log(f"  {engine:8s} {mode:16s} {res['time_s'] * 1e3:10.1f} ms  "
-            f"{res['peak_mb']:8.0f} MiB  {res['useful_gflops']:6.1f} GF/s")
+        log(
+            f"  {engine:8s} {mode:16s} {res['time_s'] * 1e3:10.1f} ms  "
+            f"{res['peak_mb']:8.0f} MiB  {res['useful_gflops']:6.1f} GF/s"
+        )
 
     q, k, v = _qkv(suite, n, grad=False)
     qg, kg, vg = _qkv(suite, n, grad=True)
@@ -302,8 +321,9 @@ def _one_length(suite, name, n, graph, rec, log, stopped) -> None:
     # compiled FlexAttention on the same graph
     if suite.flex:
         flex = ENGINES["flex"]
-        record("flex", "fwd", lambda: _no_grad(flex, q, k, v, graph, rho, scale),
-               skip=flex_available())
+        record(
+            "flex", "fwd", lambda: _no_grad(flex, q, k, v, graph, rho, scale), skip=flex_available()
+        )
         record("flex", "fwd+bwd", skip="FlexAttention has no backward on CPU")
 
     # 1.5-entmax: block engine vs the entmax package on full score matrices
@@ -311,8 +331,9 @@ def _one_length(suite, name, n, graph, rec, log, stopped) -> None:
         block = ENGINES["block"]
         rho15 = entmax(1.5)
         record("block", "entmax15 fwd", lambda: _no_grad(block, q, k, v, graph, rho15, scale))
-        record("block", "entmax15 fwd+bwd",
-               lambda: backward(block(qg, kg, vg, graph, rho15, scale)))
+        record(
+            "block", "entmax15 fwd+bwd", lambda: backward(block(qg, kg, vg, graph, rho15, scale))
+        )
         _entmax_full(suite, rec, log, base, graph, q, k, v, scale)
 
 
@@ -330,13 +351,23 @@ def _entmax_full(suite, rec, log, base, graph, q, k, v, scale) -> None:
     from sparseattn.maps import entmax
 
     row = {**base, "engine": "entmax 1.3 full", "mode": "entmax15 fwd"}
-    if rec.done(section="attention", pattern=row["pattern"], n=row["n"], engine=row["engine"],
-                mode=row["mode"]):
+    if rec.done(
+        section="attention",
+        pattern=row["pattern"],
+        n=row["n"],
+        engine=row["engine"],
+        mode=row["mode"],
+    ):
         return
     per_head_gb = row["n"] ** 2 * 4 * 10 / 2**30  # scores, sorted copy, cumsums, indices
     if per_head_gb > suite.mem_cap_gb:
-        rec.add({**row, "status": "skipped",
-                 "reason": f"memory cap: ~{per_head_gb:.0f} GB per head estimated"})
+        rec.add(
+            {
+                **row,
+                "status": "skipped",
+                "reason": f"memory cap: ~{per_head_gb:.0f} GB per head estimated",
+            }
+        )
         log(f"  entmax 1.3 full skipped: ~{per_head_gb:.0f} GB per head")
         return
     mask = graph.to_dense()
@@ -356,10 +387,20 @@ def _entmax_full(suite, rec, log, base, graph, q, k, v, scale) -> None:
         took = time.perf_counter() - start
         ours = block_attention(q, k, v, graph, entmax(1.5), scale)
     diff = float((full - ours).abs().max())
-    rec.add({**row, "status": "ok", "time_s": took, "times_s": [took], "peak_mb": mem["mb"],
-             "max_abs_diff_vs_block": diff})
-    log(f"  entmax 1.3 full  {took * 1e3:10.1f} ms  {mem['mb']:8.0f} MiB  "
-        f"(max |diff| to block {diff:.1e})")
+    rec.add(
+        {
+            **row,
+            "status": "ok",
+            "time_s": took,
+            "times_s": [took],
+            "peak_mb": mem["mb"],
+            "max_abs_diff_vs_block": diff,
+        }
+    )
+    log(
+        f"  entmax 1.3 full  {took * 1e3:10.1f} ms  {mem['mb']:8.0f} MiB  "
+        f"(max |diff| to block {diff:.1e})"
+    )
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -393,9 +434,18 @@ def _time(data: dict, pattern: str, n: int, engine: str, mode: str) -> float | N
 
 def _targets(data: dict, pattern: str = "longformer", n: int = 8192) -> list[str]:
     """The issue's targets (window ±256 + 16 globals, 8 heads, d = 64) as measured ratios."""
-    t = {(e, m): _time(data, pattern, n, e, m) for e, m in (
-        ("block", "fwd"), ("flex", "fwd"), ("sdpa", "fwd"), ("block", "fwd+bwd"),
-        ("sdpa", "fwd+bwd"), ("block", "entmax15 fwd"), ("entmax 1.3 full", "entmax15 fwd"))}
+    t = {
+        (e, m): _time(data, pattern, n, e, m)
+        for e, m in (
+            ("block", "fwd"),
+            ("flex", "fwd"),
+            ("sdpa", "fwd"),
+            ("block", "fwd+bwd"),
+            ("sdpa", "fwd+bwd"),
+            ("block", "entmax15 fwd"),
+            ("entmax 1.3 full", "entmax15 fwd"),
+        )
+    }
     if t[("block", "fwd")] is None:
         return []
 
@@ -404,29 +454,65 @@ def _targets(data: dict, pattern: str = "longformer", n: int = 8192) -> list[str
         return None if a is None or b is None else a / b
 
     small, big = _time(data, pattern, 4096, "block", "fwd"), None
-    top = max((r["n"] for r in _rows(data, section="attention", pattern=pattern, engine="block",
-                                     mode="fwd") if r["status"] == "ok"), default=None)
+    top = max(
+        (
+            r["n"]
+            for r in _rows(data, section="attention", pattern=pattern, engine="block", mode="fwd")
+            if r["status"] == "ok"
+        ),
+        default=None,
+    )
     if top and top > 4096:
         big = _time(data, pattern, top, "block", "fwd")
-    rate = [r["useful_gflops"] for r in _rows(data, section="attention", pattern=pattern, n=n,
-                                                  engine="block", mode="fwd")]
+    rate = [
+        r["useful_gflops"]
+        for r in _rows(data, section="attention", pattern=pattern, n=n, engine="block", mode="fwd")
+    ]
     mm = data.get("matmul_gflops_start")
     checks = [
-        (f"fwd: compiled Flex / block at n = {n}", ratio(("flex", "fwd"), ("block", "fwd")),
-         1.5, "≥"),
-        (f"fwd: SDPA (same mask) / block at n = {n}", ratio(("sdpa", "fwd"), ("block", "fwd")),
-         10.0, "≥"),
-        (f"fwd+bwd: SDPA / block at n = {n}", ratio(("sdpa", "fwd+bwd"), ("block", "fwd+bwd")),
-         8.0, "≥"),
-        (f"block fwd time n = {top} / n = 4096", big / small if big and small else None,
-         18.0 * (top or 0) / 65536, "≤"),
-        (f"useful FLOP rate / matmul rate at n = {n}",
-         rate[0] / mm if rate and mm else None, 0.4, "≥"),
-        (f"1.5-entmax: entmax 1.3 full / block at n = {n}",
-         ratio(("entmax 1.3 full", "entmax15 fwd"), ("block", "entmax15 fwd")), 20.0, "≥"),
+        (
+            f"fwd: compiled Flex / block at n = {n}",
+            ratio(("flex", "fwd"), ("block", "fwd")),
+            1.5,
+            "≥",
+        ),
+        (
+            f"fwd: SDPA (same mask) / block at n = {n}",
+            ratio(("sdpa", "fwd"), ("block", "fwd")),
+            10.0,
+            "≥",
+        ),
+        (
+            f"fwd+bwd: SDPA / block at n = {n}",
+            ratio(("sdpa", "fwd+bwd"), ("block", "fwd+bwd")),
+            8.0,
+            "≥",
+        ),
+        (
+            f"block fwd time n = {top} / n = 4096",
+            big / small if big and small else None,
+            18.0 * (top or 0) / 65536,
+            "≤",
+        ),
+        (
+            f"useful FLOP rate / matmul rate at n = {n}",
+            rate[0] / mm if rate and mm else None,
+            0.4,
+            "≥",
+        ),
+        (
+            f"1.5-entmax: entmax 1.3 full / block at n = {n}",
+            ratio(("entmax 1.3 full", "entmax15 fwd"), ("block", "entmax15 fwd")),
+            20.0,
+            "≥",
+        ),
     ]
-    lines = [f"## Targets ({pattern}, n = {n})", "", "| target | measured | goal | met |",
-             "|---|---|---|---|"]
+    lines = [
+        f"## Targets ({pattern}, n = {n})",
+        "",
+        "| target | measured | goal | met |",
+        "|---|---|---|---|",
+    ]
     for name, value, goal, op in checks:
         if value is None:
             lines.append(f"| {name} | not measured | {op} {goal:g} | — |")
@@ -487,16 +573,24 @@ def markdown(data: dict) -> str:
                 f"| {_cell(data, pattern, n, 'block', 'fwd+bwd', 'mb')} "
                 f"| {gf} ({pct}) |"
             )
-        block = {r["n"]: r["time_s"] for r in _rows(data, section="attention", pattern=pattern,
-                                                     engine="block", mode="fwd")
-                 if r["status"] == "ok"}
+        block = {
+            r["n"]: r["time_s"]
+            for r in _rows(data, section="attention", pattern=pattern, engine="block", mode="fwd")
+            if r["status"] == "ok"
+        }
         if 4096 in block and max(block) > 4096:
             top = max(block)
-            lines += ["", f"Block forward time, n = {top} over n = 4096: "
-                      f"{block[top] / block[4096]:.1f}× for {top // 4096}× the length."]
+            lines += [
+                "",
+                f"Block forward time, n = {top} over n = 4096: "
+                f"{block[top] / block[4096]:.1f}× for {top // 4096}× the length.",
+            ]
         lines.append("")
-        reasons = {r["reason"] for r in _rows(data, section="attention", pattern=pattern)
-                   if r["status"] != "ok"}
+        reasons = {
+            r["reason"]
+            for r in _rows(data, section="attention", pattern=pattern)
+            if r["status"] != "ok"
+        }
         if reasons:
             lines += ["Skipped/failed: " + "; ".join(sorted(reasons)), ""]
     ent = [r for r in _rows(data, section="attention") if r["mode"] == "entmax15 fwd"]
@@ -509,15 +603,15 @@ def markdown(data: dict) -> str:
             "|---|---|---|---|---|---|---|---|",
         ]
         for pattern, n in sorted({(r["pattern"], r["n"]) for r in ent}):
-            found = _rows(data, section="attention", pattern=pattern, n=n,
-                          engine="entmax 1.3 full")
+            found = _rows(data, section="attention", pattern=pattern, n=n, engine="entmax 1.3 full")
             full = found[0] if found else {"status": "missing", "reason": "—"}
             ok = full["status"] == "ok"
             full_ms = f"{full['time_s'] * 1e3:.0f}" if ok else full.get("reason", "—")
             full_mb = f"{full['peak_mb']:.0f}" if ok else "—"
             diff = f"{full['max_abs_diff_vs_block']:.1e}" if ok else "—"
-            speed = _ratio(data, pattern, n, ("entmax 1.3 full", "entmax15 fwd"),
-                           ("block", "entmax15 fwd"))
+            speed = _ratio(
+                data, pattern, n, ("entmax 1.3 full", "entmax15 fwd"), ("block", "entmax15 fwd")
+            )
             lines.append(
                 f"| {pattern} | {n} | {_cell(data, pattern, n, 'block', 'entmax15 fwd')} "
                 f"| {_cell(data, pattern, n, 'block', 'entmax15 fwd+bwd')} "
@@ -527,15 +621,22 @@ def markdown(data: dict) -> str:
     maps = _rows(data, section="maps")
     if maps:
         soft = next((r["time_s"] for r in maps if r["engine"].startswith("softmax")), None)
-        lines += [f"## Row maps on {maps[0]['rows']} rows of K = {maps[0]['K']}", "",
-                  "| map | ms | × softmax |", "|---|---|---|"]
+        lines += [
+            f"## Row maps on {maps[0]['rows']} rows of K = {maps[0]['K']}",
+            "",
+            "| map | ms | × softmax |",
+            "|---|---|---|",
+        ]
         for r in maps:
             rel = f"{r['time_s'] / soft:.1f}" if soft else "—"
             lines.append(f"| {r['engine']} | {r['time_s'] * 1e3:.1f} | {rel} |")
         diffs = data.get("maps_max_abs_diff", {})
         if diffs:
-            lines += ["", "Largest |fastmaps − entmax package (float64)|: " + ", ".join(
-                f"{k} {v:.1e}" for k, v in diffs.items())]
+            lines += [
+                "",
+                "Largest |fastmaps − entmax package (float64)|: "
+                + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()),
+            ]
         lines.append("")
     return "\n".join(lines)
 
@@ -552,22 +653,35 @@ def _plot(data: dict, path: Path) -> None:
     for col, pattern in enumerate(patterns):
         for engine in ("block", "gather", "flex", "sdpa"):
             for mode, style in styles.items():
-                rows = [r for r in _rows(data, section="attention", pattern=pattern,
-                                         engine=engine, mode=mode) if r["status"] == "ok"]
+                rows = [
+                    r
+                    for r in _rows(
+                        data, section="attention", pattern=pattern, engine=engine, mode=mode
+                    )
+                    if r["status"] == "ok"
+                ]
                 if not rows:
                     continue
                 ns = [r["n"] for r in rows]
-                axes[0][col].loglog(ns, [r["time_s"] for r in rows], style, marker="o",
-                                    label=f"{engine} {mode}")
-                axes[1][col].loglog(ns, [max(r["peak_mb"], 0.1) for r in rows], style,
-                                    marker="o", label=f"{engine} {mode}")
+                axes[0][col].loglog(
+                    ns, [r["time_s"] for r in rows], style, marker="o", label=f"{engine} {mode}"
+                )
+                axes[1][col].loglog(
+                    ns,
+                    [max(r["peak_mb"], 0.1) for r in rows],
+                    style,
+                    marker="o",
+                    label=f"{engine} {mode}",
+                )
         axes[0][col].set_title(pattern)
         axes[0][col].set_ylabel("time (s)")
         axes[1][col].set_ylabel("peak memory (MiB)")
         axes[1][col].set_xlabel("n")
         axes[0][col].legend(fontsize=7)
-    fig.suptitle(f"sparseattn bench ({data['machine']['cpu']}, "
-                 f"{data['machine']['torch_threads']} threads)", fontsize=9)
+    fig.suptitle(
+        f"sparseattn bench ({data['machine']['cpu']}, {data['machine']['torch_threads']} threads)",
+        fontsize=9,
+    )
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)

@@ -54,14 +54,18 @@ def main() -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=12))
     flash = sum(e.self_cpu_time_total for e in events if e.key == FLASH)
     plan = block_plan(graph, b)
-    scored = sum(c.rows.numel() * (c.full.shape[1] + (0 if c.extra is None else c.extra.shape[1]))
-                 for c in plan.chunks(heads, 1 << 18, True))
+    scored = sum(
+        c.rows.numel() * (c.full.shape[1] + (0 if c.extra is None else c.extra.shape[1]))
+        for c in plan.chunks(heads, 1 << 18, True)
+    )
     flops = 4 * scored * b * b * d * heads
-    print(f"{args.pattern} n={args.n} b={b} threads={torch.get_num_threads()}: "
-          f"{wall * 1e3:.1f} ms unprofiled; {total / 1e3:.1f} ms self CPU profiled; "
-          f"flash forward kernel {flash / 1e3:.1f} ms "
-          f"({flash / total:.0%}), {flops / max(flash, 1) / 1e3:.0f} GF/s on the "
-          f"{scored * b * b * heads / 1e6:.1f} M entries it scores")
+    print(
+        f"{args.pattern} n={args.n} b={b} threads={torch.get_num_threads()}: "
+        f"{wall * 1e3:.1f} ms unprofiled; {total / 1e3:.1f} ms self CPU profiled; "
+        f"flash forward kernel {flash / 1e3:.1f} ms "
+        f"({flash / total:.0%}), {flops / max(flash, 1) / 1e3:.0f} GF/s on the "
+        f"{scored * b * b * heads / 1e6:.1f} M entries it scores"
+    )
 
 
 if __name__ == "__main__":

@@ -61,10 +61,18 @@ class UserSuite:
 
 USER_SUITES = {
     "user": UserSuite("user"),
-    "user-quick": UserSuite("user-quick", ns=(1024, 2048), hf_ns=(1024,), repeats=2,
-                            time_cap_s=10.0),
-    "prefill": UserSuite("prefill", ns=(), hf_ns=(), minilm=False,
-                         prefill_ns=(4096, 8192, 16384, 32768), repeats=2, time_cap_s=120.0),
+    "user-quick": UserSuite(
+        "user-quick", ns=(1024, 2048), hf_ns=(1024,), repeats=2, time_cap_s=10.0
+    ),
+    "prefill": UserSuite(
+        "prefill",
+        ns=(),
+        hf_ns=(),
+        minilm=False,
+        prefill_ns=(4096, 8192, 16384, 32768),
+        repeats=2,
+        time_cap_s=120.0,
+    ),
 }
 
 #: (section, what is timed for sparseattn, what for the dense baseline)
@@ -79,18 +87,24 @@ COMPARISONS = {
 }
 
 
-def run_user_suite(suite: UserSuite, out_dir: Path, log: Callable[[str], None] = print,
-                   ns: tuple[int, ...] | None = None) -> dict:
+def run_user_suite(
+    suite: UserSuite,
+    out_dir: Path,
+    log: Callable[[str], None] = print,
+    ns: tuple[int, ...] | None = None,
+) -> dict:
     """Run ``suite`` (lengths ``ns`` if given) and write its results into ``out_dir``."""
     if ns:
         if suite.prefill_ns:
             suite = dataclasses.replace(suite, prefill_ns=tuple(ns))
         else:
-            suite = dataclasses.replace(suite, ns=tuple(ns),
-                                        hf_ns=tuple(n for n in ns if n > 512))
+            suite = dataclasses.replace(suite, ns=tuple(ns), hf_ns=tuple(n for n in ns if n > 512))
     out_dir.mkdir(parents=True, exist_ok=True)
-    header = {"suite": dataclasses.asdict(suite), "machine": machine_facts(),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    header = {
+        "suite": dataclasses.asdict(suite),
+        "machine": machine_facts(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     rec = ResumableRows(out_dir / "results.json", header)
     log(f"machine: {header['machine']}")
     stopped: set[str] = set()  # baselines that hit the time cap: skipped at longer n
@@ -150,9 +164,10 @@ def _module_section(suite, n, rec, log, stopped) -> None:
     dense_fwd = torch.no_grad()(lambda: mha(x, x, x, need_weights=False))
     _time(rec, log, stopped, "module forward", n, "SparseAttention", sparse_fwd, suite)
     _time(rec, log, stopped, "module forward", n, "nn.MultiheadAttention", dense_fwd, suite)
-    for who, module, call in (("SparseAttention", layer, lambda: layer(x)),
-                              ("nn.MultiheadAttention", mha,
-                               lambda: mha(x, x, x, need_weights=False)[0])):
+    for who, module, call in (
+        ("SparseAttention", layer, lambda: layer(x)),
+        ("nn.MultiheadAttention", mha, lambda: mha(x, x, x, need_weights=False)[0]),
+    ):
         opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
 
         def step(module=module, call=call, opt=opt):
@@ -182,21 +197,54 @@ def _functional_section(suite, n, rec, log, stopped) -> None:
     (q, k, v), _ = inputs(False)
     mask = pattern.graph(n).to_dense() if mask_gb <= suite.mem_cap_gb else None
     with torch.no_grad():
-        _time(rec, log, stopped, "functional forward", n, "sparse_attention(pattern)",
-              lambda: sa.sparse_attention(q, k, v, pattern), suite)
-        _time(rec, log, stopped, "functional forward", n, "SDPA, same mask",
-              lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), suite, mask_gb)
+        _time(
+            rec,
+            log,
+            stopped,
+            "functional forward",
+            n,
+            "sparse_attention(pattern)",
+            lambda: sa.sparse_attention(q, k, v, pattern),
+            suite,
+        )
+        _time(
+            rec,
+            log,
+            stopped,
+            "functional forward",
+            n,
+            "SDPA, same mask",
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+            suite,
+            mask_gb,
+        )
     (qg, kg, vg), leaf = inputs(True)
 
     def backward(out):
         leaf.grad = None
         out.square().mean().backward()
 
-    _time(rec, log, stopped, "functional forward+backward", n, "sparse_attention(pattern)",
-          lambda: backward(sa.sparse_attention(qg, kg, vg, pattern)), suite)
-    _time(rec, log, stopped, "functional forward+backward", n, "SDPA, same mask",
-          lambda: backward(F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask)), suite,
-          2 * mask_gb)
+    _time(
+        rec,
+        log,
+        stopped,
+        "functional forward+backward",
+        n,
+        "sparse_attention(pattern)",
+        lambda: backward(sa.sparse_attention(qg, kg, vg, pattern)),
+        suite,
+    )
+    _time(
+        rec,
+        log,
+        stopped,
+        "functional forward+backward",
+        n,
+        "SDPA, same mask",
+        lambda: backward(F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask)),
+        suite,
+        2 * mask_gb,
+    )
     _first_call(suite, n, q, k, v, rec, log, stopped)
 
 
@@ -215,10 +263,13 @@ def _first_call(suite, n, q, k, v, rec, log, stopped) -> None:
             sa.sparse_attention(q, k, v, pattern)
             times.append(time.perf_counter() - start)
         first = sorted(times)[len(times) // 2]
-        cached = measure(lambda: sa.sparse_attention(q, k, v, pattern), suite.repeats,
-                         suite.time_cap_s)
-    for who, t, extra in (("first call, new length", first, {"times_s": times}),
-                          ("cached call", cached["time_s"], cached)):
+        cached = measure(
+            lambda: sa.sparse_attention(q, k, v, pattern), suite.repeats, suite.time_cap_s
+        )
+    for who, t, extra in (
+        ("first call, new length", first, {"times_s": times}),
+        ("cached call", cached["time_s"], cached),
+    ):
         row = {"section": "first call", "n": n, "who": who, **extra, "time_s": t}
         rec.add(row)
         log(f"n={n:6d} {'first call':28s} {who:28s} {t * 1e3:9.1f} ms")
@@ -228,9 +279,15 @@ def _bert(n: int):
     """A BERT of all-MiniLM-L6-v2's shape with room for n positions (random weights)."""
     from transformers import BertConfig, BertModel
 
-    config = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6,
-                        num_attention_heads=12, intermediate_size=1536,
-                        max_position_embeddings=n, attn_implementation="sdpa")
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        intermediate_size=1536,
+        max_position_embeddings=n,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     return BertModel(config).eval()
 
@@ -257,9 +314,16 @@ def _llama(n: int):
     the logits of the last position only)."""
     from transformers import LlamaConfig, LlamaModel
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408,
-                         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                         max_position_embeddings=n, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=n,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     return LlamaModel(config).eval()
 
@@ -291,23 +355,38 @@ def _ms(row: dict | None) -> str:
 def ratios(data: dict) -> list[dict]:
     """One row per (section, n): both times, the dense/sparse ratio and peak memory."""
     out = []
-    sections = sorted({(r["section"], r["n"]) for r in data["rows"]},
-                      key=lambda s: (list(COMPARISONS).index(s[0]) if s[0] in COMPARISONS
-                                     else 99, s[1]))
+    sections = sorted(
+        {(r["section"], r["n"]) for r in data["rows"]},
+        key=lambda s: (list(COMPARISONS).index(s[0]) if s[0] in COMPARISONS else 99, s[1]),
+    )
     for section, n in sections:
         ours, theirs = COMPARISONS.get(section, ("hf.sparsify", "sdpa"))
-        a = next((r for r in data["rows"] if (r["section"], r["n"], r["who"]) ==
-                  (section, n, ours)), None)
-        b = next((r for r in data["rows"] if (r["section"], r["n"], r["who"]) ==
-                  (section, n, theirs)), None)
+        a = next(
+            (r for r in data["rows"] if (r["section"], r["n"], r["who"]) == (section, n, ours)),
+            None,
+        )
+        b = next(
+            (r for r in data["rows"] if (r["section"], r["n"], r["who"]) == (section, n, theirs)),
+            None,
+        )
         ratio = None
         if a and b and "time_s" in a and "time_s" in b:
-            ratio = b["time_s"] / a["time_s"] if section != "first call" else \
-                a["time_s"] / b["time_s"]
-        out.append({"section": section, "n": n, "ours": ours, "theirs": theirs,
-                    "ours_ms": _ms(a), "theirs_ms": _ms(b), "ratio": ratio,
-                    "ours_peak_mb": (a or {}).get("peak_mb"),
-                    "theirs_peak_mb": (b or {}).get("peak_mb")})
+            ratio = (
+                b["time_s"] / a["time_s"] if section != "first call" else a["time_s"] / b["time_s"]
+            )
+        out.append(
+            {
+                "section": section,
+                "n": n,
+                "ours": ours,
+                "theirs": theirs,
+                "ours_ms": _ms(a),
+                "theirs_ms": _ms(b),
+                "ratio": ratio,
+                "ours_peak_mb": (a or {}).get("peak_mb"),
+                "theirs_peak_mb": (b or {}).get("peak_mb"),
+            }
+        )
     return out
 
 
@@ -327,10 +406,13 @@ def markdown(data: dict) -> str:
     ]
     for r in ratios(data):
         ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}×"
-        peaks = " / ".join("—" if p is None else f"{p:.0f}"
-                           for p in (r["ours_peak_mb"], r["theirs_peak_mb"]))
-        lines.append(f"| {r['section']} | {r['n']} | {r['ours']} | {r['ours_ms']} | "
-                     f"{r['theirs']} | {r['theirs_ms']} | {ratio} | {peaks} |")
+        peaks = " / ".join(
+            "—" if p is None else f"{p:.0f}" for p in (r["ours_peak_mb"], r["theirs_peak_mb"])
+        )
+        lines.append(
+            f"| {r['section']} | {r['n']} | {r['ours']} | {r['ours_ms']} | "
+            f"{r['theirs']} | {r['theirs_ms']} | {ratio} | {peaks} |"
+        )
     return "\n".join(lines) + "\n"
 
 

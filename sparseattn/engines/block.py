@@ -279,9 +279,19 @@ class BlockPlan:
                         shared = split and e - s > 1 and bool((pt == pt[:1]).all())
                         rows = grp.rows[lo + s : lo + e]
                         first = int(rows[0]) if int(rows[-1] - rows[0]) == e - s - 1 else None
-                        out.append(_Chunk(rows, full[s:e], pt,
-                                          None if keep is None else keep[s:e], at, bias, shared,
-                                          None if not ce else extra[s:e], first))
+                        out.append(
+                            _Chunk(
+                                rows,
+                                full[s:e],
+                                pt,
+                                None if keep is None else keep[s:e],
+                                at,
+                                bias,
+                                shared,
+                                None if not ce else extra[s:e],
+                                first,
+                            )
+                        )
             cache[(lead, budget, split)] = out
         return cache[(lead, budget, split)]
 
@@ -293,12 +303,24 @@ class BlockPlan:
         cache = self.__dict__.setdefault("_on", {})
         if device not in cache:
             groups = [
-                _Group(g.rows.to(device), g.full.to(device), g.part.to(device),
-                       None if g.keep is None else g.keep.to(device))
+                _Group(
+                    g.rows.to(device),
+                    g.full.to(device),
+                    g.part.to(device),
+                    None if g.keep is None else g.keep.to(device),
+                )
                 for g in self.groups
             ]
-            cache[device] = BlockPlan(self.block, self.graphs, self.nbq, self.nbk, groups,
-                                      self.pairs, self.partial, self.edges)
+            cache[device] = BlockPlan(
+                self.block,
+                self.graphs,
+                self.nbq,
+                self.nbk,
+                groups,
+                self.pairs,
+                self.partial,
+                self.edges,
+            )
         return cache[device]
 
 
@@ -469,8 +491,9 @@ def _build_plan(graph: AttentionGraph, block: int) -> BlockPlan:
                 allowed[short, block - extra :] = True
             keep = allowed.to(torch.uint8)
         groups.append(_Group(rbs, ids[:, :cf].contiguous(), ids[:, cf:].contiguous(), keep))
-    return BlockPlan(block, g_count, nbq, nbk, groups, pairs.keys.numel(),
-                     int((~full).sum()), graph.col.numel())
+    return BlockPlan(
+        block, g_count, nbq, nbk, groups, pairs.keys.numel(), int((~full).sum()), graph.col.numel()
+    )
 
 
 class _Runner:
@@ -498,8 +521,11 @@ class _Runner:
             return self.gather(x, chunk.full)
         b, e = self.plan.block, x.shape[-1]
         (m, cf), (start, step) = chunk.full.shape, chunk.run
-        return x.as_strided((x.shape[0], m, cf * b, e), (x.stride(0), step * b * e, e, 1),
-                            x.storage_offset() + start * b * e)
+        return x.as_strided(
+            (x.shape[0], m, cf * b, e),
+            (x.stride(0), step * b * e, e, 1),
+            x.storage_offset() + start * b * e,
+        )
 
     def keep(self, p: Tensor) -> Tensor | None:
         """Dropout keep-mask scaled by 1/(1 − p), drawn from the global RNG (replayed)."""
@@ -677,11 +703,23 @@ def _split_forward(run, qc, kp, vp, ch):
     """
     halves = []
     if ch.full.shape[1]:
-        halves.append(_flash(qc, run.full_blocks(kp, ch), run.full_blocks(vp, ch), 0.0, False,
-                             attn_mask=_bias(ch.bias, qc), scale=run.scale))
+        halves.append(
+            _flash(
+                qc,
+                run.full_blocks(kp, ch),
+                run.full_blocks(vp, ch),
+                0.0,
+                False,
+                attn_mask=_bias(ch.bias, qc),
+                scale=run.scale,
+            )
+        )
     if ch.extra is not None:
-        halves.append(_flash(qc, run.gather(kp, ch.extra), run.gather(vp, ch.extra), 0.0, False,
-                             scale=run.scale))
+        halves.append(
+            _flash(
+                qc, run.gather(kp, ch.extra), run.gather(vp, ch.extra), 0.0, False, scale=run.scale
+            )
+        )
     if ch.part.shape[1]:
         part = ch.part[:1] if ch.shared else ch.part
         kc, vc = run.gather(kp, part), run.gather(vp, part)
@@ -695,7 +733,8 @@ def _split_forward(run, qc, kp, vp, ch):
     for o2, lse2 in halves[1:]:
         merged = torch.logaddexp(lse, lse2)
         o = o.mul_((lse - merged).exp_().unsqueeze(-1)).add_(
-            o2.mul_((lse2 - merged).exp_().unsqueeze(-1)))
+            o2.mul_((lse2 - merged).exp_().unsqueeze(-1))
+        )
         lse = merged
     return o, lse
 
@@ -714,8 +753,9 @@ def _mm_t(a: Tensor, b: Tensor, shared: bool) -> Tensor:
     if not shared:
         return torch.matmul(a.transpose(-1, -2), b)
     lead = a.shape[0]
-    return torch.matmul(a.reshape(lead, -1, a.shape[-1]).transpose(1, 2),
-                        b.reshape(lead, -1, b.shape[-1])).unsqueeze(1)
+    return torch.matmul(
+        a.reshape(lead, -1, a.shape[-1]).transpose(1, 2), b.reshape(lead, -1, b.shape[-1])
+    ).unsqueeze(1)
 
 
 def _bias(bias: Tensor | None, qc: Tensor) -> Tensor | None:
@@ -767,8 +807,9 @@ def _full_backward(run, qc, go, oc, delta, lse, kf, vf, bias):
     which costs most on small blocks).
     """
     if qc.shape[-2] >= FLASH_BACKWARD_BLOCK:
-        return _flash_backward(go, qc, kf, vf, oc, lse, 0.0, False,
-                               attn_mask=_bias(bias, qc), scale=run.scale)
+        return _flash_backward(
+            go, qc, kf, vf, oc, lse, 0.0, False, attn_mask=_bias(bias, qc), scale=run.scale
+        )
     masks = [] if bias is None else [(bias == 0).to(qc.device, qc.dtype)]
     dqc, dk1, dv1 = torch.empty_like(qc), qc.new_empty(kf.shape), qc.new_empty(vf.shape)
     for i in range(qc.shape[0]):
@@ -886,6 +927,15 @@ def block_attention(
             kpm = F.pad(kpm, (0, pad), value=False)
         key_ok = kpm[:, None, :].expand(bsz, heads, -1).reshape(lead, -1, plan.block)
     budget = BUDGET.get(q.device.type, BUDGET["cuda"]) if budget is None else budget
-    run = _Runner(plan, prob_map, scale, key_ok, dropout_p, budget, lead,
-                  q.device.type == "cpu", q.shape[-1] == v.shape[-1])
+    run = _Runner(
+        plan,
+        prob_map,
+        scale,
+        key_ok,
+        dropout_p,
+        budget,
+        lead,
+        q.device.type == "cpu",
+        q.shape[-1] == v.shape[-1],
+    )
     return _BlockAttention.apply(q, k, v, prob_map.row_alpha(bsz, heads, q.shape[2]), run)

@@ -38,7 +38,8 @@ NAMED = {
     "causal_fixed": (causal_fixed, {"w": 16}),
     "sliding_window": (sliding_window, {"w": 16, "sinks": 2}),
     "causal_bigbird": (
-        causal_bigbird, {"w": 16, "global_tokens": 2, "random_blocks": 2, "block": 16}
+        causal_bigbird,
+        {"w": 16, "global_tokens": 2, "random_blocks": 2, "block": 16},
     ),
 }
 

@@ -73,8 +73,10 @@ class Pattern(abc.ABC):
     def _check_offset(self, n: int, n_q: int) -> None:
         check_positive("n_q", n_q)
         if n_q > n:
-            raise ValueError(f"n_q must be at most n_k = {n} (queries are the last n_q of the "
-                             f"n_k positions), got n_q={n_q}")
+            raise ValueError(
+                f"n_q must be at most n_k = {n} (queries are the last n_q of the "
+                f"n_k positions), got n_q={n_q}"
+            )
         if not self.is_causal:
             raise ValueError(
                 f"pattern {self!r} is not causal: queries at an offset (n_q={n_q} < n_k={n}) "

@@ -52,8 +52,10 @@ def _layout_graph(layout: Tensor, block: int, n: int, causal: bool) -> Attention
     """Expand a bool layout (H, nb, nb) to token edges for length n (O(edges))."""
     heads, nb, _ = layout.shape
     if -(-n // block) != nb:
-        raise ValueError(f"a layout of {nb} blocks of {block} covers n in "
-                         f"({(nb - 1) * block}, {nb * block}], got n={n}")
+        raise ValueError(
+            f"a layout of {nb} blocks of {block} covers n in "
+            f"({(nb - 1) * block}, {nb * block}], got n={n}"
+        )
     shared = bool((layout == layout[:1]).all())
     if shared:
         layout = layout[:1]
@@ -102,7 +104,8 @@ class BlockLayout(Pattern):
     def allows_head(self, head: Tensor, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         """FlexAttention-shaped predicate (h, q_idx, kv_idx) at length n."""
         head, q_idx, kv_idx = torch.broadcast_tensors(
-            torch.as_tensor(head), torch.as_tensor(q_idx), torch.as_tensor(kv_idx))
+            torch.as_tensor(head), torch.as_tensor(q_idx), torch.as_tensor(kv_idx)
+        )
         nb = self.layout.shape[-1]
         inside = (q_idx >= 0) & (q_idx < n) & (kv_idx >= 0) & (kv_idx < n)
         qb = (q_idx // self.block).clamp(0, nb - 1)
@@ -256,8 +259,10 @@ class FixedSparsityConfig(SparsityConfig):
         if self.num_local_blocks % self.num_global_blocks:
             raise ValueError("num_local_blocks must be a multiple of num_global_blocks")
         if self.num_different_global_patterns > self.num_local_blocks // self.num_global_blocks:
-            raise ValueError("num_different_global_patterns must be at most "
-                             "num_local_blocks // num_global_blocks")
+            raise ValueError(
+                "num_different_global_patterns must be at most "
+                "num_local_blocks // num_global_blocks"
+            )
         if self.num_different_global_patterns > 1 and not self.different_layout_per_head:
             raise ValueError("num_different_global_patterns > 1 needs different_layout_per_head")
         if self.horizontal_global_attention and self.unidirectional:
@@ -273,7 +278,7 @@ class FixedSparsityConfig(SparsityConfig):
         if end < nb:
             starts.append(min(end + first, nb - g))
         for s in starts:
-            layout[(0 if not self.unidirectional else s):, s : s + g] = True
+            layout[(0 if not self.unidirectional else s) :, s : s + g] = True
             if self.horizontal_global_attention:
                 layout[s : s + g, :] = True
         return layout
@@ -320,11 +325,14 @@ class VariableSparsityConfig(SparsityConfig):
             layout[start : start + size, start : start + size] = True
             start += size
         ends = self.global_block_end_indices
-        ranges = [(s, s + 1) for s in self.global_block_indices] if ends is None else list(
-            zip(self.global_block_indices, ends, strict=True))
+        ranges = (
+            [(s, s + 1) for s in self.global_block_indices]
+            if ends is None
+            else list(zip(self.global_block_indices, ends, strict=True))
+        )
         for s, e in ranges:
             if s < nb:
-                layout[(0 if not self.unidirectional else s):, s:e] = True
+                layout[(0 if not self.unidirectional else s) :, s:e] = True
                 if self.horizontal_global_attention:
                     layout[s:e, :] = True
         return layout
@@ -348,9 +356,12 @@ class BigBirdSparsityConfig(SparsityConfig):
         check_positive("num_global_blocks", self.num_global_blocks)
 
     def _head_layout(self, h: int, nb: int, gen: torch.Generator) -> Tensor:
-        self._check_fits(nb, num_random_blocks=self.num_random_blocks,
-                         num_sliding_window_blocks=self.num_sliding_window_blocks,
-                         num_global_blocks=self.num_global_blocks)
+        self._check_fits(
+            nb,
+            num_random_blocks=self.num_random_blocks,
+            num_sliding_window_blocks=self.num_sliding_window_blocks,
+            num_global_blocks=self.num_global_blocks,
+        )
         layout = self._random(nb, self.num_random_blocks, gen)
         layout |= self._sliding(nb, self.num_sliding_window_blocks)
         layout[: self.num_global_blocks, :] = True
@@ -383,8 +394,11 @@ class BSLongformerSparsityConfig(SparsityConfig):
         self._check_fits(nb, num_sliding_window_blocks=self.num_sliding_window_blocks)
         layout = self._sliding(nb, self.num_sliding_window_blocks)
         ends = self.global_block_end_indices
-        ranges = [(s, s + 1) for s in self.global_block_indices] if ends is None else list(
-            zip(self.global_block_indices, ends, strict=True))
+        ranges = (
+            [(s, s + 1) for s in self.global_block_indices]
+            if ends is None
+            else list(zip(self.global_block_indices, ends, strict=True))
+        )
         for s, e in ranges:
             if s < nb:
                 layout[s:e, :] = True

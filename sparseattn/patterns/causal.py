@@ -145,8 +145,9 @@ class CausalSummary(_CausalPattern):
         check_positive("w", self.w)
         check_int("c", self.c, 1)
         if self.c > self.w:
-            raise ValueError(f"c must be at most w = {self.w} (positions per segment), "
-                             f"got c={self.c}")
+            raise ValueError(
+                f"c must be at most w = {self.w} (positions per segment), got c={self.c}"
+            )
 
     @property
     def name(self) -> str:
@@ -176,11 +177,11 @@ class CausalGlobal(_CausalPattern):
         if isinstance(self.tokens, int) and not isinstance(self.tokens, bool):
             check_positive("global_tokens", self.tokens)
             return
-        if isinstance(self.tokens, (str, bytes)) or not isinstance(
-            self.tokens, (Sequence, Tensor)
-        ):
-            raise TypeError(f"global_tokens must be an int or a sequence of ints, got "
-                            f"{type(self.tokens).__name__}")
+        if isinstance(self.tokens, (str, bytes)) or not isinstance(self.tokens, (Sequence, Tensor)):
+            raise TypeError(
+                f"global_tokens must be an int or a sequence of ints, got "
+                f"{type(self.tokens).__name__}"
+            )
         tokens = tuple(sorted({check_int("global_tokens[i]", int(t), 0) for t in self.tokens}))
         if not tokens:
             raise ValueError("global_tokens must be an int >= 1 or a non-empty list of ints")

@@ -195,8 +195,9 @@ def split_heads(*patterns: Pattern, sizes: Sequence[int] | None = None) -> HeadS
             raise TypeError(f"sizes must be a sequence of ints, got {type(sizes).__name__}")
         sizes = tuple(check_positive(f"sizes[{i}]", s) for i, s in enumerate(sizes))
         if len(sizes) != len(patterns):
-            raise ValueError(f"sizes must give one head count per pattern ({len(patterns)}), "
-                             f"got {len(sizes)}")
+            raise ValueError(
+                f"sizes must give one head count per pattern ({len(patterns)}), got {len(sizes)}"
+            )
     return HeadSplit(tuple(patterns), sizes)
 
 

@@ -49,8 +49,9 @@ class TopK(Pattern):
     def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
         n_q, n_k = q.shape[-2], k.shape[-2]
         if self.is_causal and n_q > n_k:
-            raise ValueError(f"causal topk needs n_q <= n_k (the last n_q positions), got "
-                             f"{n_q} and {n_k}")
+            raise ValueError(
+                f"causal topk needs n_q <= n_k (the last n_q positions), got {n_q} and {n_k}"
+            )
         offset = n_k - n_q if self.is_causal else 0  # causal: query i sits at n_k - n_q + i
         keep = min(self.k, n_k)
         tables = []

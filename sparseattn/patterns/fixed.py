@@ -59,8 +59,9 @@ class Dense(Pattern):
         return AttentionGraph(crow, torch.arange(n).repeat(n), n, n)
 
     def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
-        return AttentionGraph(torch.arange(n - start + 1) * n, torch.arange(n).repeat(n - start),
-                              n - start, n)
+        return AttentionGraph(
+            torch.arange(n - start + 1) * n, torch.arange(n).repeat(n - start), n - start, n
+        )
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return torch.ones_like(q_idx, dtype=torch.bool)

