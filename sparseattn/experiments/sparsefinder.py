@@ -313,12 +313,13 @@ def _fit(
     config: SparsefinderConfig,
     bar,
     causal: bool = False,
-    chunked: bool = True,
+    encoder_rows: bool = True,
 ) -> dict:
     """Fitted state per layer of the ``train`` graphs (plain tensors and dicts, for torch.save).
 
     ``causal`` (decoder self-attention): keys after the query are left out of eq. 7's training
-    (never sampled as negatives). ``chunked=False`` skips the chunked (§6.1) fits."""
+    (never sampled as negatives). ``encoder_rows=False`` skips the fits that only the encoder
+    table uses: eq. 7 on all edges and the chunked (§6.1) predictors."""
     fits: dict = {
         "projection": [],
         "projection_all_edges": [],
@@ -359,10 +360,11 @@ def _fit(
         proj = QKProjection(**kwargs).fit(layer, exclude=exclude)
         timer["projection"] += time.perf_counter() - t
         fits["projection"].append(proj.state_dict())
-        t = time.perf_counter()
-        everything = QKProjection(**kwargs).fit(layer, exclude=future if causal else None)
-        fits["projection_all_edges"].append(everything.state_dict())
-        timer["projection_all_edges"] += time.perf_counter() - t
+        if encoder_rows:
+            t = time.perf_counter()
+            everything = QKProjection(**kwargs).fit(layer)
+            fits["projection_all_edges"].append(everything.state_dict())
+            timer["projection_all_edges"] += time.perf_counter() - t
         q, k = layer.tokens()
         t = time.perf_counter()
         for c in config.clusters:
@@ -374,7 +376,7 @@ def _fit(
             rt = RoutingBaseline(c, proj, seed=config.seed).fit(q, k)
             fits["routing"].setdefault(c, []).append(rt.centroids_)
         timer["routing"] += time.perf_counter() - t
-        if not chunked:
+        if not encoder_rows:
             continue
         t = time.perf_counter()
         chunks = chunk_layer(layer, config.chunk_block)

@@ -585,7 +585,7 @@ def _run(config: DecoderSparsefinderConfig) -> dict:
             fits = torch.load(fits_path, weights_only=False)
         else:
             with step("fit"):
-                fits = _fit(train, config, bar, causal=True, chunked=False)
+                fits = _fit(train, config, bar, causal=True, encoder_rows=False)
             atomic_write(fits_path, lambda tmp: torch.save(fits, tmp))
             write_json(
                 paths["fits"],
