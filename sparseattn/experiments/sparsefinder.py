@@ -362,7 +362,7 @@ def _fit(
         fits["projection"].append(proj.state_dict())
         if encoder_rows:
             t = time.perf_counter()
-            everything = QKProjection(**kwargs).fit(layer)
+            everything = QKProjection(**kwargs).fit(layer, exclude=future if causal else None)
             fits["projection_all_edges"].append(everything.state_dict())
             timer["projection_all_edges"] += time.perf_counter() - t
         q, k = layer.tokens()
