@@ -18,8 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
+from test_docs import check
 
 from sparseattn import tour
+from sparseattn.cli import app
 
 SECTIONS = list(tour.SECTIONS)
 
@@ -103,6 +106,16 @@ def test_every_section_ran_and_every_figure_loads_in_chromium(report, chromium, 
     statuses = re.findall(r'<section id="(\w+)" data-status="(\w+)"', dom)
     assert statuses == [(key, "ok") for key in SECTIONS]
     assert 'class="error-box"' not in dom
+
+
+def test_every_command_the_report_names_exists(report):
+    """The commands the sections print (built at run time) pass the docs' command check."""
+    summary = json.loads((report / "tour.json").read_text())
+    root = typer.main.get_command(app)
+    for record in summary["sections"].values():
+        for _, command in record["commands"]:
+            if command.startswith("sparseattn "):
+                check(root, command.removeprefix("sparseattn "))
 
 
 def test_report_is_self_contained(report):
