@@ -7,10 +7,15 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+from ._extras import missing
+
+try:
+    import typer
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+except ModuleNotFoundError as err:
+    raise missing(err, "cli", "the sparseattn command line") from err
 
 
 class _App(typer.Typer):

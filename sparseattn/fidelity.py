@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from . import hf
+from ._extras import require
 from .corpus import Passage
 from .engines import ENGINES
 from .graph import AttentionGraph
@@ -347,9 +348,9 @@ def run_study(config: FidelityConfig) -> tuple[dict, Path]:
     Writes ``<out_dir>/<run>/config.json``, ``metrics.json`` (after each method, atomically; a
     re-run with the same config skips finished methods) and ``fidelity.png``.
     """
-    from tqdm import tqdm
-
     from .corpus import load_corpus
+
+    tqdm = require("tqdm", "experiments", "the fidelity study").tqdm
 
     if config.max_passages < 2 or config.batch_size < 1 or config.max_length < 8:
         raise ValueError("max_passages must be >= 2, batch_size >= 1 and max_length >= 8")
@@ -414,8 +415,7 @@ def run_study(config: FidelityConfig) -> tuple[dict, Path]:
 
 def plot(metrics: dict, path: Path) -> None:
     """Embedding cosine and retrieval accuracy against weight sparsity, one point per method."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "experiments", "the fidelity figure")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

