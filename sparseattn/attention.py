@@ -1,6 +1,11 @@
 """The public attention API: ``sparse_attention`` and the ``SparseAttention`` module.
 
-Data path (DESIGN §2): pattern → AttentionGraph → engine scores on the graph → ρ → weights·V.
+Data path (docs/architecture.md, "Data path"): pattern → AttentionGraph → engine scores on the
+graph → ρ → weights·V.
+
+PyTorch's names keep PyTorch's meanings: ``key_padding_mask`` is True for keys to *ignore*
+(as in ``nn.MultiheadAttention``), ``enable_gqa`` is SDPA's grouped-query flag. The engines
+take the complement (True for real keys); it is formed once, here.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ DENSE_LIMIT = 1 << 22
 GPU_DENSE_LIMIT = 1 << 24
 
 
-def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool = False) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -53,10 +58,20 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v must share a device, got {q.device}, {k.device}, {v.device}")
-    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+    if enable_gqa:
+        bad = q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2]
+        if bad or not k.shape[1] or q.shape[1] % k.shape[1]:
+            raise ValueError(
+                "with enable_gqa, k and v must share (batch, kv_heads) with kv_heads dividing "
+                f"q's heads: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+    elif q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        hint = ""
+        if q.shape[0] == k.shape[0] and k.shape[:2] == v.shape[:2] and k.shape[1]:
+            hint = " (fewer key/value heads than query heads: pass enable_gqa=True)"
         raise ValueError(
             f"q, k, v must share (batch, heads): {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}"
+            f"{tuple(v.shape)}{hint}"
         )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must share the head dim d, got {q.shape[-1]} and {k.shape[-1]}")
@@ -187,17 +202,20 @@ def sparse_attention(
     k: Tensor,
     v: Tensor,
     pattern: Pattern | AttentionGraph,
+    *,
     prob_map: str | ProbabilityMap = "softmax",
     engine: str = "auto",
     scale: float | None = None,
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
+    enable_gqa: bool = False,
 ) -> Tensor:
     """Sparse attention, Yun et al. eq. (3): out_i = Σ_{j ∈ A_i} ρ(scale · q_i·k_j)_j · v_j.
 
     Args:
-        q: (batch, heads, n_q, d); k: (batch, heads, n_k, d); v: (batch, heads, n_k, d_v).
-            n_k may differ from n_q (cross-attention) for patterns that allow it.
+        q: (batch, heads, n_q, d); k: (batch, kv_heads, n_k, d); v: (batch, kv_heads, n_k, d_v)
+            with kv_heads = heads unless ``enable_gqa``. n_k may differ from n_q
+            (cross-attention) for patterns that allow it.
         pattern: a Pattern (static or data-dependent) or a ready AttentionGraph.
         prob_map: ρ — a ProbabilityMap or one of "softmax", "hardmax", "sparsemax", "entmax15".
         engine: "auto" (:func:`choose_engine`; the dense pattern goes to SDPA for softmax and
@@ -206,27 +224,58 @@ def sparse_attention(
             (block-sparse matrix products), "gather" (neighbour lists) or "flex" (compiled
             FlexAttention; softmax, and on CPU inference only). docs/engines.md.
         scale: score scale, default 1/√d.
-        key_padding_mask: optional BoolTensor (batch, n_k), True for real keys.
+        key_padding_mask: optional BoolTensor (batch, n_k), True for keys to *ignore*
+            (padding), as ``nn.MultiheadAttention``'s. A batch item whose every key is
+            ignored is refused (that is what a True-for-real-tokens mask, such as a
+            tokenizer's ``attention_mask``, means here for an unpadded item: pass its ``~``).
         dropout_p: dropout on the attention weights (only when > 0).
+        enable_gqa: grouped-query attention, as in SDPA: kv_heads divides heads and query
+            head h reads key/value head h // (heads / kv_heads). For static patterns and
+            ready graphs the query heads sharing a key/value head are stacked along the query
+            axis (k and v are not copied); otherwise k and v are repeated per query head.
     Returns:
         (batch, heads, n_q, d_v).
     Raises:
         ValueError/TypeError for bad shapes, dtypes, devices, unknown engines, patterns that
-        leave a query without any key, and (on CPU) NaN/inf inputs and overflowing scores; on
-        a GPU those two checks are skipped, since each would stall the host on the device.
+        leave a query without any key, a key padding mask that ignores every key of an item,
+        and (on CPU) NaN/inf inputs and overflowing scores; on a GPU those two checks are
+        skipped, since each would stall the host on the device.
     """
-    _check_qkv(q, k, v)
+    _check_qkv(q, k, v, check_bool("enable_gqa", enable_gqa))
     rho = resolve_prob_map(prob_map)
     check_probability("dropout_p", dropout_p, allow_one=False)
     check_choice("engine", engine, ["auto", *ENGINES])
     scale = _resolve_scale(scale, q)
-    if key_padding_mask is not None:
-        _check_key_padding(key_padding_mask, q, k)
+    valid = None if key_padding_mask is None else _key_validity(key_padding_mask, q, k)
     if _empty_output(q, v, pattern):
         return _empty_result(q, k, v)
+    groups = q.shape[1] // k.shape[1] if k.shape[1] else 1
+    if groups > 1:
+        if _can_group(pattern, rho, engine, q, k):
+            graph = resolve_graph(pattern, q, k)
+            grouped_q, grouped = group_queries(q, graph, k.shape[1])
+            out = _attend(grouped_q, k, v, grouped, rho, engine, scale, valid, dropout_p)
+            return out.reshape(q.shape[:3] + out.shape[-1:])
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    return _attend(q, k, v, pattern, rho, engine, scale, valid, dropout_p)
+
+
+def _attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: Pattern | AttentionGraph,
+    rho: ProbabilityMap,
+    engine: str,
+    scale: float,
+    valid: Tensor | None,
+    dropout_p: float,
+) -> Tensor:
+    """:func:`sparse_attention` on validated inputs with as many key/value heads as query
+    heads; ``valid`` (batch, n_k) is True for real keys (the engines' convention)."""
     causal = _full_rows(pattern, q, k) if engine in ("auto", "rows") else None
     if causal is not None:  # the dense pattern: no n² graph (docs/engines.md, "full rows")
-        out = full_rows_attention(q, k, v, rho, scale, key_padding_mask, dropout_p, causal)
+        out = full_rows_attention(q, k, v, rho, scale, valid, dropout_p, causal)
         return _check_overflow(out, scale)
     graph = resolve_graph(pattern, q, k)
     if engine == "auto":  # the map matters only to the GPU rule (flex); docs/engines.md
@@ -236,10 +285,43 @@ def sparse_attention(
     if rho.alpha is not None and engine not in ("dense", "block", "rows"):
         raise ValueError(f"engine {engine!r} does not take a tensor alpha; use block or rows")
     try:
-        out = ENGINES[engine](q, k, v, graph, rho, scale, key_padding_mask, dropout_p)
+        out = ENGINES[engine](q, k, v, graph, rho, scale, valid, dropout_p)
     except NonFiniteScoresError:  # inputs were checked finite: scale · q·k overflowed
         out = q.new_full((1,), math.nan)
     return _check_overflow(out, scale)
+
+
+def _can_group(pattern: object, rho: ProbabilityMap, engine: str, q: Tensor, k: Tensor) -> bool:
+    """Whether a grouped-query call may stack query heads instead of repeating k and v
+    (:func:`group_queries`): a static pattern or a ready graph (a data-dependent pattern needs
+    every query head's keys), one α for all rows, and not the dense pattern's graph-free path
+    (which repeats k and v)."""
+    if getattr(pattern, "data_dependent", False) or rho.alpha is not None:
+        return False
+    return not (engine in ("auto", "rows") and _full_rows(pattern, q, k) is not None)
+
+
+def group_queries(q: Tensor, graph: AttentionGraph, kv_heads: int) -> tuple[Tensor, AttentionGraph]:
+    """Grouped-query attention without copying keys: q (batch, heads, n_q, d) → (batch,
+    kv_heads, g·n_q, d), the g = heads / kv_heads query heads that share a key/value head
+    stacked along the query axis, and the graph's rows laid out the same way (a graph of batch
+    shape (…, heads) keeps its edge arrays; one shared by the heads is repeated g times). The
+    output (batch, kv_heads, g·n_q, d_v) reshapes to (batch, heads, n_q, d_v)."""
+    bsz, heads, n_q, d = q.shape
+    groups = heads // kv_heads
+    # cached on the graph (itself cached by its pattern), so that the block plan built for
+    # the grouped graph is reused by every later call of the same length
+    cache = graph.__dict__.setdefault("_grouped", {})
+    if (groups, kv_heads) not in cache:
+        g_b, g_h = (1,) * (2 - len(graph.batch_shape)) + graph.batch_shape
+        if g_h == 1:
+            rows, shape = graph.expand((g_b, groups)), (g_b, 1)
+        else:
+            rows, shape = graph, (g_b, kv_heads)
+        cache[(groups, kv_heads)] = AttentionGraph(
+            rows.crow, rows.col, groups * n_q, rows.n_k, shape, causal=False
+        )
+    return q.reshape(bsz, kv_heads, groups * n_q, d), cache[(groups, kv_heads)]
 
 
 def _full_rows(pattern: object, q: Tensor, k: Tensor) -> bool | None:
@@ -256,26 +338,28 @@ def attention_weights(
     q: Tensor,
     k: Tensor,
     pattern: Pattern | AttentionGraph,
+    *,
     prob_map: str | ProbabilityMap = "softmax",
     scale: float | None = None,
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """The attention matrix A = ρ(scale · QKᵀ on the graph) as a dense (B, H, n_q, n_k) tensor.
 
-    Zeros off the graph and on padded keys. O(n_q · n_k) memory: meant for analysis and for
-    methods that need A itself (MCA's sample sizes, Sparsefinder's gold graphs) at BERT lengths.
+    q: (B, H, n_q, d), k: (B, H, n_k, d); ``key_padding_mask`` (B, n_k) True for keys to
+    ignore, as in :func:`sparse_attention`. Zeros off the graph and on padded keys.
+    O(n_q · n_k) memory: meant for analysis and for methods that need A itself (MCA's sample
+    sizes, Sparsefinder's gold graphs) at BERT lengths.
     """
     _check_qkv(q, k, k)
     rho = resolve_prob_map(prob_map)
     scale = _resolve_scale(scale, q)
-    if key_padding_mask is not None:
-        _check_key_padding(key_padding_mask, q, k)
+    valid = None if key_padding_mask is None else _key_validity(key_padding_mask, q, k)
     if _empty_output(q, k, pattern):
         return _empty_result(q, k, k, k.shape[-2])
     graph = resolve_graph(pattern, q, k)
     mask = graph.to_dense().to(q.device)
-    if key_padding_mask is not None:
-        mask = mask & key_padding_mask[:, None, None, :]
+    if valid is not None:
+        mask = mask & valid[:, None, None, :]
     scores = _check_overflow((q @ k.transpose(-1, -2)) * scale, scale)
     return rho(scores, mask)
 
@@ -311,18 +395,36 @@ def _check_overflow(out: Tensor, scale: float) -> Tensor:
     return out
 
 
-def _check_key_padding(key_padding_mask: Tensor, q: Tensor, k: Tensor) -> None:
+def _key_validity(key_padding_mask: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    """The public key padding mask (batch, n_k), True = ignore (``nn.MultiheadAttention``'s
+    meaning), checked and turned into the engines' validity mask (True = real key).
+
+    An item whose every key is ignored has nothing to attend to; it is refused, since it is
+    also what a mask in the opposite convention (True for real tokens) gives for every item
+    without padding — silence there would attend to the padding only."""
     expected = (q.shape[0], k.shape[-2])
     if not isinstance(key_padding_mask, Tensor):
         raise TypeError(
-            f"key_padding_mask must be a bool tensor of shape {expected}, "
-            f"got {type(key_padding_mask).__name__}"
+            f"key_padding_mask must be a bool tensor of shape {expected} (True = ignore that "
+            f"key), got {type(key_padding_mask).__name__}"
         )
     if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != expected:
         raise ValueError(
-            f"key_padding_mask must be a bool tensor of shape {expected}, "
-            f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+            f"key_padding_mask must be a bool tensor of shape {expected} (True = ignore that "
+            f"key), got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
         )
+    if key_padding_mask.device.type == "meta":
+        raise ValueError("key_padding_mask is on the meta device; attention needs its values")
+    valid = ~key_padding_mask.to(q.device)
+    if expected[1] and not bool(valid.any(-1).all()):
+        items = (~valid.any(-1)).nonzero().flatten().tolist()
+        raise ValueError(
+            f"key_padding_mask ignores every key of batch item(s) {items[:8]}: True marks a "
+            "key to ignore (padding), as in nn.MultiheadAttention. A mask that is True for "
+            "real tokens (e.g. a tokenizer's attention_mask) must be inverted: pass "
+            "key_padding_mask=~mask"
+        )
+    return valid
 
 
 class SparseAttention(nn.Module):
@@ -371,6 +473,12 @@ class SparseAttention(nn.Module):
                 f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})"
             )
         pattern = dense() if pattern is None else pattern
+        if not isinstance(pattern, (Pattern, PatternCycle, AttentionGraph, list, tuple)):
+            raise TypeError(
+                "pattern must be a Pattern (e.g. sparseattn.window(16)), a cycle or sequence "
+                f"of patterns, an AttentionGraph or None, got {type(pattern).__name__} "
+                f"{pattern!r}"
+            )
         if not isinstance(pattern, AttentionGraph):
             pattern = as_cycle(pattern)[layer_index]
         if isinstance(pattern, HeadSplit):
@@ -401,9 +509,21 @@ class SparseAttention(nn.Module):
         return 1.0 + nn.functional.softplus(self.alpha_logit)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        """x: (batch, n, embed_dim) → (batch, n, embed_dim); key_padding_mask: (batch, n)."""
+        """x: (batch, n, embed_dim) → (batch, n, embed_dim).
+
+        ``key_padding_mask``: optional bool (batch, n), True for tokens to ignore as keys
+        (padding) — ``nn.MultiheadAttention``'s meaning, so the layer swaps in for it with the
+        same mask. Padding queries still get an output (from the real keys), as there.
+        """
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.device.type == "meta":
+            raise ValueError("x is on the meta device; attention needs tensors with data")
+        if x.device != self.qkv.weight.device:
+            raise ValueError(
+                f"x is on {x.device} but the layer's parameters are on "
+                f"{self.qkv.weight.device}; move one of them (layer.to(device) or x.to(...))"
+            )
         if x.dtype != self.qkv.weight.dtype:
             raise TypeError(f"x must have the layer's dtype {self.qkv.weight.dtype}, got {x.dtype}")
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
@@ -418,8 +538,10 @@ class SparseAttention(nn.Module):
             k,
             v,
             self.pattern,
-            self.prob_map if self.alpha_logit is None else entmax(self.alpha.view(-1, 1, 1)),
-            self.engine,
+            prob_map=self.prob_map
+            if self.alpha_logit is None
+            else entmax(self.alpha.view(-1, 1, 1)),
+            engine=self.engine,
             key_padding_mask=key_padding_mask,
             dropout_p=self.dropout if self.training else 0.0,
         )

@@ -205,7 +205,7 @@ def evaluate(
     real_pairs: dict[int, float] = {}
 
     def count_zeros(record: hf.AttentionRecord) -> None:
-        kpm = record.key_padding_mask
+        kpm = ~record.key_padding_mask  # True for real tokens
         real = (kpm[:, None, :, None] & kpm[:, None, None, :]).expand_as(record.probs)
         zeros[record.layer] = zeros.get(record.layer, 0.0) + float(
             ((record.probs == 0) & real).sum()

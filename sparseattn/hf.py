@@ -14,7 +14,7 @@ It uses transformers' public extension points only:
   keep exact attention);
 * ``transformers.AttentionMaskInterface.register("sparseattn", sdpa_mask)`` — without a mask
   function the padding mask would arrive as ``None``; the sdpa mask is a boolean
-  (batch, 1, n_q, n_k) tensor that we split into ``key_padding_mask`` (batch, n_k), the
+  (batch, 1, n_q, n_k) tensor that we split into the key padding (batch, n_k), the
   causal structure and, where the model has more (ModernBERT's local layers), that structure,
   which is intersected with the pattern's graph.
 
@@ -22,8 +22,9 @@ Decoders (docs/causal.md, "Hugging Face decoders"): a causal layer applies the p
 a causal pattern (``sliding_window``, ``causal_strided``, …) as it is, any other pattern
 intersected with the lower triangle (``pattern.causal()``; ``dense()`` becomes exact causal
 attention). Queries at an offset (a KV cache: n_q < n_k) sit at positions n_k − n_q … n_k − 1.
-Grouped-query attention (fewer key/value heads): the query heads sharing a key/value head are
-stacked along the query axis, so k and v are not copied. With left padding
+Grouped-query attention (fewer key/value heads) goes to ``sparse_attention(..., enable_gqa=True)``,
+which stacks the query heads sharing a key/value head along the query axis, so k and v are not
+copied. With left padding
 (generation's padding side) the pattern is laid over each item's real tokens, so sink tokens are
 its first real tokens and a padded item computes what it computes alone. Refused with a
 ValueError: static caches, and a model's own sliding window once its cache drops keys.
@@ -90,10 +91,13 @@ ATTN_NAME = "sparseattn"
 VALUE_PROJECTIONS: tuple[str, ...] = ("value", "v_lin", "v_proj")
 
 Method = Callable[..., Tensor]
-"""A method hook: ``method(q, k, v, pattern, prob_map=, engine=, scale=, key_padding_mask=,
-dropout_p=) -> out`` — the signature of :func:`sparseattn.sparse_attention`. A hook that also
+"""A method hook: ``method(q, k, v, pattern, *, prob_map=, engine=, scale=, key_padding_mask=,
+dropout_p=) -> out`` — the signature of :func:`sparseattn.sparse_attention`
+(``key_padding_mask`` True for padding keys, None when there is none). A hook that also
 declares a ``context`` parameter receives a :class:`LayerContext` (for methods such as
-Monte-Carlo attention that need the layer input and the value projection)."""
+Monte-Carlo attention that need the layer input and the value projection); one that declares
+``enable_gqa`` gets grouped-query layers' k and v unrepeated (kv_heads < heads), others get
+them repeated per query head."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +126,8 @@ class LayerSpec:
     method: Method
     wants_context: bool = False
     causal_pattern: Pattern | AttentionGraph | None = None
+    #: the method takes ``enable_gqa`` (grouped-query k, v unrepeated): sparse_attention does
+    takes_gqa: bool = False
 
     def __post_init__(self) -> None:
         if self.causal_pattern is None:
@@ -145,7 +151,8 @@ class AttentionRecord:
     probs: (batch, heads, n, n) ρ applied on the allowed real keys (zeros elsewhere) — for a
         method hook these are ρ's exact weights, not what the method estimated;
     allowed: bool, broadcastable to scores — the layer's graph ∩ real keys;
-    key_padding_mask: (batch, n) bool, True for real tokens.
+    key_padding_mask: (batch, n) bool, True for padding tokens (``nn.MultiheadAttention``'s
+        meaning; ``~key_padding_mask`` marks the real ones).
     """
 
     layer: int
@@ -177,7 +184,7 @@ class _State:
     capture: _Capture | None = None
 
 
-_EXACT = LayerSpec(dense(), softmax(), "dense", sparse_attention)
+_EXACT = LayerSpec(dense(), softmax(), "dense", sparse_attention, takes_gqa=True)
 
 
 # --------------------------------------------------------------------------- discovery
@@ -252,11 +259,16 @@ def _stash_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     module.__dict__["_sparseattn_input"] = args[0] if args else kwargs.get("hidden_states")
 
 
-def _wants_context(method: Method) -> bool:
+def _declares(method: Method, parameter: str) -> bool:
+    """Whether ``method``'s signature names ``parameter``."""
     try:
-        return "context" in inspect.signature(method).parameters
+        return parameter in inspect.signature(method).parameters
     except (TypeError, ValueError):  # builtins without a signature
         return False
+
+
+def _wants_context(method: Method) -> bool:
+    return _declares(method, "context")
 
 
 def _state(model: nn.Module) -> _State | None:
@@ -336,6 +348,7 @@ def sparsify(
     chosen_layers = range(num_layers) if chosen is None else chosen
     heads = model.config.get_text_config().num_attention_heads
     wants_context = _wants_context(method)
+    takes_gqa = method is sparse_attention or _declares(method, "enable_gqa")
     specs = {}
     for layer in chosen_layers:
         layer_pattern = per_layer(layer)
@@ -346,7 +359,9 @@ def sparsify(
                 f"method {method!r} takes a LayerContext with the layer's value projection, but "
                 f"{type(modules[layer]).__name__} computes q, k, v in one fused projection"
             )
-        specs[layer] = LayerSpec(layer_pattern, rho, engine, method, wants_context)
+        specs[layer] = LayerSpec(
+            layer_pattern, rho, engine, method, wants_context, takes_gqa=takes_gqa
+        )
 
     state = _state(model)
     if state is None:
@@ -528,43 +543,14 @@ def _expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
 
 
-def _can_group(spec: LayerSpec, q: Tensor, k: Tensor) -> bool:
-    """Whether a grouped-query call may skip the k/v expansion (:func:`_group_queries`): the
-    library's own kernel, a static pattern, one α for all rows."""
-    pattern = spec.causal_pattern
-    return (
-        k.shape[1] < q.shape[1]
-        and q.shape[1] % k.shape[1] == 0
-        and spec.method is sparse_attention
-        and spec.prob_map.alpha is None
-        and not getattr(pattern, "data_dependent", False)
-        and not getattr(spec.pattern, "data_dependent", False)
+def _keeps_kv_heads(spec: LayerSpec, capturing: bool) -> bool:
+    """Whether a grouped-query call may hand k and v over unrepeated (``enable_gqa=True``):
+    the method takes ``enable_gqa``, the graph is built from shapes alone (a data-dependent
+    pattern scores every query head against its keys) and no capture needs q·kᵀ per head."""
+    data_dependent = getattr(spec.pattern, "data_dependent", False) or getattr(
+        spec.causal_pattern, "data_dependent", False
     )
-
-
-def _group_queries(
-    q: Tensor, graph: AttentionGraph, kv_heads: int
-) -> tuple[Tensor, AttentionGraph]:
-    """Grouped-query attention without copying keys: q (batch, heads, n_q, d) → (batch,
-    kv_heads, g·n_q, d), the g = heads / kv_heads query heads that share a key/value head
-    stacked along the query axis, and the graph's rows laid out the same way (a graph of batch
-    shape (…, heads) keeps its edge arrays; one shared by the heads is repeated g times). The
-    output (batch, kv_heads, g·n_q, d) reshapes to (batch, heads, n_q, d)."""
-    bsz, heads, n_q, d = q.shape
-    groups = heads // kv_heads
-    # cached on the graph (itself cached by its pattern), so that the block plan built for
-    # the grouped graph is reused by every later call of the same length
-    cache = graph.__dict__.setdefault("_grouped", {})
-    if (groups, kv_heads) not in cache:
-        g_b, g_h = (1,) * (2 - len(graph.batch_shape)) + graph.batch_shape
-        if g_h == 1:
-            rows, shape = graph.expand((g_b, groups)), (g_b, 1)
-        else:
-            rows, shape = graph, (g_b, kv_heads)
-        cache[(groups, kv_heads)] = AttentionGraph(
-            rows.crow, rows.col, groups * n_q, rows.n_k, shape, causal=False
-        )
-    return q.reshape(bsz, kv_heads, groups * n_q, d), cache[(groups, kv_heads)]
+    return spec.takes_gqa and not data_dependent and not capturing
 
 
 def _shifted_graph(pattern: Pattern, q: Tensor, k: Tensor, pads: Tensor) -> AttentionGraph:
@@ -612,7 +598,7 @@ def _layer_graph(spec: LayerSpec, q: Tensor, k: Tensor, view: _MaskView) -> Atte
     if view.pads is not None and isinstance(pattern, Pattern):
         graph = _shifted_graph(pattern, q, k, view.pads)
     elif getattr(pattern, "uses_key_padding", False) and view.kpm is not None:
-        graph = resolve_graph(pattern.build(q, k, key_padding_mask=view.kpm), q, k)
+        graph = resolve_graph(pattern.build(q, k, key_padding_mask=~view.kpm), q, k)
     else:
         graph = resolve_graph(pattern, q, k)
     if view.structure is not None:
@@ -731,7 +717,7 @@ def _record(
     with torch.no_grad():
         scores = (q @ k.transpose(-1, -2)) * scale
         probs = spec.prob_map(scores, allowed)
-    record = AttentionRecord(layer, q.detach(), k.detach(), scores, probs, allowed, kpm)
+    record = AttentionRecord(layer, q.detach(), k.detach(), scores, probs, allowed, ~kpm)
     if capture.callback is None:
         capture.records.append(record)
     else:
@@ -793,27 +779,25 @@ def _attention_forward(
             )
         extra["context"] = LayerContext(layer, module, hidden_states, value_proj)
     free = _graph_free(spec, view)
-    group = free is None and not capturing and _can_group(spec, query, key)
-    if not group:
-        key, value = _expand_kv(query, key, value)
+    if key.shape[1] != query.shape[1]:
+        if _keeps_kv_heads(spec, capturing):
+            extra["enable_gqa"] = True
+        else:
+            key, value = _expand_kv(query, key, value)
     graph = None if free is not None and not capturing else _layer_graph(spec, query, key, view)
     _account(state, layer, None if free is not None else graph, query, key, view, spec)
-    q, target = (query, graph if free is None else free)
-    if group:
-        q, target = _group_queries(query, graph, key.shape[1])
     out = spec.method(
-        q,
+        query,
         key,
         value,
-        target,
+        graph if free is None else free,
         prob_map=spec.prob_map,
         engine=spec.engine,
         scale=scale,
-        key_padding_mask=view.kpm,
+        key_padding_mask=None if view.kpm is None else ~view.kpm,
         dropout_p=dropout,
         **extra,
     )
-    out = out.reshape(query.shape[:3] + out.shape[-1:])
     if capturing:
         _record(capture, layer, graph, query, key, view.kpm, spec, scale)
     return out.transpose(1, 2).contiguous(), None

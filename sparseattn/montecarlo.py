@@ -258,7 +258,10 @@ def mca_attention(
         x: (B, n, d_in) the layer input; q, k: (B, H, n, d).
         value_weight: (H, d_in, d_head); value_bias: (H, d_head) or None.
         alpha: α ≥ 0 (0: exact).
-        pattern, prob_map, scale, key_padding_mask: as in ``sparse_attention``.
+        pattern, prob_map, scale: as in ``sparse_attention``.
+        key_padding_mask: optional bool (B, n), True for padding tokens (as in
+            ``sparse_attention`` and ``nn.MultiheadAttention``): they are ignored as keys and
+            get no samples (r_j = 0). Refused when it masks every key of an item.
     """
     check_tensor("x", x, floating=True)
     if x.dim() != 3 or (
@@ -271,14 +274,17 @@ def mca_attention(
         raise ValueError(
             f"value_weight must have one slice per head ({q.shape[1]}), got {value_weight.shape[0]}"
         )
-    weights = attention_weights(q, k, pattern, prob_map, scale, key_padding_mask)
-    r = sample_sizes(weights, alpha, x.shape[-1], key_padding_mask)
-    if key_padding_mask is not None:
-        r = r * key_padding_mask[:, None, :]  # padding: no samples, no cost
+    weights = attention_weights(
+        q, k, pattern, prob_map=prob_map, scale=scale, key_padding_mask=key_padding_mask
+    )
+    real = None if key_padding_mask is None else ~key_padding_mask.to(x.device)
+    r = sample_sizes(weights, alpha, x.shape[-1], real)
+    if real is not None:
+        r = r * real[:, None, :]  # padding: no samples, no cost
     start = time.perf_counter()
     values = mc_value_projection(x, value_weight, r, value_bias, generator)
     seconds = time.perf_counter() - start
-    n_real = x.shape[0] * x.shape[1] if key_padding_mask is None else int(key_padding_mask.sum())
+    n_real = x.shape[0] * x.shape[1] if real is None else int(real.sum())
     full = n_real * r.shape[1] * x.shape[-1]
     kept = float(r.sum()) / full if full else 1.0  # nothing real to project: nothing dropped
     return MCAOutput(weights @ values, r, kept, seconds, weights)
@@ -361,7 +367,7 @@ class MCAMethod:
         real = (
             torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
             if key_padding_mask is None
-            else key_padding_mask
+            else ~key_padding_mask
         )
         start = time.perf_counter()
         with torch.no_grad():

@@ -85,8 +85,8 @@ def test_engines_give_the_alpha_gradient(engine, pattern, shape):
     )
     alpha = _alpha(shape)
     pat = PATTERNS[pattern]
-    out = sa.sparse_attention(q, k, v, pat, sa.entmax(alpha), engine=engine)
-    allowed = sa.attention_weights(q, k, pat, "softmax") > 0
+    out = sa.sparse_attention(q, k, v, pat, prob_map=sa.entmax(alpha), engine=engine)
+    allowed = sa.attention_weights(q, k, pat, prob_map="softmax") > 0
     ref = _attention_reference(q, k, v, alpha, allowed)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-8)
     g = torch.randn(out.shape, generator=_gen(9), dtype=torch.float64)
@@ -104,7 +104,7 @@ def test_block_engine_gradcheck_with_alpha():
     alpha = _alpha((2, 1, 1))
 
     def f(q, a):
-        return sa.sparse_attention(q, k, v, sa.window(4), sa.entmax(a), engine="block")
+        return sa.sparse_attention(q, k, v, sa.window(4), prob_map=sa.entmax(a), engine="block")
 
     assert torch.autograd.gradcheck(f, (q, alpha), fast_mode=True)
 
@@ -154,5 +154,5 @@ def test_validation():
     q = torch.randn(1, 2, 8, 4)
     with pytest.raises(ValueError, match="alpha"):
         sa.sparse_attention(
-            q, q, q, sa.window(2), sa.entmax(torch.full((2, 1, 1), 1.5)), engine="gather"
+            q, q, q, sa.window(2), prob_map=sa.entmax(torch.full((2, 1, 1), 1.5)), engine="gather"
         )

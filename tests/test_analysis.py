@@ -453,7 +453,9 @@ def test_selective_shift_heads_match_library_hardmax_attention():
     for b in (layer.b_lo, layer.b_hi):
         q = (z - float(b)).view(1, 1, 4, 1)
         kv = z.view(1, 1, 4, 1)
-        heads.append(sa.sparse_attention(q, kv, kv, pattern, "hardmax", engine="dense", scale=1.0))
+        heads.append(
+            sa.sparse_attention(q, kv, kv, pattern, prob_map="hardmax", engine="dense", scale=1.0)
+        )
     expected = z + float(layer.c) * (heads[0] - heads[1]).flatten()
     got = [float(v) for v in dataclasses.replace(cm, layers=(layer,)).context_ids(h)]
     assert got == expected.tolist()

@@ -71,7 +71,7 @@ def test_engines_match_reference_forward_backward(engine, map_name, pattern_name
     mask = reference_mask(pattern, n)
     for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
         q, k, v = qkv(n=n, dtype=dtype, grad=True)
-        out = sa.sparse_attention(q, k, v, pattern, rho, engine=engine)
+        out = sa.sparse_attention(q, k, v, pattern, prob_map=rho, engine=engine)
         qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
         ref = reference_attention(qr, kr, vr, mask, rho)
         torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
@@ -89,7 +89,7 @@ def test_gradcheck_float64(engine, map_name):
     pattern = sa.longformer(2, 1)
 
     def fn(q, k, v):
-        return sa.sparse_attention(q, k, v, pattern, MAPS[map_name], engine=engine)
+        return sa.sparse_attention(q, k, v, pattern, prob_map=MAPS[map_name], engine=engine)
 
     assert torch.autograd.gradcheck(fn, (q, k, v), atol=1e-6)
 
@@ -99,11 +99,11 @@ def test_batched_graphs_topk_and_head_split(engine):
     q, k, v = qkv(n=12)
     top = sa.topk(3)
     mask = top.graph(12, q, k).to_dense()
-    out = sa.sparse_attention(q, k, v, top, "softmax", engine=engine)
+    out = sa.sparse_attention(q, k, v, top, prob_map="softmax", engine=engine)
     torch.testing.assert_close(out, reference_attention(q, k, v, mask, softmax()))
     split = sa.split_heads(sa.strided(4, 1), sa.strided(4, 2))
     mask = split.graph(12, num_heads=3).to_dense()  # (3, n, n) → broadcast over batch
-    out = sa.sparse_attention(q, k, v, split, "entmax15", engine=engine)
+    out = sa.sparse_attention(q, k, v, split, prob_map="entmax15", engine=engine)
     torch.testing.assert_close(out, reference_attention(q, k, v, mask, entmax(1.5)))
 
 
@@ -112,12 +112,12 @@ def test_key_padding_and_cross_attention(engine):
     q, k, v = qkv(n=10)
     keep = torch.arange(10) < torch.tensor([[7], [10]])
     out = sa.sparse_attention(
-        q, k, v, sa.window(6), "softmax", engine=engine, key_padding_mask=keep
+        q, k, v, sa.window(6), prob_map="softmax", engine=engine, key_padding_mask=~keep
     )
     mask = reference_mask(sa.window(6), 10) & keep[:, None, None, :]
     torch.testing.assert_close(out, reference_attention(q, k, v, mask, softmax()))
     kx, vx = qkv(n=5, seed=9)[1:]
-    out = sa.sparse_attention(q, kx, vx, sa.dense(), "sparsemax", engine=engine)
+    out = sa.sparse_attention(q, kx, vx, sa.dense(), prob_map="sparsemax", engine=engine)
     full = torch.ones(10, 5, dtype=torch.bool)
     torch.testing.assert_close(out, reference_attention(q, kx, vx, full, sparsemax()))
 
@@ -194,7 +194,7 @@ class TestBadInput:
         with pytest.raises(ValueError, match="engine must be one of"):
             sa.sparse_attention(q, k, v, sa.window(2), engine="magic")
         with pytest.raises(ValueError, match="alpha"):
-            sa.sparse_attention(q, k, v, sa.window(2), entmax(0.5))
+            sa.sparse_attention(q, k, v, sa.window(2), prob_map=entmax(0.5))
         with pytest.raises(ValueError, match="lam"):
             sparselin_gen(1.0)
         with pytest.raises(ValueError, match="key_padding_mask"):

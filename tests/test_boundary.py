@@ -375,12 +375,18 @@ def test_mca_refuses_nan_and_bad_sample_counts():
     raises_naming("seed", MCAMethod, 0.1, seed="a")
 
 
-def test_mca_with_every_key_padded_is_defined():
+def test_mca_with_every_key_padded_is_refused():
     x, w, q = _mca_data()
+    pad = torch.ones(2, 6, dtype=torch.bool)  # True = padding: every key ignored
+    with pytest.raises(ValueError, match="key_padding_mask ignores every key"):
+        mca_attention(x, q, q, w, None, 0.3, sa.dense(), key_padding_mask=pad)
+    pad[1] = False  # one item unpadded: still refused, naming the other
+    with pytest.raises(ValueError, match=r"batch item\(s\) \[0\]"):
+        mca_attention(x, q, q, w, None, 0.3, sa.dense(), key_padding_mask=pad)
     pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, 4:] = True  # item 1: two padding tokens at the end
     res = mca_attention(x, q, q, w, None, 0.3, sa.dense(), key_padding_mask=pad)
-    assert torch.equal(res.out, torch.zeros_like(res.out))  # no real key: zero rows
-    assert res.macs_kept == 1.0
+    assert (res.r[1, :, 4:] == 0).all() and (res.r[0] > 0).all()  # padding gets no samples
 
 
 @FAST

@@ -292,10 +292,10 @@ def test_dense_causal_offset_takes_full_rows(prob_map, monkeypatch):
 
     pattern, n, m = sa.dense().causal(), 40, 7
     q, k, v = qkv(n)
-    full = sa.sparse_attention(q, k, v, pattern, prob_map, engine="dense")[..., -m:, :]
+    full = sa.sparse_attention(q, k, v, pattern, prob_map=prob_map, engine="dense")[..., -m:, :]
     monkeypatch.setattr(attention, "resolve_graph", None)  # any graph build would fail
     qo, ko, vo = (t.clone().requires_grad_() for t in (q[..., -m:, :], k, v))
-    out = sa.sparse_attention(qo, ko, vo, pattern, prob_map)
+    out = sa.sparse_attention(qo, ko, vo, pattern, prob_map=prob_map)
     torch.testing.assert_close(out, full)
     out.sum().backward()
     assert ko.grad[..., n - m :, :].abs().sum() > 0 and vo.grad.abs().sum() > 0

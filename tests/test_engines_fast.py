@@ -286,7 +286,7 @@ def test_block_gradcheck_and_dropout():
 def test_block_through_the_public_api_and_block_choice():
     q, k, v = qkv(n=64, grad=False)
     pattern = sa.longformer(16, 2)
-    out = sa.sparse_attention(q, k, v, pattern, "entmax15", engine="block")
+    out = sa.sparse_attention(q, k, v, pattern, prob_map="entmax15", engine="block")
     ref = reference(q, k, v, predicate_mask(pattern, 64), entmax(1.5), 1 / math.sqrt(5))
     torch.testing.assert_close(out, ref)
     assert choose_block(sa.window(512).graph(8192)) in (32, 64, 128)
@@ -584,7 +584,7 @@ def test_block_layout_imports_to_the_expected_graphs():
     expected = cfg.make_layout(64).bool().repeat_interleave(8, 1).repeat_interleave(8, 2)
     assert torch.equal(per_head.to_dense(), expected)
     q, k, v = qkv(b=1, h=4, n=64, d=4)
-    out = sa.sparse_attention(q, k, v, cfg.pattern(), "softmax", engine="block")
+    out = sa.sparse_attention(q, k, v, cfg.pattern(), prob_map="softmax", engine="block")
     torch.testing.assert_close(out, reference(q, k, v, expected, softmax(), 0.5))
     with pytest.raises(ValueError, match="heads, nb, nb"):
         from_block_layout(torch.ones(2, 3, 4), block=2)

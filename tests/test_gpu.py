@@ -52,7 +52,11 @@ def test_the_device_option_moves_the_tests_tensors_only():
         assert (mode.moved, x.is_leaf, x.requires_grad) == (1, True, True)
         sa.window(4).graph(64)  # builds with torch.arange & co inside sparseattn
         sa.sparse_attention(
-            x.view(1, 1, 3, 1), x.view(1, 1, 3, 1), x.view(1, 1, 3, 1), sa.dense(), "entmax15"
+            x.view(1, 1, 3, 1),
+            x.view(1, 1, 3, 1),
+            x.view(1, 1, 3, 1),
+            sa.dense(),
+            prob_map="entmax15",
         )
         assert mode.moved == 1
 
@@ -65,7 +69,7 @@ def test_half_precision_engines_match_a_float64_reference(device, dtype, rho, en
     of the float64 reference (‖out − ref‖/‖ref‖ < 2e-2), and gradients are finite."""
     pattern = sa.longformer(24, 2)
     q, k, v = _qkv(200, dtype, device, grad=True)
-    out = sa.sparse_attention(q, k, v, pattern, rho, engine=engine)
+    out = sa.sparse_attention(q, k, v, pattern, prob_map=rho, engine=engine)
     assert out.dtype == dtype and out.device == q.device
     ref = reference(q.detach(), k.detach(), v.detach(), pattern, sa.maps.resolve_prob_map(rho))
     assert rel_err(out, ref) < 2e-2

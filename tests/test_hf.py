@@ -245,7 +245,15 @@ def test_method_hook_receives_graph_and_padding_mask():
     ):
         calls.append((pattern, key_padding_mask))
         return sparse_attention(
-            q, k, v, pattern, prob_map, engine, scale, key_padding_mask, dropout_p
+            q,
+            k,
+            v,
+            pattern,
+            prob_map=prob_map,
+            engine=engine,
+            scale=scale,
+            key_padding_mask=key_padding_mask,
+            dropout_p=dropout_p,
         )
 
     hf.sparsify(model, window(4), method=method)
@@ -253,7 +261,7 @@ def test_method_hook_receives_graph_and_padding_mask():
     assert len(calls) == 2
     graph, kpm = calls[0]
     assert isinstance(graph, AttentionGraph) and graph == window(4).graph(30)
-    assert torch.equal(kpm, batch["attention_mask"].bool())
+    assert torch.equal(kpm, batch["attention_mask"] == 0)  # True for padding
 
 
 @pytest.mark.parametrize("kind", ["bert", "distilbert"])
@@ -285,7 +293,16 @@ def test_method_hook_with_context_gets_layer_input_and_value_projection(kind):
                 torch.allclose(context.hidden_states, inputs[context.layer], atol=TOL),
             )
         )
-        return sparse_attention(q, k, v, pattern, prob_map, engine, scale, key_padding_mask)
+        return sparse_attention(
+            q,
+            k,
+            v,
+            pattern,
+            prob_map=prob_map,
+            engine=engine,
+            scale=scale,
+            key_padding_mask=key_padding_mask,
+        )
 
     hf.sparsify(model, dense(), method=method)
     with torch.no_grad():

@@ -112,7 +112,7 @@ def test_extracted_pattern_reproduces_the_dam_attention(rho, structured, symmetr
     expected = dam_attention(q, k, v, bias, rho)
     pattern = dam.extract()
     assert isinstance(pattern, LearnedMaskPattern)
-    got = sa.sparse_attention(q, k, v, pattern, rho, engine=engine)
+    got = sa.sparse_attention(q, k, v, pattern, prob_map=rho, engine=engine)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
     reference = brute_force_learned(dam, n)
     for h in range(3):
@@ -346,7 +346,7 @@ def test_dense_no_diagonal_attention_against_hand_masked_scores(rho):
     valid = ~torch.eye(9, dtype=torch.bool)
     expected = resolve_prob_map(rho)(scores, valid) @ v
     for engine in ("dense", "gather"):
-        got = sa.sparse_attention(q, k, v, dense_no_diagonal(), rho, engine=engine)
+        got = sa.sparse_attention(q, k, v, dense_no_diagonal(), prob_map=rho, engine=engine)
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=0)
     assert dense_no_diagonal().graph(9).sparsity == pytest.approx(1 / 9)
 

@@ -81,7 +81,7 @@ def test_sample_sizes_follow_eq7():
 def test_full_sample_size_is_exact_and_small_alpha_converges(pattern, rho):
     x, w, q, k = data(d_in=400)
     bias = torch.randn(2, 6, dtype=torch.float64)
-    exact = sa.attention_weights(q, k, pattern, rho) @ exact_values(x, w, bias)
+    exact = sa.attention_weights(q, k, pattern, prob_map=rho) @ exact_values(x, w, bias)
     out = mca_attention(x, q, k, w, bias, 0.0, pattern, rho)
     torch.testing.assert_close(out.out, exact)
     assert out.macs_kept == 1.0
@@ -121,7 +121,7 @@ def test_padding_costs_nothing_and_macs_fraction():
         None,
         0.5,
         sa.dense(),
-        key_padding_mask=keep,
+        key_padding_mask=~keep,
         generator=torch.Generator().manual_seed(0),
     )
     assert (res.r[0, :, 6:] == 0).all()

@@ -87,14 +87,14 @@ def test_sparse_consistency_superset_equals_full_entmax(alpha, engine):
     superset = gold | (torch.rand(gold.shape, generator=gen) < 0.3)
     graph = AttentionGraph.from_dense(superset)
     rho = entmax(alpha)
-    full = sparse_attention(q, k, v, dense(), rho, engine="dense")
-    on_graph = sparse_attention(q, k, v, graph, rho, engine=engine)
+    full = sparse_attention(q, k, v, dense(), prob_map=rho, engine="dense")
+    on_graph = sparse_attention(q, k, v, graph, prob_map=rho, engine=engine)
     assert torch.allclose(on_graph, full, atol=1e-6, rtol=0)
-    w_full = attention_weights(q, k, dense(), rho)
-    w_graph = attention_weights(q, k, graph, rho)
+    w_full = attention_weights(q, k, dense(), prob_map=rho)
+    w_graph = attention_weights(q, k, graph, prob_map=rho)
     assert torch.allclose(w_graph, w_full, atol=1e-6, rtol=0)
     # the gold graph itself is the smallest superset
-    exact = sparse_attention(q, k, v, AttentionGraph.from_dense(gold), rho, engine=engine)
+    exact = sparse_attention(q, k, v, AttentionGraph.from_dense(gold), prob_map=rho, engine=engine)
     assert torch.allclose(exact, full, atol=1e-6, rtol=0)
 
 
@@ -109,8 +109,10 @@ def test_sparse_consistency_missing_support_changes_output(alpha, record_propert
     missing = gold.clone()
     missing[b, h, i, j] = False
     rho = entmax(alpha)
-    full = sparse_attention(q, k, v, dense(), rho, engine="dense")
-    out = sparse_attention(q, k, v, AttentionGraph.from_dense(missing), rho, engine="gather")
+    full = sparse_attention(q, k, v, dense(), prob_map=rho, engine="dense")
+    out = sparse_attention(
+        q, k, v, AttentionGraph.from_dense(missing), prob_map=rho, engine="gather"
+    )
     diff = (out - full).abs().amax(-1)
     record_property(f"max_abs_diff_missing_alpha_{alpha}", float(diff[b, h, i]))
     print(

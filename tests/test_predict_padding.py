@@ -94,7 +94,7 @@ def test_padded_equals_unpadded_on_real_tokens(name):
     predictor = _predictors()[name]
     q, k, valid = _padded()
     pattern = PredictedPattern(predictor, FixedParts(1, True, True))
-    padded = pattern.build(q, k, key_padding_mask=valid).to_dense()
+    padded = pattern.build(q, k, key_padding_mask=~valid).to_dense()
     for b, length in enumerate(LENGTHS):
         alone = pattern.build(q[b : b + 1, :, :length], k[b : b + 1, :, :length]).to_dense()[0]
         assert torch.equal(_real(padded, b), alone), (name, b)
@@ -106,11 +106,9 @@ def test_padded_equals_unpadded_on_real_tokens(name):
 
 def test_last_global_token_is_the_last_real_one():
     q, k, valid = _padded()
-    graph = (
-        PredictedPattern(DistancePredictor(0.0), FixedParts(None, False, True))
-        .build(q, k, valid.long())
-        .to_dense()
-    )
+    pattern = PredictedPattern(DistancePredictor(0.0), FixedParts(None, False, True))
+    with key_padding(valid.long()):  # a tokenizer's 0/1 attention_mask
+        graph = pattern.build(q, k).to_dense()
     for b, length in enumerate(LENGTHS):
         assert bool(graph[b, :, :length, length - 1].all())  # every real query → [SEP]
         assert bool(graph[b, :, length - 1, :length].all())
@@ -123,7 +121,7 @@ def test_without_the_mask_padding_changes_real_pairs():
     for predictor in (QuantizationPredictor(3), DistancePredictor(0.0)):
         pattern = PredictedPattern(predictor, FixedParts(None, False, True))
         blind = pattern.build(q, k).to_dense()
-        seen = pattern.build(q, k, valid).to_dense()
+        seen = pattern.build(q, k, ~valid).to_dense()
         assert not torch.equal(_real(blind, 2), _real(seen, 2))
 
 
@@ -186,13 +184,15 @@ def test_bad_masks_are_refused():
     q, k, valid = _padded()
     pattern = PredictedPattern(QuantizationPredictor(2))
     with pytest.raises(ValueError, match="right padding"):
-        pattern.build(q, k, valid.flip(-1))
+        pattern.build(q, k, ~valid.flip(-1))
     with pytest.raises(ValueError, match="key_padding_mask has shape"):
-        pattern.build(q, k, valid[:2])
+        pattern.build(q, k, ~valid[:2])
     with pytest.raises(TypeError, match="key_padding_mask"):
         pattern.build(q, k, valid.float())
-    with pytest.raises(ValueError, match="0/1"):
-        pattern.build(q, k, valid.long() * 2)
+    with pytest.raises(TypeError, match="True for padding"):  # a tokenizer's 0/1 mask
+        pattern.build(q, k, valid.long())
+    with pytest.raises(ValueError, match="0/1"), key_padding(valid.long() * 2):
+        pass
     with key_padding(valid[:2]), pytest.raises(ValueError, match=r"key_padding\(...\) mask"):
         pattern.build(q, k)
 

@@ -55,10 +55,10 @@ def _reference(q, k, v, ref_map, causal=False, key_padding_mask=None):
 @pytest.mark.parametrize("padded", [False, True])
 def test_dense_pattern_matches_reference(name, causal, padded):
     q, k, v = _qkv()
-    kpm = torch.rand(2, 37, generator=torch.Generator().manual_seed(1)) > 0.3 if padded else None
+    kpm = torch.rand(2, 37, generator=torch.Generator().manual_seed(1)) < 0.3 if padded else None
     pattern = sa.dense().causal() if causal else sa.dense()
-    out = sa.sparse_attention(q, k, v, pattern, PROB_MAPS[name], key_padding_mask=kpm)
-    ref = _reference(q, k, v, MAPS[name], causal, kpm)
+    out = sa.sparse_attention(q, k, v, pattern, prob_map=PROB_MAPS[name], key_padding_mask=kpm)
+    ref = _reference(q, k, v, MAPS[name], causal, None if kpm is None else ~kpm)
     torch.testing.assert_close(out, ref, atol=1e-9, rtol=1e-7)
     g = torch.randn_like(out)
     got = torch.autograd.grad((out * g).sum(), (q, k, v))
@@ -68,13 +68,16 @@ def test_dense_pattern_matches_reference(name, causal, padded):
 
 
 @pytest.mark.parametrize("name", ["entmax15", "softmax"])
-def test_all_padding_batch_gives_zero_rows(name):
+def test_an_all_padding_batch_item_is_refused(name):
+    """True marks keys to ignore: an item with every key ignored has nothing to attend to (and
+    is what a True-for-real-tokens mask gives for an unpadded item), so it is an error."""
     q, k, v = _qkv(n=9)
-    kpm = torch.ones(2, 9, dtype=torch.bool)
-    kpm[1] = False
-    out = sa.sparse_attention(q, k, v, sa.dense(), PROB_MAPS[name], key_padding_mask=kpm)
-    assert torch.equal(out[1], torch.zeros_like(out[1]))
-    torch.testing.assert_close(out[0], _reference(q, k, v, MAPS[name])[0])
+    kpm = torch.zeros(2, 9, dtype=torch.bool)
+    kpm[1] = True
+    with pytest.raises(
+        ValueError, match=r"key_padding_mask ignores every key of batch item\(s\) \[1\]"
+    ):
+        sa.sparse_attention(q, k, v, sa.dense(), prob_map=PROB_MAPS[name], key_padding_mask=kpm)
 
 
 def test_dense_pattern_builds_no_graph(monkeypatch):
@@ -84,8 +87,8 @@ def test_dense_pattern_builds_no_graph(monkeypatch):
     monkeypatch.setattr(Dense, "build", refuse)
     q, k, v = _qkv(n=16)
     for name in PROB_MAPS.values():
-        sa.sparse_attention(q, k, v, sa.dense(), name).sum().backward()
-        sa.sparse_attention(q, k, v, sa.dense().causal(), name).sum().backward()
+        sa.sparse_attention(q, k, v, sa.dense(), prob_map=name).sum().backward()
+        sa.sparse_attention(q, k, v, sa.dense().causal(), prob_map=name).sum().backward()
 
 
 def _recording_map(seen: list[int]) -> ProbabilityMap:
@@ -116,12 +119,12 @@ def test_chunks_bound_the_score_tensors():
 def test_graph_rows_match_dense_engine():
     q, k, v = _qkv()
     graph = sa.longformer(6, 2).build(q, k)
-    ref = sa.sparse_attention(q, k, v, graph, "entmax15", engine="dense")
+    ref = sa.sparse_attention(q, k, v, graph, prob_map="entmax15", engine="dense")
     out = rows_attention(q, k, v, graph, sa.entmax(1.5), 1 / math.sqrt(8), budget=200)
     torch.testing.assert_close(out, ref)
     heads = sa.split_heads(sa.window(4), sa.dense(), sa.window(2))
-    ref = sa.sparse_attention(q, k, v, heads, "sparsemax", engine="dense")
-    out = sa.sparse_attention(q, k, v, heads, "sparsemax", engine="rows")
+    ref = sa.sparse_attention(q, k, v, heads, prob_map="sparsemax", engine="dense")
+    out = sa.sparse_attention(q, k, v, heads, prob_map="sparsemax", engine="rows")
     torch.testing.assert_close(out, ref)
 
 
@@ -151,7 +154,7 @@ def test_dropout_is_replayed_in_backward():
 def test_cross_attention_and_float32():
     q = torch.randn(1, 2, 5, 8)
     k, v = torch.randn(1, 2, 11, 8), torch.randn(1, 2, 11, 4)
-    out = sa.sparse_attention(q, k, v, sa.dense(), "entmax15")
+    out = sa.sparse_attention(q, k, v, sa.dense(), prob_map="entmax15")
     ref = _reference(q.double(), k.double(), v.double(), entmax.entmax15).float()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -160,6 +163,6 @@ def test_cross_attention_and_float32():
 def test_wide_rows_float32_match_package():
     q, k, v = (torch.randn(1, 2, 2048, 64) for _ in range(3))
     for name in ("entmax15", "sparsemax"):
-        out = sa.sparse_attention(q, k, v, sa.dense(), name)
+        out = sa.sparse_attention(q, k, v, sa.dense(), prob_map=name)
         ref = _reference(q, k, v, MAPS[name])
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

@@ -232,8 +232,8 @@ def test_strided_and_contiguous_inputs_agree_forward_and_backward(engine, map_na
         strided = [t.detach().requires_grad_() for t in views]  # same strides, as leaves
         copies = [t.detach().contiguous().requires_grad_() for t in views]
         assert not any(t.is_contiguous() for t in strided)
-        out = sa.sparse_attention(*strided, pattern, MAPS[map_name], engine=engine)
-        ref = sa.sparse_attention(*copies, pattern, MAPS[map_name], engine=engine)
+        out = sa.sparse_attention(*strided, pattern, prob_map=MAPS[map_name], engine=engine)
+        ref = sa.sparse_attention(*copies, pattern, prob_map=MAPS[map_name], engine=engine)
         torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
         g = torch.randn_like(out)
         got = torch.autograd.grad((out * g).sum(), strided)

@@ -145,7 +145,7 @@ def _heads(z: Tensor, biases: Tensor, pattern, rho: ProbabilityMap, t: float, en
     heads = len(biases)
     q = (z[:, None, :] - biases[None, :, None])[..., None]
     kv = z[:, None, :, None].expand(b, heads, n, 1)
-    return sparse_attention(q, kv, kv, pattern, rho, engine=engine, scale=t)[..., 0]
+    return sparse_attention(q, kv, kv, pattern, prob_map=rho, engine=engine, scale=t)[..., 0]
 
 
 def relaxed_attention(

@@ -59,7 +59,7 @@ def run(n: int, heads: int, repeats: int, maps: list[str], package_too: bool = T
     calls = {"sdpa softmax": lambda: F.scaled_dot_product_attention(q, k, v)}
     for name in maps:
         calls[f"sparseattn {name}"] = lambda name=name: sa.sparse_attention(
-            q, k, v, sa.dense(), name
+            q, k, v, sa.dense(), prob_map=name
         )
     with torch.no_grad():
         for label, fn in calls.items():  # warm-up and peak memory, one call each

@@ -205,7 +205,7 @@ def _main(suite: GpuSuite, rows: ResumableRows, log, n: int, dtype: torch.dtype)
         return call
 
     def ours(engine: str, rho: str = "softmax"):
-        return lambda: sa.sparse_attention(q, k, v, pattern, rho, engine=engine)
+        return lambda: sa.sparse_attention(q, k, v, pattern, prob_map=rho, engine=engine)
 
     with torch.no_grad():  # the flex engine's BlockMask, cached on the graph: reused below
         sa.sparse_attention(q, k, v, pattern, engine="flex")
@@ -289,7 +289,7 @@ def _calibrate(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
                     "fill": graph.col.numel() / (n * n),
                 }
                 fn = lambda e=engine, r=rho, gr=graph: (  # noqa: E731
-                    sa.sparse_attention(q, k, v, gr, r, engine=e)
+                    sa.sparse_attention(q, k, v, gr, prob_map=r, engine=e)
                 )
                 _record(suite, rows, log, key, _fwd_bwd(fn, (q, k, v), g))
 

@@ -575,7 +575,7 @@ def _timing(
             )
             t_att, out = _median_time(
                 lambda g=graph, q=q, k=k, v=v: sparse_attention(
-                    q, k, v, g, data.rho, engine="gather", scale=scale
+                    q, k, v, g, prob_map=data.rho, engine="gather", scale=scale
                 ),
                 config.timing_repeats,
             )

@@ -300,7 +300,7 @@ def extract_decoder_graphs(model: nn.Module, ids: Tensor, batch_size: int = 8) -
         def hook(mod, args, out, layer=layer, block=block):
             bsz, n, _ = out.shape
             q, k, _ = out.view(bsz, n, 3, block.heads, -1).permute(2, 0, 3, 1, 4)
-            probs = attention_weights(q, k, causal, block.rho)
+            probs = attention_weights(q, k, causal, prob_map=block.rho)
             gold = (probs > 0) & torch.ones(n, n, dtype=torch.bool).tril()
             valid = torch.ones(bsz, n, dtype=torch.bool)
             kept.setdefault(layer, []).append(
@@ -349,7 +349,7 @@ def check_causal(pattern: PredictedPattern, graphs: LayerGraphs, rho=None) -> di
         missing += int((~mask.diagonal(dim1=-2, dim2=-1)).sum())
         rows += mask.shape[0] * mask.shape[1] * n
         if rho is not None:
-            probs = attention_weights(batch.q, batch.k, causal, rho)
+            probs = attention_weights(batch.q, batch.k, causal, prob_map=rho)
             mass += float((probs * mask).sum())
     out = {"future_edges": future, "rows_without_diagonal": missing, "rows": rows}
     return out | ({"mass": mass} if rho is not None else {})

@@ -94,11 +94,17 @@ class _Block(nn.Module):
         q, k, v = self.qkv(x).view(bsz, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         if bias is not None:  # dense scores + additive bias (H, n, n), then ρ
             scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]) + bias
-            valid = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+            valid = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]
             out = self.rho(scores, valid) @ v
         else:
             out = sparse_attention(
-                q, k, v, pattern, self.rho, self.engine, key_padding_mask=key_padding_mask
+                q,
+                k,
+                v,
+                pattern,
+                prob_map=self.rho,
+                engine=self.engine,
+                key_padding_mask=key_padding_mask,
             )
         return self.proj(out.transpose(1, 2).reshape(bsz, n, dim))
 
@@ -152,7 +158,8 @@ class Encoder(nn.Module):
                 l mod p); None = dense. Ignored where ``attn_bias`` is given.
             attn_bias: FloatTensor (L, H, n, n); block l adds ``attn_bias[l mod L]`` to its
                 scores and applies ρ on dense scores (the DAM training path).
-            key_padding_mask: BoolTensor (B, n), True for real tokens.
+            key_padding_mask: BoolTensor (B, n), True for padding tokens (ignored as keys),
+                as in ``nn.MultiheadAttention``.
         """
         if ids.dim() != 2:
             raise ValueError(f"ids must have shape (batch, n), got {tuple(ids.shape)}")

@@ -134,7 +134,7 @@ def extract_graphs(
     kept: dict[int, list[GraphBatch]] = {}
 
     def keep(record: hf.AttentionRecord) -> None:
-        valid = record.key_padding_mask.cpu()
+        valid = ~record.key_padding_mask.cpu()  # True for real tokens
         real = (valid[:, :, None] & valid[:, None, :])[:, None]
         gold = (record.probs.cpu() > 0) & real
         kept.setdefault(record.layer, []).append(

@@ -138,8 +138,10 @@ class PredictedPattern(Pattern):
     ) -> AttentionGraph:
         """Ĝ ∪ fixed parts for q, k (B, H, n, d), with every empty row given its own key.
 
-        ``key_padding_mask`` (B, n), bool or 0/1, True for real tokens (right padding); when
-        None, the mask of an enclosing :func:`key_padding` block, if any. With a mask, the
+        ``key_padding_mask`` (B, n) bool, True for padding tokens (right padding), as in
+        ``nn.MultiheadAttention`` and :func:`sparseattn.sparse_attention`; when None, the
+        mask of an enclosing :func:`key_padding` block (a tokenizer's ``attention_mask``), if
+        any. With a mask, the
         predictor sees which tokens are real (padding joins no bucket and is ranked after every
         real token) and the last global token is each sequence's last real one, so the graph on
         real tokens equals that of the unpadded sequence.
@@ -165,7 +167,14 @@ class PredictedPattern(Pattern):
     def _valid(key_padding_mask: Tensor | None, batch: int, n: int) -> Tensor | None:
         """The (B, n) bool mask to use, or None when every token is real."""
         if key_padding_mask is not None:
-            valid = _as_valid("key_padding_mask", key_padding_mask)
+            check_tensor("key_padding_mask", key_padding_mask, dim=2)
+            if key_padding_mask.dtype != torch.bool:
+                raise TypeError(
+                    "key_padding_mask must be a bool tensor, True for padding (as in "
+                    f"nn.MultiheadAttention), got {key_padding_mask.dtype}; for a tokenizer's "
+                    "0/1 attention_mask pass attention_mask == 0, or use key_padding(mask)"
+                )
+            valid = _as_valid("key_padding_mask", ~key_padding_mask)
             name = "key_padding_mask"
         else:
             valid, name = _PADDING.get(), "the key_padding(...) mask"
