@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .validate import check_int
+from .validate import check_int, check_positive
 
 __all__ = ["PIECE_EDGES", "AttentionGraph"]
 
@@ -199,6 +199,11 @@ class AttentionGraph:
     @classmethod
     def from_dense(cls, mask: Tensor, causal: bool = False) -> AttentionGraph:
         """Graph from a boolean mask ``[..., n_q, n_k]`` (True = may attend). O(n_q * n_k)."""
+        if not isinstance(mask, Tensor):
+            raise TypeError(
+                f"mask must be a bool tensor of shape (..., n_q, n_k), got {type(mask).__name__}"
+                " (a nested list: wrap it in torch.tensor(..., dtype=torch.bool))"
+            )
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be a bool tensor, got {mask.dtype}")
         if mask.dim() < 2:
@@ -343,8 +348,7 @@ class AttentionGraph:
 
     def to_block_layout(self, block: int) -> Tensor:
         """BoolTensor[*batch_shape, ceil(n_q/b), ceil(n_k/b)]: blocks holding at least one edge."""
-        if block < 1:
-            raise ValueError(f"block must be >= 1, got {block}")
+        block = check_positive("block", block)
         nb_q, nb_k = -(-self.n_q // block), -(-self.n_k // block)
         rows = self.row_indices()
         brow = (rows // self.n_q) * nb_q + (rows % self.n_q) // block

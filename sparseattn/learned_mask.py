@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from .graph import AttentionGraph
 from .patterns import Pattern, PatternCycle, cycle
 from .patterns.diagonal import NoDiagonal, dense_no_diagonal, drop_diagonal, no_diagonal
-from .validate import check_bool, check_finite_float, check_int, check_positive
+from .validate import check_bool, check_finite_float, check_positive, check_seed
 
 __all__ = [
     "DifferentiableAttentionMask",
@@ -203,7 +203,7 @@ class DifferentiableAttentionMask(nn.Module):
         check_bool("structured", structured)
         check_bool("symmetric", symmetric)
         check_bool("normalized", normalized)
-        check_int("seed", seed)
+        check_seed("seed", seed)
         self.max_len, self.num_heads = max_len, num_heads
         self.structured, self.symmetric = bool(structured), bool(symmetric) or bool(structured)
         self.shared = num_layers is None

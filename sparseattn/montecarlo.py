@@ -44,8 +44,8 @@ from .validate import (
     check_finite_float,
     check_finite_tensor,
     check_generator,
-    check_int,
     check_positive,
+    check_seed,
     check_tensor,
 )
 
@@ -220,6 +220,12 @@ def _check_projection(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
         raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
     if bias is not None:
         check_tensor("bias", bias, floating=True, shape=(weight.shape[0], weight.shape[2]))
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device; the projection needs its values")
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
+    if bias is not None:
         check_finite_tensor("bias", bias)
     check_finite_tensor("x", x)
     check_finite_tensor("weight", weight)
@@ -269,6 +275,8 @@ def mca_attention(
     ):
         raise ValueError(f"x must have shape (batch, n, d_in) matching q, got {tuple(x.shape)}")
     _check_projection(x, value_weight, value_bias)
+    if isinstance(q, Tensor) and q.device.type != "meta" and q.device != x.device:
+        raise ValueError(f"x must be on q's device {q.device}, got {x.device}")
     alpha = check_finite_float("alpha", alpha, 0.0)
     if isinstance(q, Tensor) and q.dim() == 4 and value_weight.shape[0] != q.shape[1]:
         raise ValueError(
@@ -305,7 +313,7 @@ class MCAMethod:
 
     def __init__(self, alpha: float, seed: int = 0, track_error: bool = False) -> None:
         self.alpha = check_finite_float("alpha", alpha, 0.0)
-        self.generator = torch.Generator().manual_seed(check_int("seed", seed))
+        self.generator = torch.Generator().manual_seed(check_seed("seed", seed))
         self.track_error = check_bool("track_error", track_error)
         self.samples = 0.0
         self.full = 0.0

@@ -1,4 +1,5 @@
-"""Validation helpers for the public boundary (DESIGN §5): one home for every argument check.
+"""Validation helpers for the public boundary (docs/architecture.md, "Errors"): one home for
+every argument check.
 
 Each helper returns the value (converted where that is safe: an int stays an int, a real
 becomes a float) or raises a ``TypeError`` (wrong kind) / ``ValueError`` (wrong value) whose
@@ -26,8 +27,12 @@ __all__ = [
     "check_int",
     "check_positive",
     "check_probability",
+    "check_seed",
     "check_tensor",
 ]
+
+#: The seeds ``torch.Generator.manual_seed`` takes: 64-bit, negative ones wrapping modulo 2⁶⁴.
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 def _kind(value: object) -> str:
@@ -45,6 +50,19 @@ def check_int(name: str, value: object, minimum: int | None = None) -> int:
     value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_seed(name: str, value: object) -> int:
+    """A random seed: an int that ``torch.Generator.manual_seed`` takes, i.e. in
+    [−2⁶³, 2⁶⁴ − 1] (larger ones overflow its 64-bit state)."""
+    value = check_int(name, value)
+    low, high = SEED_RANGE
+    if not low <= value <= high:
+        raise ValueError(
+            f"{name} must be a 64-bit seed in [-2**63, 2**64 - 1] (what torch.Generator."
+            f"manual_seed takes), got {value}"
+        )
     return value
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..graph import AttentionGraph
-from ..validate import check_int
+from ..validate import check_int, check_seed
 from .base import GRAPH_CACHE_SIZE, Pattern, check_positive
 
 __all__ = [
@@ -227,7 +227,7 @@ class CausalRandomBlocks(_CausalPattern):
     def __post_init__(self) -> None:
         check_positive("random_blocks", self.random_blocks)
         check_positive("block", self.block)
-        check_int("seed", self.seed)
+        check_seed("seed", self.seed)
 
     @property
     def name(self) -> str:
@@ -239,7 +239,7 @@ class CausalRandomBlocks(_CausalPattern):
         r = self.random_blocks
         out = torch.full((last - first + 1, r), -1, dtype=torch.long)
         for b in range(first, last + 1):
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + b)
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + b) % 2**64)
             if b + 1 <= 2 * r:  # few candidates: a permutation
                 pick = torch.randperm(b + 1, generator=gen)[:r]
             else:  # draw with replacement until r distinct (expected < 2r draws)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..graph import AttentionGraph
-from ..validate import check_finite_float, check_int
+from ..validate import check_finite_float, check_int, check_seed
 from .base import Pattern, check_positive
 
 __all__ = [
@@ -290,7 +290,7 @@ class Random(Pattern):
             check_positive("k", self.k)
         else:
             check_finite_float("density", self.density, 0.0, 1.0, low_open=True)
-        check_int("seed", self.seed)
+        check_seed("seed", self.seed)
 
     def keys_per_query(self, n: int) -> int:
         k = self.k if self.k is not None else max(1, round(self.density * n))
@@ -327,7 +327,7 @@ class RandomBlocks(Pattern):
     def __post_init__(self) -> None:
         check_positive("random_blocks", self.random_blocks)
         check_positive("block", self.block)
-        check_int("seed", self.seed)
+        check_seed("seed", self.seed)
 
     def block_table(self, n: int) -> Tensor:
         """LongTensor[ceil(n/b), r]: the key blocks chosen by each query block (drawn once per
