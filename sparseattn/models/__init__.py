@@ -1,4 +1,4 @@
-"""Small models for experiments (DESIGN §4: ``models/``)."""
+"""Small models for experiments (docs/architecture.md, "Layout and import direction")."""
 
 from .encoder import Encoder, EncoderConfig
 
