@@ -649,7 +649,7 @@ def _padding_tally(pattern: PredictedPattern, batch, counts: dict) -> None:
     """Add one padded batch to ``counts``: per sequence, its real × real block of the graph
     built without and with the key padding mask against the graph of the sequence alone."""
     blind = pattern.build(batch.q, batch.k).to_dense()
-    seen = pattern.build(batch.q, batch.k, batch.valid).to_dense()
+    seen = pattern.build(batch.q, batch.k, key_padding_mask=~batch.valid).to_dense()
     for b, length in enumerate(batch.lengths.tolist()):
         alone = pattern.build(
             batch.q[b : b + 1, :, :length], batch.k[b : b + 1, :, :length]
