@@ -1,6 +1,7 @@
 """One decoder layer's attention at prefill, alone: causal SDPA against the sliding window with
 sinks that `sparseattn bench prefill` uses, on the Llama shape (8 query heads, 2 key/value heads,
-d = 64), plain (k, v expanded) and grouped (``enable_gqa=True``, as hf.sparsify runs it). Best of 3 after a warm-up.
+d = 64), plain (k, v expanded) and grouped (``enable_gqa=True``, as hf.sparsify runs it).
+Best of 3 after a warm-up.
 
     python scripts/prefill_attention.py --n 16384
 """
