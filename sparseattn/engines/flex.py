@@ -119,23 +119,18 @@ def graph_block_mask(
     graph_of = torch.arange(n_graphs).view((1,) * (2 - len(shape)) + shape).expand(batch, heads)
     n_q, n_k = graph.n_q, graph.n_k
     nbq, nbk = -(-n_q // block), -(-n_k // block)
-    pairs = block_pairs(graph, block, partial=True)
+    dev = torch.device(device)
+    predicate = graph.predicate(dev) if graph.predicate is not None else None
+    pairs = block_pairs(graph, block, partial=predicate is None)
     pair_keys = pairs.keys
     rb, kb = pair_keys // nbk, pair_keys % nbk  # rb = g·nbq + i
     full = pairs.full
     if key_padding_mask is not None:  # full blocks skip mask_mod: the padding needs it
         full = torch.zeros_like(full)
-    # element masks: table[0] all False, table[1] all True, then one per partial block pair
-    partial = (~full).nonzero().squeeze(1)
-    table = torch.zeros(_bucket(partial.numel() + 2), block, block, dtype=torch.bool)
-    table[1] = True
-    slot = torch.ones_like(pair_keys)
-    slot[partial] = torch.arange(partial.numel()) + 2
-    table[slot[pairs.e_pair], pairs.e_q, pairs.e_k] = True
-    table[slot[pairs.full]] = True  # whole pairs treated as partial (key padding): all edges
-    pair_index = torch.zeros(n_graphs * nbq * nbk, dtype=torch.int32)
-    pair_index[pair_keys] = slot.to(torch.int32)
-    pair_index = pair_index.view(n_graphs, nbq, nbk)[graph_of]
+    if predicate is None:
+        predicate = _table_mask_mod(
+            _block_table(pairs, full, n_graphs, nbq, nbk, block, graph_of, dev), block
+        )
 
     def lists(select: Tensor) -> tuple[Tensor, Tensor]:
         """Per (b, h, row block): how many key blocks, and which (padded with 0)."""
@@ -149,11 +144,10 @@ def graph_block_mask(
 
     kv_num, kv_idx = lists(~full)
     full_num, full_idx = lists(full)
-    key_ok = torch.ones(batch, n_k, dtype=torch.bool)
+    mask_mod = predicate
     if key_padding_mask is not None:
-        key_ok &= key_padding_mask.cpu().expand(batch, n_k)
-    dev = torch.device(device)
-    mask_mod = _table_mask_mod(pair_index.to(dev), table.to(dev), key_ok.to(dev), block)
+        key_ok = key_padding_mask.to(dev).expand(batch, n_k)
+        mask_mod = _padded(predicate, key_ok)
     return BlockMask.from_kv_blocks(
         kv_num.to(dev),
         kv_idx.to(dev),
@@ -165,28 +159,58 @@ def graph_block_mask(
     )
 
 
-def _table_mask_mod(pair_index: Tensor, table: Tensor, key_ok: Tensor, block: int):
+def _block_table(pairs, full, n_graphs, nbq, nbk, block, graph_of, dev):
+    """The element masks of a block layout as look-up tables on ``dev``: (pair_index
+    (G', H', nbq, nbk) int32, table (T, b, b) bool) — pair_index names each block pair's
+    slot in ``table``: 0 no edge, 1 all edges, then one slot per partial pair."""
+    partial = (~full).nonzero().squeeze(1)
+    table = torch.zeros(_bucket(partial.numel() + 2), block, block, dtype=torch.bool)
+    table[1] = True
+    slot = torch.ones_like(pairs.keys)
+    slot[partial] = torch.arange(partial.numel()) + 2
+    table[slot[pairs.e_pair], pairs.e_q, pairs.e_k] = True
+    table[slot[pairs.full]] = True  # whole pairs treated as partial (key padding): all edges
+    pair_index = torch.zeros(n_graphs * nbq * nbk, dtype=torch.int32)
+    pair_index[pairs.keys] = slot.to(torch.int32)
+    return pair_index.view(n_graphs, nbq, nbk)[graph_of].to(dev), table.to(dev)
+
+
+def _table_mask_mod(tables: tuple[Tensor, Tensor], block: int):
     """mask_mod(b, h, q, kv): the element mask of the (q, kv) block, looked up in ``table``.
 
-    ``pair_index`` is (B, H, n_q blocks, n_k blocks) and ``key_ok`` (B, n_k); a size-1 batch
-    or head dim broadcasts (indexed at 0 whatever b or h FlexAttention passes), as the
-    BlockMask of ``create_block_mask(..., B=None, H=None)`` does.
+    ``pair_index`` is (B, H, n_q blocks, n_k blocks); a size-1 batch or head dim broadcasts
+    (indexed at 0 whatever b or h FlexAttention passes), as the BlockMask of
+    ``create_block_mask(..., B=None, H=None)`` does. The block size is a 0-d tensor, like
+    the pattern constants of :meth:`Pattern.mask_mod` (no recompile per value).
     """
+    pair_index, table = tables
     one_batch, one_head = pair_index.shape[0] == 1, pair_index.shape[1] == 1
+    b_t = torch.tensor(block, dtype=torch.int32, device=table.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         b = 0 if one_batch else b
-        pid = pair_index[b, 0 if one_head else h, q_idx // block, kv_idx // block]
-        return table[pid, q_idx % block, kv_idx % block] & key_ok[b, kv_idx]
+        pid = pair_index[b, 0 if one_head else h, q_idx // b_t, kv_idx // b_t]
+        return table[pid, q_idx % b_t, kv_idx % b_t]
 
     return mask_mod
+
+
+def _padded(mask_mod, key_ok: Tensor):
+    """``mask_mod`` restricted to real keys: key_ok (B, n_k) bool, True for real keys; a
+    size-1 batch broadcasts."""
+    one_batch = key_ok.shape[0] == 1
+
+    def padded(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx, kv_idx) & key_ok[0 if one_batch else b, kv_idx]
+
+    return padded
 
 
 @functools.cache
 def _compiled():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def flex_attention_engine(
