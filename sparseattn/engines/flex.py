@@ -108,8 +108,16 @@ def graph_block_mask(
         key_padding_mask: optional (batch, n_k) bool, True for real keys; then every block is
             treated as partial so that the padding is applied everywhere.
     Returns:
-        ``torch.nn.attention.flex_attention.BlockMask`` of shape (batch, heads, n_q, n_k).
+        ``torch.nn.attention.flex_attention.BlockMask`` of shape (batch, heads, n_q, n_k);
+        its ``mask_mod`` is the pattern's element-wise predicate where the graph has one
+        (``graph.predicate``), else a look-up in a table of the partial blocks' masks.
     """
+    return _block_mask(graph, batch, heads, block, key_padding_mask, device)[0]
+
+
+def _block_mask(graph, batch, heads, block, key_padding_mask, device):
+    """(BlockMask, whether its mask_mod is element-wise, without look-ups: then one
+    length-generic kernel computes it) — see :func:`graph_block_mask`."""
     from torch.nn.attention.flex_attention import BlockMask
 
     shape = graph.batch_shape
@@ -127,6 +135,7 @@ def graph_block_mask(
     full = pairs.full
     if key_padding_mask is not None:  # full blocks skip mask_mod: the padding needs it
         full = torch.zeros_like(full)
+    element_wise = predicate is not None
     if predicate is None:
         predicate = _table_mask_mod(
             _block_table(pairs, full, n_graphs, nbq, nbk, block, graph_of, dev), block
@@ -148,7 +157,7 @@ def graph_block_mask(
     if key_padding_mask is not None:
         key_ok = key_padding_mask.to(dev).expand(batch, n_k)
         mask_mod = _padded(predicate, key_ok)
-    return BlockMask.from_kv_blocks(
+    block_mask = BlockMask.from_kv_blocks(
         kv_num.to(dev),
         kv_idx.to(dev),
         full_num.to(dev),
@@ -157,6 +166,7 @@ def graph_block_mask(
         mask_mod=mask_mod,
         seq_lengths=(n_q, n_k),
     )
+    return block_mask, element_wise and key_padding_mask is None
 
 
 def _block_table(pairs, full, n_graphs, nbq, nbk, block, graph_of, dev):
@@ -207,10 +217,15 @@ def _padded(mask_mod, key_ok: Tensor):
 
 
 @functools.cache
-def _compiled():
+def _compiled(dynamic: bool):
+    """Compiled ``flex_attention``: length-generic (``dynamic``) for element-wise mask_mods,
+    whose constants are tensors, so that one kernel serves every length; specialised per
+    shape where the mask_mod looks up a tensor (a table, the key padding: torch 2.13's
+    length-generic CPU kernel then indexes out of bounds in the padding of the last block,
+    or fails to compile)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True)
+    return torch.compile(flex_attention, dynamic=dynamic)
 
 
 def flex_attention_engine(
@@ -241,14 +256,16 @@ def flex_attention_engine(
         cache = graph.__dict__.setdefault("_flex_masks", {})
         key = (block, str(q.device))
         if key not in cache:
-            cache[key] = graph_block_mask(graph, g_batch, g_heads, block, None, q.device)
-        block_mask = cache[key]
+            cache[key] = _block_mask(graph, g_batch, g_heads, block, None, q.device)
+        block_mask, generic = cache[key]
     else:
-        block_mask = graph_block_mask(graph, q.shape[0], g_heads, block, key_padding_mask, q.device)
-    # one kernel per (shape, table bucket): allow more than dynamo's default 8 recompiles of
-    # flex_attention, past which torch silently runs an unfused O(n²) implementation
+        block_mask, generic = _block_mask(
+            graph, q.shape[0], g_heads, block, key_padding_mask, q.device
+        )
+    # tables: one kernel per (shape, table bucket); allow more than dynamo's default 8
+    # recompiles, past which torch silently runs an unfused O(n²) implementation
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
-        out = _compiled()(q, k, v, block_mask=block_mask, scale=scale)
+        out = _compiled(generic)(q, k, v, block_mask=block_mask, scale=scale)
     if key_padding_mask is not None:  # rows whose keys are all padding: zeros (maps' rule)
         out = out.nan_to_num(0.0)
     return out
