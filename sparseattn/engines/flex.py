@@ -14,8 +14,8 @@ What torch supports, and so what this engine accepts:
   grad is enabled), compiled with ``torch.compile`` (a C++ compiler is needed; the first call
   per shape compiles for seconds, later calls reuse the cached kernel); no dropout.
 
-``engine="auto"`` never picks this engine where it cannot compute the request
-(:func:`flex_unsupported` says why).
+What it supports is declared in :mod:`sparseattn.engines.capabilities`; ``engine="auto"``
+never picks it where it cannot compute the request.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from .block import block_pairs
 
-__all__ = ["flex_attention_engine", "flex_available", "flex_unsupported", "graph_block_mask"]
+__all__ = ["flex_attention_engine", "flex_available", "graph_block_mask"]
 
 #: FlexAttention's default (and on CPU, fastest) block size.
 FLEX_BLOCK = 128
@@ -54,34 +54,6 @@ def flex_available() -> str | None:
     if not any(shutil.which(c) for c in names):
         return f"torch.compile needs a C++ compiler on CPU; none of {names} was found"
     return None
-
-
-def flex_unsupported(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    prob_map: ProbabilityMap | None,
-    dropout_p: float = 0.0,
-) -> str | None:
-    """None if the flex engine can compute this request, else why not (one sentence)."""
-    if prob_map is None:
-        return "the probability map is unknown (FlexAttention computes softmax only)"
-    if not _is_softmax(prob_map):
-        return f"FlexAttention computes softmax only, not {prob_map!r}"
-    if dropout_p:
-        return "FlexAttention has no attention dropout"
-    if q.device.type == "cpu":
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            return "FlexAttention has no backward on CPU (inputs require grad)"
-        if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return f"FlexAttention on CPU takes float32/bfloat16/float16, not {q.dtype}"
-    return flex_available()
-
-
-def _is_softmax(prob_map: ProbabilityMap) -> bool:
-    return prob_map.name == "softmax" or (
-        prob_map.name == "entmax" and prob_map.params.get("alpha") == 1.0
-    )
 
 
 def _bucket(x: int) -> int:
@@ -245,9 +217,12 @@ def flex_attention_engine(
     The BlockMask has the graph's leading shape (size-1 dims broadcast over q's batch and
     heads); without key padding it is cached on the graph per (block, device).
     Raises:
-        ValueError: when FlexAttention cannot compute the request (see ``flex_unsupported``).
+        ValueError: when FlexAttention cannot compute the request (the reasons of
+            :mod:`sparseattn.engines.capabilities`).
     """
-    reason = flex_unsupported(q, k, v, prob_map, dropout_p)
+    from .capabilities import unsupported
+
+    reason = unsupported("flex", q, k, v, prob_map, dropout_p)
     if reason is not None:
         raise ValueError(f"engine='flex' cannot run this call: {reason}; use engine='block'")
     # the BlockMask keeps the graph's own leading shape; its size-1 dims broadcast over q's
