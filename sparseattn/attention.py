@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .engines import ENGINES
+from .engines import ENGINES, unsupported
 from .engines.rows import full_rows_attention
 from .graph import AttentionGraph, broadcast_or_none
 from .maps import NonFiniteScoresError, ProbabilityMap, entmax, resolve_prob_map
@@ -139,62 +139,47 @@ def choose_engine(
 ) -> str:
     """The ``auto`` rule (docs/engines.md; constants measured in docs/benchmarks.md).
 
-    1. ``dense`` while the full score matrix is small (B·H·n_q·n_k ≤ DENSE_LIMIT entries).
-    2. Otherwise the block layout at the block size the block engine would choose scores
-       ``work`` = pairs·b² entries per graph, of which ``fill`` = E / work are edges. A scored
-       block entry costs ~4–8 ns, a gathered edge ~60–110 ns (fp32, d = 64), so ``block`` wins
-       unless ``fill`` < BLOCK_MIN_FILL = 1/15 (scattered graphs): then ``gather``.
-    3. ``flex`` only where it can compute the request (softmax map given, no dropout, no
-       input requiring grad on CPU, a dtype and a compiler it supports) *and* its estimated
-       cost, FLEX_ENTRY_COST × its work at block 128, is below the block engine's. On the
-       measured CPU it never is; an unknown map (``prob_map=None``) never picks flex.
-    """
-    from .engines.block import BLOCK_MIN_FILL, ENTRY_COST, choose_block, count_pairs
-    from .engines.flex import FLEX_BLOCK, FLEX_ENTRY_COST, flex_unsupported
+    Only engines that can compute the request qualify (their declared capabilities,
+    :mod:`sparseattn.engines.capabilities`; an unknown map, ``prob_map=None``, rules out the
+    softmax-only ``flex``). Among them, by the cost measurements of the input's device:
 
+    1. ``dense`` while the full score matrix is small (B·H·n_q·n_k ≤ DENSE_LIMIT entries on
+       CPU, GPU_DENSE_LIMIT on a GPU).
+    2. On a GPU, ``flex`` wherever it qualifies (one fused kernel, forward and backward).
+    3. The block layout at the block size the block engine would choose scores
+       ``work`` = pairs·b² entries per graph, of which ``fill`` = E / work are edges. A scored
+       block entry costs ~4–8 ns, a gathered edge ~60–110 ns (fp32, d = 64, CPU), so
+       ``block`` wins unless ``fill`` < BLOCK_MIN_FILL = 1/15 (scattered graphs): then
+       ``gather``, where it qualifies.
+    4. On CPU, ``flex`` only where its estimated cost, FLEX_ENTRY_COST × its work at block
+       128, is below the block engine's. On the measured CPUs it never is.
+    """
+    from .engines import SPECS, Request
+    from .engines.block import BLOCK_MIN_FILL, ENTRY_COST, choose_block, count_pairs
+    from .engines.flex import FLEX_BLOCK, FLEX_ENTRY_COST
+
+    req = Request.of(q, k, k, prob_map, dropout_p)
+    ok = {name for name, spec in SPECS.items() if not spec.not_supported_reasons(req)}
     bsz, heads, n_q, _ = q.shape
-    n_k = k.shape[-2]
-    if q.device.type != "cpu":
-        return _choose_on_gpu(graph, q, k, prob_map, dropout_p)
-    if bsz * heads * n_q * n_k <= DENSE_LIMIT:
+    gpu = q.device.type != "cpu"
+    limit = GPU_DENSE_LIMIT if gpu else DENSE_LIMIT
+    if "dense" in ok and bsz * heads * n_q * k.shape[-2] <= limit:
         return "dense"
+    if gpu and "flex" in ok:
+        return "flex"
     cache = graph.__dict__.setdefault("_auto", {})
     if "block_work" not in cache:
         b = choose_block(graph)
         cache["block_work"] = count_pairs(graph, b) * b * b * ENTRY_COST[b]
         cache["fill"] = graph.col.numel() / (count_pairs(graph, b) * b * b)
-    if cache["fill"] < BLOCK_MIN_FILL:
+    if cache["fill"] < BLOCK_MIN_FILL and "gather" in ok:
         return "gather"
-    if prob_map is not None and flex_unsupported(q, k, k, prob_map, dropout_p) is None:
+    if not gpu and "flex" in ok:
         if "flex_work" not in cache:
             cache["flex_work"] = count_pairs(graph, FLEX_BLOCK) * FLEX_BLOCK**2 * FLEX_ENTRY_COST
         if cache["flex_work"] < cache["block_work"]:
             return "flex"
     return "block"
-
-
-def _choose_on_gpu(
-    graph: AttentionGraph, q: Tensor, k: Tensor, prob_map: ProbabilityMap | None, dropout_p: float
-) -> str:
-    """The ``auto`` rule on a GPU: softmax goes to ``flex`` wherever FlexAttention can compute
-    it (forward and backward there: one fused kernel), other maps (and dropout) to ``block``,
-    scattered graphs (fill < BLOCK_MIN_FILL) to ``gather``, and small score matrices
-    (≤ GPU_DENSE_LIMIT entries) to ``dense``. Provisional: not yet measured on a GPU; the
-    calibration section of ``sparseattn bench gpu`` is the measurement that is to set it
-    (docs/benchmarks.md, "GPU")."""
-    from .engines.block import BLOCK_MIN_FILL, choose_block, count_pairs
-    from .engines.flex import flex_unsupported
-
-    bsz, heads, n_q, _ = q.shape
-    if bsz * heads * n_q * k.shape[-2] <= GPU_DENSE_LIMIT:
-        return "dense"
-    if prob_map is not None and flex_unsupported(q, k, k, prob_map, dropout_p) is None:
-        return "flex"
-    cache = graph.__dict__.setdefault("_auto", {})
-    if "fill" not in cache:
-        b = choose_block(graph)
-        cache["fill"] = graph.col.numel() / (count_pairs(graph, b) * b * b)
-    return "gather" if cache["fill"] < BLOCK_MIN_FILL else "block"
 
 
 def sparse_attention(
@@ -278,12 +263,12 @@ def _attend(
         out = full_rows_attention(q, k, v, rho, scale, valid, dropout_p, causal)
         return _check_overflow(out, scale)
     graph = resolve_graph(pattern, q, k)
-    if engine == "auto":  # the map matters only to the GPU rule (flex); docs/engines.md
-        engine = choose_engine(graph, q, k, rho if q.device.type != "cpu" else None, dropout_p)
-        if rho.alpha is not None and engine == "gather":  # per-row α: dense, block, rows
-            engine = "block"
-    if rho.alpha is not None and engine not in ("dense", "block", "rows"):
-        raise ValueError(f"engine {engine!r} does not take a tensor alpha; use block or rows")
+    if engine == "auto":
+        engine = choose_engine(graph, q, k, rho, dropout_p)
+    else:
+        reason = unsupported(engine, q, k, v, rho, dropout_p)
+        if reason is not None:
+            raise ValueError(f"engine={engine!r} cannot run this call: {reason}")
     try:
         out = ENGINES[engine](q, k, v, graph, rho, scale, valid, dropout_p)
     except NonFiniteScoresError:  # inputs were checked finite: scale · q·k overflowed

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -94,6 +94,10 @@ class AttentionGraph:
         self.n_k = int(n_k)
         self.batch_shape = tuple(int(s) for s in batch_shape)
         self.causal = bool(causal)
+        #: ``predicate(device)``: this graph's edge set as an element-wise FlexAttention
+        #: ``mask_mod`` on ``device`` (or None), set by the static pattern that built it
+        #: (:meth:`Pattern.mask_mod`); None for graphs made any other way.
+        self.predicate: Callable[[torch.device], Callable | None] | None = None
 
     # ------------------------------------------------------------------ constructors
     @classmethod

@@ -75,6 +75,14 @@ class ProbabilityMap:
         self._kernel = kernel
         self._fast = fast
 
+    @property
+    def is_softmax(self) -> bool:
+        """Whether this map is the softmax (also α-entmax at α = 1): engines take its closed
+        forms (fused kernels, dS = P ⊙ (dP − Σ P⊙dP), log-sum-exp merging)."""
+        return self.name == "softmax" or (
+            self.name == "entmax" and self.alpha is None and self.params.get("alpha") == 1.0
+        )
+
     def forward_only(self, scores: Tensor, valid: Tensor | None = None) -> Tensor:
         """ρ(scores) without autograd, for engines that recompute weights in backward: the
         sort-free thresholds of :mod:`sparseattn.fastmaps` for entmax maps (no shift pass, no

@@ -17,7 +17,8 @@ import sparseattn as sa
 from sparseattn.attention import choose_engine
 from sparseattn.engines import block_attention, flex_attention_engine
 from sparseattn.engines.block import block_plan, choose_block
-from sparseattn.engines.flex import flex_available, flex_unsupported
+from sparseattn.engines import unsupported
+from sparseattn.engines.flex import flex_available
 from sparseattn.fastmaps import entmax15_rows, entmax_rows, sparsemax_rows
 from sparseattn.maps import entmax, hardmax, softmax, sparselin_gen, sparsemax
 from sparseattn.patterns.blocks import (
@@ -361,15 +362,15 @@ def test_flex_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match="float64"):
         flex_attention_engine(*qkv(n=20, d=4), graph, softmax(), 0.5)
     qg = q.clone().requires_grad_()
-    with pytest.raises(ValueError, match="no backward on CPU"):
+    with pytest.raises(ValueError, match="no backward on cpu"):
         flex_attention_engine(qg, k, v, graph, softmax(), 0.5)
     with torch.no_grad():  # inputs requiring grad are fine when grad is off
-        assert flex_unsupported(qg, k, v, softmax()) == flex_available()
+        assert unsupported("flex", qg, k, v, softmax()) == flex_available()
 
 
 # ----------------------------------------------------------------------------- auto rule
 def _can_compute(engine, q, k, v, rho, dropout_p):
-    return engine != "flex" or flex_unsupported(q, k, v, rho, dropout_p) is None
+    return unsupported(engine, q, k, v, rho, dropout_p) is None
 
 
 @pytest.mark.parametrize("n", [16, 300, 2048])
@@ -610,3 +611,25 @@ def test_dense_engine_hands_sdpa_a_mask_of_the_inputs_rank(monkeypatch):
     mask = pattern.graph(16, num_heads=2).to_dense()
     scores = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~mask, -math.inf)
     torch.testing.assert_close(out, scores.softmax(-1) @ v)
+
+
+def test_engine_capabilities_are_declared_and_refusals_name_them():
+    """The capability table (engines/capabilities.py) is what explicit engines are checked
+    against: a request an engine cannot compute is refused with its declared reason."""
+    from sparseattn.engines import SPECS, Request
+
+    for spec in SPECS.values():
+        assert spec.why and spec.devices and spec.dtypes
+        assert not spec.not_supported_reasons(Request("cpu", torch.float32, softmax()))
+    wants = Request("tpu", torch.float32, entmax(1.5), train=True, dropout=True, row_alpha=True)
+    reasons = SPECS["flex"].not_supported_reasons(wants)
+    assert any("tpu" in r for r in reasons) and any("softmax only" in r for r in reasons)
+    assert any("dropout" in r for r in reasons) and any("backward" in r for r in reasons)
+    q, k, v = qkv(n=64, d=8, dtype=torch.float32)
+    per_head = entmax(torch.full((q.shape[1], 1, 1), 1.5))
+    with pytest.raises(ValueError, match="engine='gather' cannot run this call: .*tensor α"):
+        sa.sparse_attention(q, k, v, sa.window(8), per_head, engine="gather")
+    out = sa.sparse_attention(q, k, v, sa.window(8), per_head)  # auto: one that can
+    torch.testing.assert_close(
+        out, sa.sparse_attention(q, k, v, sa.window(8), per_head, engine="dense")
+    )

@@ -65,9 +65,7 @@ def _closed_form_t(
     rho: ProbabilityMap, zeta: float, eta: float, n: int, top_k: int | None
 ) -> tuple[float, str] | None:
     m = n if top_k is None else min(top_k, n)
-    name, params = rho.name, rho.params
-    if name == "entmax" and params.get("alpha") == 1.0:
-        name = "softmax"
+    name = "softmax" if rho.is_softmax else rho.name
     if name == "softmax":
         if eta >= 1 or m == 1:
             return 1 / zeta, "B.1: every t > 0 works here; 1/ζ"
@@ -81,7 +79,7 @@ def _closed_form_t(
             return 1 / zeta, "B.2: every t > 0 works here; 1/ζ"
         return (1 - eta) / zeta, "B.2: t = (1−η)/ζ"
     if name == "entmax":
-        alpha = params["alpha"]
+        alpha = rho.params["alpha"]
         step = zeta * (alpha - 1)
         return (1 / step if step > 0 else math.inf), f"B.3: t = 1/(ζ(α−1)), α = {alpha:g}"
     if name == "hardmax":

@@ -3,28 +3,26 @@
 ``dense`` is the reference, ``gather`` works on neighbour lists (any graph), ``block`` on the
 block-sparse layout with batched matrix products, ``flex`` hands a BlockMask to torch's
 FlexAttention (softmax only; on CPU forward only, compiled), ``rows`` takes full (or wide) rows
-a chunk of queries at a time (sparse maps on the dense pattern).
+a chunk of queries at a time (sparse maps on the dense pattern). What each supports is declared
+in :mod:`.capabilities` (``SPECS``), the one table ``engine="auto"`` walks.
 """
 
 from .block import block_attention
+from .capabilities import ENGINES, SPECS, EngineSpec, Request, unsupported
 from .dense import dense_attention
 from .flex import flex_attention_engine
 from .gather import gather_attention
 from .rows import rows_attention
 
-ENGINES = {
-    "dense": dense_attention,
-    "gather": gather_attention,
-    "block": block_attention,
-    "flex": flex_attention_engine,
-    "rows": rows_attention,
-}
-
 __all__ = [
     "ENGINES",
+    "SPECS",
+    "EngineSpec",
+    "Request",
     "block_attention",
     "dense_attention",
     "flex_attention_engine",
     "gather_attention",
     "rows_attention",
+    "unsupported",
 ]

@@ -502,9 +502,7 @@ class _Runner:
     def __init__(self, plan, prob_map, scale, key_ok, dropout_p, budget, lead, cpu, same_d):
         self.plan, self.prob_map, self.scale = plan, prob_map, scale
         self.key_ok, self.dropout_p, self.lead = key_ok, dropout_p, lead
-        self.softmax = prob_map.name == "softmax" or (
-            prob_map.name == "entmax" and prob_map.params.get("alpha") == 1.0
-        )
+        self.softmax = prob_map.is_softmax
         self.split = self.softmax and key_ok is None and not dropout_p and cpu and same_d
         self.chunks = plan.chunks(lead, budget, self.split)
 

@@ -29,7 +29,7 @@ def dense_attention(
     mask = graph.to_dense().to(q.device)
     if mask.dim() < q.dim():  # SDPA on CPU runs a 3-D (H, n_q, n_k) mask ~3x slower than
         mask = mask.reshape((1,) * (q.dim() - mask.dim()) + mask.shape)  # (1, H, n_q, n_k)
-    if key_padding_mask is None and prob_map.name == "softmax":
+    if key_padding_mask is None and prob_map.is_softmax:
         # every row has a key (checked by the API), so SDPA's fused kernel is exact here
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale

@@ -14,8 +14,8 @@ What torch supports, and so what this engine accepts:
   grad is enabled), compiled with ``torch.compile`` (a C++ compiler is needed; the first call
   per shape compiles for seconds, later calls reuse the cached kernel); no dropout.
 
-``engine="auto"`` never picks this engine where it cannot compute the request
-(:func:`flex_unsupported` says why).
+What it supports is declared in :mod:`sparseattn.engines.capabilities`; ``engine="auto"``
+never picks it where it cannot compute the request.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from .block import block_pairs
 
-__all__ = ["flex_attention_engine", "flex_available", "flex_unsupported", "graph_block_mask"]
+__all__ = ["flex_attention_engine", "flex_available", "graph_block_mask"]
 
 #: FlexAttention's default (and on CPU, fastest) block size.
 FLEX_BLOCK = 128
@@ -54,34 +54,6 @@ def flex_available() -> str | None:
     if not any(shutil.which(c) for c in names):
         return f"torch.compile needs a C++ compiler on CPU; none of {names} was found"
     return None
-
-
-def flex_unsupported(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    prob_map: ProbabilityMap | None,
-    dropout_p: float = 0.0,
-) -> str | None:
-    """None if the flex engine can compute this request, else why not (one sentence)."""
-    if prob_map is None:
-        return "the probability map is unknown (FlexAttention computes softmax only)"
-    if not _is_softmax(prob_map):
-        return f"FlexAttention computes softmax only, not {prob_map!r}"
-    if dropout_p:
-        return "FlexAttention has no attention dropout"
-    if q.device.type == "cpu":
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            return "FlexAttention has no backward on CPU (inputs require grad)"
-        if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return f"FlexAttention on CPU takes float32/bfloat16/float16, not {q.dtype}"
-    return flex_available()
-
-
-def _is_softmax(prob_map: ProbabilityMap) -> bool:
-    return prob_map.name == "softmax" or (
-        prob_map.name == "entmax" and prob_map.params.get("alpha") == 1.0
-    )
 
 
 def _bucket(x: int) -> int:
@@ -108,8 +80,16 @@ def graph_block_mask(
         key_padding_mask: optional (batch, n_k) bool, True for real keys; then every block is
             treated as partial so that the padding is applied everywhere.
     Returns:
-        ``torch.nn.attention.flex_attention.BlockMask`` of shape (batch, heads, n_q, n_k).
+        ``torch.nn.attention.flex_attention.BlockMask`` of shape (batch, heads, n_q, n_k);
+        its ``mask_mod`` is the pattern's element-wise predicate where the graph has one
+        (``graph.predicate``), else a look-up in a table of the partial blocks' masks.
     """
+    return _block_mask(graph, batch, heads, block, key_padding_mask, device)[0]
+
+
+def _block_mask(graph, batch, heads, block, key_padding_mask, device):
+    """(BlockMask, whether its mask_mod is element-wise, without look-ups: then one
+    length-generic kernel computes it) — see :func:`graph_block_mask`."""
     from torch.nn.attention.flex_attention import BlockMask
 
     shape = graph.batch_shape
@@ -119,23 +99,19 @@ def graph_block_mask(
     graph_of = torch.arange(n_graphs).view((1,) * (2 - len(shape)) + shape).expand(batch, heads)
     n_q, n_k = graph.n_q, graph.n_k
     nbq, nbk = -(-n_q // block), -(-n_k // block)
-    pairs = block_pairs(graph, block, partial=True)
+    dev = torch.device(device)
+    predicate = graph.predicate(dev) if graph.predicate is not None else None
+    pairs = block_pairs(graph, block, partial=predicate is None)
     pair_keys = pairs.keys
     rb, kb = pair_keys // nbk, pair_keys % nbk  # rb = g·nbq + i
     full = pairs.full
     if key_padding_mask is not None:  # full blocks skip mask_mod: the padding needs it
         full = torch.zeros_like(full)
-    # element masks: table[0] all False, table[1] all True, then one per partial block pair
-    partial = (~full).nonzero().squeeze(1)
-    table = torch.zeros(_bucket(partial.numel() + 2), block, block, dtype=torch.bool)
-    table[1] = True
-    slot = torch.ones_like(pair_keys)
-    slot[partial] = torch.arange(partial.numel()) + 2
-    table[slot[pairs.e_pair], pairs.e_q, pairs.e_k] = True
-    table[slot[pairs.full]] = True  # whole pairs treated as partial (key padding): all edges
-    pair_index = torch.zeros(n_graphs * nbq * nbk, dtype=torch.int32)
-    pair_index[pair_keys] = slot.to(torch.int32)
-    pair_index = pair_index.view(n_graphs, nbq, nbk)[graph_of]
+    element_wise = predicate is not None
+    if predicate is None:
+        predicate = _table_mask_mod(
+            _block_table(pairs, full, n_graphs, nbq, nbk, block, graph_of, dev), block
+        )
 
     def lists(select: Tensor) -> tuple[Tensor, Tensor]:
         """Per (b, h, row block): how many key blocks, and which (padded with 0)."""
@@ -149,12 +125,11 @@ def graph_block_mask(
 
     kv_num, kv_idx = lists(~full)
     full_num, full_idx = lists(full)
-    key_ok = torch.ones(batch, n_k, dtype=torch.bool)
+    mask_mod = predicate
     if key_padding_mask is not None:
-        key_ok &= key_padding_mask.cpu().expand(batch, n_k)
-    dev = torch.device(device)
-    mask_mod = _table_mask_mod(pair_index.to(dev), table.to(dev), key_ok.to(dev), block)
-    return BlockMask.from_kv_blocks(
+        key_ok = key_padding_mask.to(dev).expand(batch, n_k)
+        mask_mod = _padded(predicate, key_ok)
+    block_mask = BlockMask.from_kv_blocks(
         kv_num.to(dev),
         kv_idx.to(dev),
         full_num.to(dev),
@@ -163,30 +138,66 @@ def graph_block_mask(
         mask_mod=mask_mod,
         seq_lengths=(n_q, n_k),
     )
+    return block_mask, element_wise and key_padding_mask is None
 
 
-def _table_mask_mod(pair_index: Tensor, table: Tensor, key_ok: Tensor, block: int):
+def _block_table(pairs, full, n_graphs, nbq, nbk, block, graph_of, dev):
+    """The element masks of a block layout as look-up tables on ``dev``: (pair_index
+    (G', H', nbq, nbk) int32, table (T, b, b) bool) — pair_index names each block pair's
+    slot in ``table``: 0 no edge, 1 all edges, then one slot per partial pair."""
+    partial = (~full).nonzero().squeeze(1)
+    table = torch.zeros(_bucket(partial.numel() + 2), block, block, dtype=torch.bool)
+    table[1] = True
+    slot = torch.ones_like(pairs.keys)
+    slot[partial] = torch.arange(partial.numel()) + 2
+    table[slot[pairs.e_pair], pairs.e_q, pairs.e_k] = True
+    table[slot[pairs.full]] = True  # whole pairs treated as partial (key padding): all edges
+    pair_index = torch.zeros(n_graphs * nbq * nbk, dtype=torch.int32)
+    pair_index[pairs.keys] = slot.to(torch.int32)
+    return pair_index.view(n_graphs, nbq, nbk)[graph_of].to(dev), table.to(dev)
+
+
+def _table_mask_mod(tables: tuple[Tensor, Tensor], block: int):
     """mask_mod(b, h, q, kv): the element mask of the (q, kv) block, looked up in ``table``.
 
-    ``pair_index`` is (B, H, n_q blocks, n_k blocks) and ``key_ok`` (B, n_k); a size-1 batch
-    or head dim broadcasts (indexed at 0 whatever b or h FlexAttention passes), as the
-    BlockMask of ``create_block_mask(..., B=None, H=None)`` does.
+    ``pair_index`` is (B, H, n_q blocks, n_k blocks); a size-1 batch or head dim broadcasts
+    (indexed at 0 whatever b or h FlexAttention passes), as the BlockMask of
+    ``create_block_mask(..., B=None, H=None)`` does. The block size is a 0-d tensor, like
+    the pattern constants of :meth:`Pattern.mask_mod` (no recompile per value).
     """
+    pair_index, table = tables
     one_batch, one_head = pair_index.shape[0] == 1, pair_index.shape[1] == 1
+    b_t = torch.tensor(block, dtype=torch.int32, device=table.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         b = 0 if one_batch else b
-        pid = pair_index[b, 0 if one_head else h, q_idx // block, kv_idx // block]
-        return table[pid, q_idx % block, kv_idx % block] & key_ok[b, kv_idx]
+        pid = pair_index[b, 0 if one_head else h, q_idx // b_t, kv_idx // b_t]
+        return table[pid, q_idx % b_t, kv_idx % b_t]
 
     return mask_mod
 
 
+def _padded(mask_mod, key_ok: Tensor):
+    """``mask_mod`` restricted to real keys: key_ok (B, n_k) bool, True for real keys; a
+    size-1 batch broadcasts."""
+    one_batch = key_ok.shape[0] == 1
+
+    def padded(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx, kv_idx) & key_ok[0 if one_batch else b, kv_idx]
+
+    return padded
+
+
 @functools.cache
-def _compiled():
+def _compiled(dynamic: bool):
+    """Compiled ``flex_attention``: length-generic (``dynamic``) for element-wise mask_mods,
+    whose constants are tensors, so that one kernel serves every length; specialised per
+    shape where the mask_mod looks up a tensor (a table, the key padding: torch 2.13's
+    length-generic CPU kernel then indexes out of bounds in the padding of the last block,
+    or fails to compile)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=dynamic)
 
 
 def flex_attention_engine(
@@ -206,9 +217,12 @@ def flex_attention_engine(
     The BlockMask has the graph's leading shape (size-1 dims broadcast over q's batch and
     heads); without key padding it is cached on the graph per (block, device).
     Raises:
-        ValueError: when FlexAttention cannot compute the request (see ``flex_unsupported``).
+        ValueError: when FlexAttention cannot compute the request (the reasons of
+            :mod:`sparseattn.engines.capabilities`).
     """
-    reason = flex_unsupported(q, k, v, prob_map, dropout_p)
+    from .capabilities import unsupported
+
+    reason = unsupported("flex", q, k, v, prob_map, dropout_p)
     if reason is not None:
         raise ValueError(f"engine='flex' cannot run this call: {reason}; use engine='block'")
     # the BlockMask keeps the graph's own leading shape; its size-1 dims broadcast over q's
@@ -217,14 +231,16 @@ def flex_attention_engine(
         cache = graph.__dict__.setdefault("_flex_masks", {})
         key = (block, str(q.device))
         if key not in cache:
-            cache[key] = graph_block_mask(graph, g_batch, g_heads, block, None, q.device)
-        block_mask = cache[key]
+            cache[key] = _block_mask(graph, g_batch, g_heads, block, None, q.device)
+        block_mask, generic = cache[key]
     else:
-        block_mask = graph_block_mask(graph, q.shape[0], g_heads, block, key_padding_mask, q.device)
-    # one kernel per (shape, table bucket): allow more than dynamo's default 8 recompiles of
-    # flex_attention, past which torch silently runs an unfused O(n²) implementation
+        block_mask, generic = _block_mask(
+            graph, q.shape[0], g_heads, block, key_padding_mask, q.device
+        )
+    # tables: one kernel per (shape, table bucket); allow more than dynamo's default 8
+    # recompiles, past which torch silently runs an unfused O(n²) implementation
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
-        out = _compiled()(q, k, v, block_mask=block_mask, scale=scale)
+        out = _compiled(generic)(q, k, v, block_mask=block_mask, scale=scale)
     if key_padding_mask is not None:  # rows whose keys are all padding: zeros (maps' rule)
         out = out.nan_to_num(0.0)
     return out

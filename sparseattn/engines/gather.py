@@ -107,9 +107,7 @@ class _Run:
         self, graph, static, n_q, n_k, b, budget, prob_map, scale, key_ok, dropout_p, device
     ):
         self.prob_map, self.scale, self.key_ok, self.dropout_p = prob_map, scale, key_ok, dropout_p
-        self.softmax = prob_map.name == "softmax" or (
-            prob_map.name == "entmax" and prob_map.params.get("alpha") == 1.0
-        )
+        self.softmax = prob_map.is_softmax
         self.chunks = _chunks(graph, static, n_q, n_k, max(1, budget // b), device)
         self.most = max((i.numel() for _, i, _ in self.chunks), default=0)
 

@@ -218,9 +218,7 @@ def full_rows_attention(
     ``is_causal`` aligns the triangle top-left); any other map to :func:`rows_attention`.
     Shapes as :func:`rows_attention`.
     """
-    softmax = prob_map.name == "softmax" or (
-        prob_map.name == "entmax" and prob_map.params.get("alpha") == 1.0
-    )
+    softmax = prob_map.is_softmax
     offset = causal and q.shape[-2] != k.shape[-2]
     if not softmax or offset or (causal and key_padding_mask is not None):
         return rows_attention(q, k, v, None, prob_map, scale, key_padding_mask, dropout_p, causal)

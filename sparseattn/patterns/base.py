@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import ClassVar
@@ -61,9 +62,13 @@ class Pattern(abc.ABC):
         """
         check_positive("n", n)
         if n_q is None or n_q == n:
-            return self._cached(n, self._graph)
-        self._check_offset(n, n_q)
-        return self._cached((n, n_q), self._offset_graph)
+            graph = self._cached(n, self._graph)
+        else:
+            self._check_offset(n, n_q)
+            graph = self._cached((n, n_q), self._offset_graph)
+        if graph.predicate is None:
+            graph.predicate = functools.partial(self.mask_mod, n, n_q)
+        return graph
 
     @property
     def is_causal(self) -> bool:
@@ -119,6 +124,38 @@ class Pattern(abc.ABC):
         q_idx, kv_idx = torch.broadcast_tensors(torch.as_tensor(q_idx), torch.as_tensor(kv_idx))
         inside = (q_idx >= 0) & (q_idx < n) & (kv_idx >= 0) & (kv_idx < n)
         return inside & self._allows(q_idx.long(), kv_idx.long(), n)
+
+    def mask_mod(
+        self, n: int, n_q: int | None = None, device: torch.device | str | None = None
+    ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None:
+        """This pattern's ``graph(n, n_q)`` as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``
+        computed element-wise (no table look-ups), or None where the pattern has no such form.
+
+        Every constant of the predicate — the pattern's parameters, n and the query offset
+        n − n_q — is a 0-d tensor on ``device``, not a Python int: a compiled kernel guards
+        Python ints of a closure by value, so int constants would compile one kernel per length
+        and per pattern, while tensors are kernel inputs and one kernel serves them all.
+        """
+        dev = torch.device("cpu") if device is None else torch.device(device)
+
+        def const(x: int) -> Tensor:
+            return torch.tensor(x, dtype=torch.long, device=dev)
+
+        pred = self._predicate(const(n), const, n)
+        if pred is None:
+            return None
+        if n_q is None or n_q == n:
+            return lambda b, h, q_idx, kv_idx: pred(q_idx, kv_idx)
+        offset = const(n - n_q)  # queries are the last n_q positions
+        return lambda b, h, q_idx, kv_idx: pred(q_idx + offset, kv_idx)
+
+    def _predicate(
+        self, n_t: Tensor, const: Callable[[int], Tensor], n: int
+    ) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """:meth:`_allows` written with element-wise tensor ops only and every constant made
+        by ``const`` (n as the 0-d tensor ``n_t``; the int ``n`` only for choices that do not
+        change the predicate's form), or None (the default: no such form)."""
+        return None
 
     def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
         """The graph for inputs q: (B, H, n_q, d), k: (B, H, n_k, d) — what engines call.
@@ -204,8 +241,29 @@ class Causal(Pattern):
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return self.base.allows(q_idx, kv_idx, n) & (kv_idx <= q_idx)
 
+    def _predicate(self, n_t, const, n):
+        base = None if self.base.data_dependent else self.base._predicate(n_t, const, n)
+        return None if base is None else lambda q, kv: base(q, kv) & (kv <= q)
+
     def causal(self) -> Pattern:
         return self
 
     def __repr__(self) -> str:
         return f"{self.base!r}.causal()"
+
+
+#: Most explicit global positions written out as a chain of comparisons in a ``mask_mod``.
+MEMBER_TERMS = 16
+
+
+def _member(tokens: int | tuple[int, ...], const):
+    """idx ↦ whether idx is a global position, element-wise (for ``Pattern._predicate``):
+    ``idx < g`` for the first g positions, a chain of equalities for up to ``MEMBER_TERMS``
+    explicit positions, else None."""
+    if isinstance(tokens, int):
+        g = const(tokens)
+        return lambda idx: idx < g
+    if len(tokens) > MEMBER_TERMS:
+        return None
+    pos = [const(p) for p in tokens]
+    return lambda idx: functools.reduce(torch.logical_or, [idx == p for p in pos])

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..validate import check_int, check_seed
-from .base import GRAPH_CACHE_SIZE, Pattern, check_positive
+from .base import GRAPH_CACHE_SIZE, Pattern, _member, check_positive
 
 __all__ = [
     "CausalWindow",
@@ -87,6 +87,10 @@ class CausalWindow(_CausalPattern):
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return (kv_idx <= q_idx) & (kv_idx > q_idx - self.w)
 
+    def _predicate(self, n_t, const, n):
+        w = const(self.w)
+        return lambda q, kv: (kv <= q) & (kv > q - w)
+
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class CausalStride(_CausalPattern):
@@ -109,6 +113,10 @@ class CausalStride(_CausalPattern):
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return (kv_idx <= q_idx) & ((q_idx - kv_idx) % self.w == 0)
 
+    def _predicate(self, n_t, const, n):
+        w = const(self.w)
+        return lambda q, kv: (kv <= q) & ((q - kv) % w == 0)
+
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class CausalSegment(_CausalPattern):
@@ -130,6 +138,10 @@ class CausalSegment(_CausalPattern):
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return (kv_idx <= q_idx) & (kv_idx // self.w == q_idx // self.w)
+
+    def _predicate(self, n_t, const, n):
+        w = const(self.w)
+        return lambda q, kv: (kv <= q) & (kv // w == q // w)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -163,6 +175,10 @@ class CausalSummary(_CausalPattern):
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         summary = (kv_idx % self.w >= self.w - self.c) & (kv_idx <= q_idx)
         return summary | (kv_idx == q_idx)
+
+    def _predicate(self, n_t, const, n):
+        w, first = const(self.w), const(self.w - self.c)
+        return lambda q, kv: ((kv % w >= first) & (kv <= q)) | (kv == q)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -211,6 +227,10 @@ class CausalGlobal(_CausalPattern):
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         g = self.positions(n)
         return (kv_idx <= q_idx) & (torch.isin(q_idx, g) | torch.isin(kv_idx, g))
+
+    def _predicate(self, n_t, const, n):
+        member = _member(self.tokens, const)
+        return None if member is None else lambda q, kv: (kv <= q) & (member(q) | member(kv))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

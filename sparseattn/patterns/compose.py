@@ -43,6 +43,12 @@ class Union(Pattern):
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return functools.reduce(torch.logical_or, (p.allows(q_idx, kv_idx, n) for p in self.parts))
 
+    def _predicate(self, n_t, const, n):
+        preds = [None if p.data_dependent else p._predicate(n_t, const, n) for p in self.parts]
+        if any(p is None for p in preds):
+            return None
+        return lambda q, kv: functools.reduce(torch.logical_or, [p(q, kv) for p in preds])
+
     def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
         if not self.data_dependent:
             return super().build(q, k)  # the cached graph of this length

@@ -74,6 +74,10 @@ class NoDiagonal(Pattern):
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return self.base.allows(q_idx, kv_idx, n) & (q_idx != kv_idx)
 
+    def _predicate(self, n_t, const, n):
+        base = None if self.data_dependent else self.base._predicate(n_t, const, n)
+        return None if base is None else lambda q, kv: base(q, kv) & (q != kv)
+
     def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
         if not self.data_dependent:
             return self.graph(*self._lengths(q, k))

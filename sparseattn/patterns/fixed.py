@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..validate import check_finite_float, check_int, check_seed
-from .base import Pattern, check_positive
+from .base import Pattern, _member, check_positive
 
 __all__ = [
     "Dense",
@@ -66,6 +66,9 @@ class Dense(Pattern):
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return torch.ones_like(q_idx, dtype=torch.bool)
 
+    def _predicate(self, n_t, const, n):
+        return lambda q, kv: (q >= 0) & (kv >= 0)
+
     def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
         n_q, n_k = q.shape[-2], k.shape[-2]  # dense also serves cross-attention
         crow = torch.arange(n_q + 1) * n_k
@@ -93,6 +96,10 @@ class Window(Pattern):
         delta = kv_idx - q_idx
         return (delta >= -math.ceil(self.w / 2)) & (delta <= self.w // 2)
 
+    def _predicate(self, n_t, const, n):
+        lo, hi = const(-math.ceil(self.w / 2)), const(self.w // 2)
+        return lambda q, kv: (kv - q >= lo) & (kv - q <= hi)
+
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Stride(Pattern):
@@ -112,6 +119,10 @@ class Stride(Pattern):
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return (kv_idx - q_idx) % self.w == 0
+
+    def _predicate(self, n_t, const, n):
+        w = const(self.w)
+        return lambda q, kv: (kv - q) % w == 0
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -133,6 +144,10 @@ class BlockLocal(Pattern):
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return q_idx // self.block == kv_idx // self.block
 
+    def _predicate(self, n_t, const, n):
+        b = const(self.block)
+        return lambda q, kv: q // b == kv // b
+
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class FixedSummary(Pattern):
@@ -153,6 +168,10 @@ class FixedSummary(Pattern):
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         return (kv_idx == q_idx) | (kv_idx % self.w == self.w - 1)
+
+    def _predicate(self, n_t, const, n):
+        w, last = const(self.w), const(self.w - 1)
+        return lambda q, kv: (kv == q) | (kv % w == last)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -185,6 +204,15 @@ class Star(Pattern):
         relay = (q_idx == m) | (kv_idx == m)
         dist = (kv_idx - q_idx) % max(m, 1)
         return relay | (dist <= self.w) | (dist >= m - self.w)
+
+    def _predicate(self, n_t, const, n):
+        m, ring, w, far = n_t - 1, const(max(n - 1, 1)), const(self.w), const(n - 1 - self.w)
+
+        def star(q: Tensor, kv: Tensor) -> Tensor:
+            dist = (kv - q) % ring
+            return (q == m) | (kv == m) | (dist <= w) | (dist >= far)
+
+        return star
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -224,6 +252,10 @@ class GlobalTokens(Pattern):
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         g = self.positions(n)
         return torch.isin(q_idx, g) | torch.isin(kv_idx, g)
+
+    def _predicate(self, n_t, const, n):
+        member = _member(self.tokens, const)
+        return None if member is None else lambda q, kv: member(q) | member(kv)
 
 
 def _random_subsets(rows: int, n: int, k: int, gen: torch.Generator) -> Tensor:
