@@ -15,9 +15,8 @@ import torch
 
 import sparseattn as sa
 from sparseattn.attention import choose_engine
-from sparseattn.engines import block_attention, flex_attention_engine
+from sparseattn.engines import block_attention, flex_attention_engine, unsupported
 from sparseattn.engines.block import block_plan, choose_block
-from sparseattn.engines import unsupported
 from sparseattn.engines.flex import flex_available
 from sparseattn.fastmaps import entmax15_rows, entmax_rows, sparsemax_rows
 from sparseattn.maps import entmax, hardmax, softmax, sparselin_gen, sparsemax
@@ -628,8 +627,8 @@ def test_engine_capabilities_are_declared_and_refusals_name_them():
     q, k, v = qkv(n=64, d=8, dtype=torch.float32)
     per_head = entmax(torch.full((q.shape[1], 1, 1), 1.5))
     with pytest.raises(ValueError, match="engine='gather' cannot run this call: .*tensor α"):
-        sa.sparse_attention(q, k, v, sa.window(8), per_head, engine="gather")
-    out = sa.sparse_attention(q, k, v, sa.window(8), per_head)  # auto: one that can
+        sa.sparse_attention(q, k, v, sa.window(8), prob_map=per_head, engine="gather")
+    out = sa.sparse_attention(q, k, v, sa.window(8), prob_map=per_head)  # auto: one that can
     torch.testing.assert_close(
-        out, sa.sparse_attention(q, k, v, sa.window(8), per_head, engine="dense")
+        out, sa.sparse_attention(q, k, v, sa.window(8), prob_map=per_head, engine="dense")
     )
