@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .engines import ENGINES, unsupported
+from .engines import ENGINES, SPECS, unsupported
 from .engines.rows import full_rows_attention
 from .graph import AttentionGraph, broadcast_or_none
 from .maps import NonFiniteScoresError, ProbabilityMap, entmax, resolve_prob_map
@@ -235,6 +235,11 @@ def sparse_attention(
     if _empty_output(q, v, pattern):
         return _empty_result(q, k, v)
     groups = q.shape[1] // k.shape[1] if k.shape[1] else 1
+    if groups > 1 and _can_group(pattern, rho, engine, q, k):
+        graph = resolve_graph(pattern, q, k)
+        chosen = choose_engine(graph, q, k, rho, dropout_p) if engine == "auto" else engine
+        if SPECS[chosen].gqa:  # the engine reads the shared key/value heads itself
+            return _attend(q, k, v, graph, rho, chosen, scale, valid, dropout_p)
     if groups > 1:
         if _can_group(pattern, rho, engine, q, k):
             graph = resolve_graph(pattern, q, k)

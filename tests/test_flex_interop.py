@@ -155,3 +155,22 @@ def test_flex_engine_compiles_a_bounded_number_of_kernels_over_a_stream_of_lengt
         want = sdpa(q, k, v, sa.window(w).graph(n).to_dense())
         torch.testing.assert_close(out, want, atol=2e-6, rtol=2e-6)
     assert counters["stats"]["unique_graphs"] - before <= 2
+
+
+def test_flex_engine_reads_grouped_key_value_heads_itself():
+    """Grouped-query attention on the flex engine: k, v with fewer heads go to FlexAttention
+    as they are (its enable_gqa), against the dense reference on repeated k and v."""
+    from sparseattn.engines.flex import flex_available
+
+    if flex_available() is not None:
+        pytest.skip(flex_available())
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, N, 16, generator=gen)
+    k, v = torch.randn(2, 2, 2, N, 16, generator=gen).unbind(0)
+    pattern = sa.longformer(16, 2)
+    with torch.no_grad():
+        out = sa.sparse_attention(q, k, v, pattern, engine="flex", enable_gqa=True)
+    want = sdpa(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), pattern.graph(N).to_dense()
+    )
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=2e-6)

@@ -158,6 +158,7 @@ SPECS: dict[str, EngineSpec] = {
             softmax_only=True,
             backward_devices=frozenset({"cuda"}),
             dropout=False,
+            gqa=True,
             available=flex_available,
         ),
     )

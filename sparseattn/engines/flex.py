@@ -215,7 +215,8 @@ def flex_attention_engine(
     ``dense_attention``; Yun eq. 3 with ρ = softmax).
 
     The BlockMask has the graph's leading shape (size-1 dims broadcast over q's batch and
-    heads); without key padding it is cached on the graph per (block, device).
+    heads); without key padding it is cached on the graph per (block, device). k and v may
+    have fewer heads than q (grouped-query attention, FlexAttention's ``enable_gqa``).
     Raises:
         ValueError: when FlexAttention cannot compute the request (the reasons of
             :mod:`sparseattn.engines.capabilities`).
@@ -240,7 +241,9 @@ def flex_attention_engine(
     # tables: one kernel per (shape, table bucket); allow more than dynamo's default 8
     # recompiles, past which torch silently runs an unfused O(n²) implementation
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
-        out = _compiled(generic)(q, k, v, block_mask=block_mask, scale=scale)
+        out = _compiled(generic)(
+            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
     if key_padding_mask is not None:  # rows whose keys are all padding: zeros (maps' rule)
         out = out.nan_to_num(0.0)
     return out
