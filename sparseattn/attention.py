@@ -5,7 +5,9 @@ Data path (DESIGN §2): pattern → AttentionGraph → engine scores on the grap
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -182,6 +184,38 @@ def _choose_on_gpu(
     return "gather" if cache["fill"] < BLOCK_MIN_FILL else "block"
 
 
+def _autocast_like_sdpa(inputs: tuple[str, ...]) -> Callable[[Callable], Callable]:
+    """Run the decorated function under ``torch.autocast`` as autocast runs SDPA (a
+    lower-precision op): the tensor ``inputs`` (floating, not float64) are cast to the autocast
+    dtype, and the body runs with autocast off, so that the engines pick their own compute
+    dtype (float32 inside for half inputs on CPU; docs/engines.md, "Mixed precision"). The
+    output comes back in the autocast dtype. Outside autocast: a plain call."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            first = args[0] if args else kwargs.get(inputs[0])
+            if not isinstance(first, Tensor) or not torch.is_autocast_enabled(first.device.type):
+                return fn(*args, **kwargs)
+            device = first.device.type
+            dtype = torch.get_autocast_dtype(device)
+
+            def cast(t: object) -> object:
+                if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+                    return t.to(dtype)
+                return t
+
+            args = tuple(cast(a) if i < len(inputs) else a for i, a in enumerate(args))
+            kwargs = {name: cast(a) if name in inputs else a for name, a in kwargs.items()}
+            with torch.autocast(device, enabled=False):
+                return fn(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+@_autocast_like_sdpa(("q", "k", "v"))
 def sparse_attention(
     q: Tensor,
     k: Tensor,
@@ -214,6 +248,11 @@ def sparse_attention(
         ValueError/TypeError for bad shapes, dtypes, devices, unknown engines, patterns that
         leave a query without any key, and (on CPU) NaN/inf inputs and overflowing scores; on
         a GPU those two checks are skipped, since each would stall the host on the device.
+
+    Dtypes: float64, float32, bfloat16, float16 on every engine; the output has the inputs'
+    dtype. Under ``torch.autocast`` q, k, v are cast to the autocast dtype first, as for
+    SDPA. On CPU, half-precision inputs are computed in float32 inside the engines
+    (docs/engines.md, "Mixed precision").
     """
     _check_qkv(q, k, v)
     rho = resolve_prob_map(prob_map)
@@ -252,6 +291,7 @@ def _full_rows(pattern: object, q: Tensor, k: Tensor) -> bool | None:
     return None
 
 
+@_autocast_like_sdpa(("q", "k"))
 def attention_weights(
     q: Tensor,
     k: Tensor,
@@ -404,7 +444,7 @@ class SparseAttention(nn.Module):
         """x: (batch, n, embed_dim) → (batch, n, embed_dim); key_padding_mask: (batch, n)."""
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype != self.qkv.weight.dtype:
+        if x.dtype != self.qkv.weight.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"x must have the layer's dtype {self.qkv.weight.dtype}, got {x.dtype}")
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(
