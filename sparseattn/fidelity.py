@@ -225,7 +225,7 @@ def evaluate(
             else contextlib.nullcontext()
         ):
             yield
-        per_layer_graph.update(hf.attention_sparsity(model, reset=True))
+        per_layer_graph.update(hf.attention_sparsity(model, reset=True, of="graph"))
 
     hf.sparsify(model, config.pattern, config.prob_map, config.engine, config.method)
     try:

@@ -38,6 +38,7 @@ __all__ = [
     "softmax",
     "sparselin_gen",
     "sparsemax",
+    "support",
 ]
 
 #: Score dtypes a map computes in float32 (and returns in their own dtype).
@@ -384,6 +385,30 @@ def _in_float64(fn: Callable[[Tensor, Tensor | None], Tensor]):
         return fn(x, valid) if x.dtype == torch.float64 else fn(x.double(), valid).to(x.dtype)
 
     return widened
+
+
+class _Support(ProbabilityMap):
+    """1.0 where ρ gives a positive weight, 0.0 elsewhere (see :func:`support`)."""
+
+    def __init__(self, rho: ProbabilityMap) -> None:
+        super().__init__(
+            "support",
+            lambda z, valid: (rho._kernel(z, valid) > 0).to(z.dtype),
+            sparse=True,
+            fast=lambda s, valid: (rho.forward_only(s, valid) > 0).to(s.dtype),
+            alpha_tensor=rho.alpha,
+        )
+        self.rho = rho
+
+    def with_alpha(self, alpha: Tensor) -> ProbabilityMap:
+        return _Support(self.rho.with_alpha(alpha))
+
+
+def support(rho: ProbabilityMap) -> ProbabilityMap:
+    """The indicator of ρ's support, 1[ρ(scores)_j > 0], as a map of the same shape (forward
+    only). Through an engine with values of ones, (B, H, n_k, 1), it gives each query's number
+    of non-zero weights without an n_q × n_k tensor (``hf.attention_sparsity``)."""
+    return _Support(rho)
 
 
 _NAMED: dict[str, Callable[[], ProbabilityMap]] = {
