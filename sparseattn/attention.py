@@ -184,6 +184,12 @@ def _choose_on_gpu(
     return "gather" if cache["fill"] < BLOCK_MIN_FILL else "block"
 
 
+def _autocasting(t: Tensor) -> bool:
+    """Whether ``torch.autocast`` is on for ``t``'s device type (False where it has none)."""
+    device = t.device.type
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+
+
 def _autocast_like_sdpa(inputs: tuple[str, ...]) -> Callable[[Callable], Callable]:
     """Run the decorated function under ``torch.autocast`` as autocast runs SDPA (a
     lower-precision op): the tensor ``inputs`` (floating, not float64) are cast to the autocast
@@ -195,7 +201,7 @@ def _autocast_like_sdpa(inputs: tuple[str, ...]) -> Callable[[Callable], Callabl
         @functools.wraps(fn)
         def call(*args, **kwargs):
             first = args[0] if args else kwargs.get(inputs[0])
-            if not isinstance(first, Tensor) or not torch.is_autocast_enabled(first.device.type):
+            if not isinstance(first, Tensor) or not _autocasting(first):
                 return fn(*args, **kwargs)
             device = first.device.type
             dtype = torch.get_autocast_dtype(device)
@@ -385,6 +391,11 @@ class SparseAttention(nn.Module):
             2019): ``prob_map`` must be α-entmax with α > 1 (e.g. ``"entmax15"``), its α the
             initial value; α_h = 1 + softplus(θ_h) > 1 with θ the parameter ``alpha_logit``
             (H,); :attr:`alpha` reads the current values.
+
+    Dtypes: x must have the layer's dtype (``.bfloat16()``, ``.half()`` layers work), except
+    under ``torch.autocast``, where x of any floating dtype is accepted and the projections
+    and the attention run in the autocast dtype, as in ``nn.MultiheadAttention``
+    (docs/engines.md, "Mixed precision").
     """
 
     def __init__(
@@ -444,7 +455,7 @@ class SparseAttention(nn.Module):
         """x: (batch, n, embed_dim) → (batch, n, embed_dim); key_padding_mask: (batch, n)."""
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype != self.qkv.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        if x.dtype != self.qkv.weight.dtype and not _autocasting(x):
             raise TypeError(f"x must have the layer's dtype {self.qkv.weight.dtype}, got {x.dtype}")
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(
