@@ -347,9 +347,8 @@ def run_study(config: FidelityConfig) -> tuple[dict, Path]:
     Writes ``<out_dir>/<run>/config.json``, ``metrics.json`` (after each method, atomically; a
     re-run with the same config skips finished methods) and ``fidelity.png``.
     """
-    from tqdm import tqdm
-
     from .corpus import load_corpus
+    from .progress import tqdm
 
     if config.max_passages < 2 or config.batch_size < 1 or config.max_length < 8:
         raise ValueError("max_passages must be >= 2, batch_size >= 1 and max_length >= 8")

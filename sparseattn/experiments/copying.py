@@ -56,7 +56,6 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from ..attention import SparseAttention
 from ..patterns import (
@@ -76,6 +75,7 @@ from ..patterns import (
     strided,
     union,
 )
+from ..progress import tqdm
 from ..results import (
     atomic_write,
     machine_facts,

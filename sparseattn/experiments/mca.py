@@ -21,8 +21,8 @@ import json
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from ..progress import tqdm
 from ..results import machine_facts, read_json, save_figure, write_json
 from ..validate import check_finite_float, check_int, check_positive
 

@@ -150,7 +150,7 @@ def load_teacher(
     embedding cosine, retrieval accuracy, per-layer error, share of zero weights) before and after
     adaptation, on ``eval_passages`` test passages. Cached in :func:`teacher_folder`.
     """
-    from tqdm import tqdm
+    from ..progress import tqdm
 
     config = TeacherConfig() if config is None else config
     if config.alpha <= 1.0 or config.steps < 0 or config.batch_size < 1:

@@ -1,0 +1,59 @@
+"""Output that is not a terminal (issue 28, item 5): progress bars become a few plain lines,
+rich tables keep their natural width (no 80-column fold), and ``sparseattn demo`` times warm
+calls beside the first one."""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+
+from sparseattn import cli
+from sparseattn.progress import tqdm
+
+CONTROL = re.compile(r"[\r\x1b\x08]")
+
+
+def test_a_piped_progress_bar_writes_plain_lines_only():
+    stream = io.StringIO()
+    with tqdm(total=2000, desc="cells", file=stream) as bar:
+        for i in range(2000):
+            bar.update()
+            if i == 1000:
+                bar.write("halfway", file=stream)
+    with tqdm(total=5, desc="inner", file=stream, position=1, leave=False, mininterval=0) as bar:
+        bar.update(5)
+    text = stream.getvalue()
+    assert not CONTROL.search(text)
+    lines = text.splitlines()
+    assert "halfway" in lines
+    # the 30 s interval: the first draw and the final one, not one line per update
+    assert [line.split(":")[0] for line in lines if line.startswith("cells")] == ["cells"] * 2
+    assert lines[-1].startswith("inner") and "5/5" in lines[-1]
+
+
+def test_a_bar_on_a_terminal_is_left_to_tqdm():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    with tqdm(total=3, desc="t", file=stream, mininterval=0) as bar:
+        for _ in range(3):
+            time.sleep(0.001)
+            bar.update()
+    assert "\r" in stream.getvalue()  # tqdm redraws in place there
+
+
+def test_piped_tables_keep_their_width_and_demo_times_warm_calls(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(cli, "console", cli._console())  # stdout is captured: not a terminal
+    assert cli.main(["demo", "--n", "96", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert not CONTROL.search(out)
+    header = next(line for line in out.splitlines() if "computation" in line)
+    assert len(header) > 80  # one line: the table is not folded at 80 columns
+    for column in ("first call", "warm (median of 2)", "max |out − masked dense|"):
+        assert column in header
+    rows = [line for line in out.splitlines() if "engine='block'" in line]
+    assert len(rows) == 1 and rows[0].count(" ms") == 2
