@@ -76,6 +76,35 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+#: What each command's ``--quick`` run can and cannot show, printed after its results.
+QUICK_NOTES = {
+    "copying": "n = 32, 200 steps, depths 1-2: it shows that every column trains, is evaluated "
+    "and writes its files. It cannot reproduce Tables 1-2: at this length and budget the sparse "
+    "columns stay near chance and dense is only partly trained. For the tables: `sparseattn "
+    "copying` (n = 64) or `--paper` (docs/experiments.md).",
+    "lm": "n = 64, 20 steps, one seed: it shows that every column trains and is evaluated. "
+    "20 steps leave every model near its untrained loss, so the perplexities do not rank the "
+    "patterns (Fig. 1a needs `sparseattn lm`).",
+    "dam": "n = 64, 100 + 40 + 20 steps, two λ: it shows the whole pipeline (warm start, learned "
+    "masks, extraction, retraining). The masks have not converged, so the sparsities and "
+    "accuracies are not SparseBERT's findings (`sparseattn dam` for those).",
+    "sparsefinder": "few passages and knobs (a tiny teacher unless the full one is cached): it "
+    "shows every predictor fitting and the evaluation running. It cannot compare methods: the "
+    "recall-sparsity points are too few and the teacher too short (`sparseattn sparsefinder`).",
+    "sparsefinder-decoder": "a 150-step n = 64 teacher, few knobs: it shows the pipeline on a "
+    "decoder. It cannot say how a trained decoder behaves: the teacher's attention is barely "
+    "trained (`sparseattn sparsefinder-decoder`).",
+    "mca": "α ∈ {0, 0.2, 1.0} on 16 passages, in its own run folder: it shows the sweep and the "
+    "accounting. It cannot draw docs/mca.md's curves: three α give three points, and retrieval "
+    "accuracy moves in steps of 1/16 (`sparseattn mca` for the table).",
+}
+
+
+def _quick_note(command: str) -> None:
+    """Say after a ``--quick`` run what it can and cannot show (:data:`QUICK_NOTES`)."""
+    console.print(f"Quick run ({command}): {QUICK_NOTES[command]}", markup=False)
+
+
 def _number(text: str, name: str, kind: type = float) -> float | int:
     """Parse one number of a comma list or key=value option, naming the option on failure."""
     try:
@@ -495,13 +524,15 @@ def copying(
     if os.environ.get("RANK", "0") == "0":
         for result in results:
             print(result["table"])
-            console.print(f"wrote {result['folder']}/table.md and cells/*.json")
+            console.print(f"wrote {result['folder']}/table.md, copying.png and cells/*.json")
         if len(configs) > 1:
             table, folder = seeds_table(configs), Path(results[0]["folder"])
             (folder / "seeds.md").write_text(table)
             seeds_figure(configs, folder / "seeds.png")
             print(table)
             console.print(f"wrote {folder}/seeds.md and seeds.png (every seed)")
+        if quick:
+            _quick_note("copying")
 
 
 @app.command()
@@ -567,6 +598,8 @@ def lm(
     if os.environ.get("RANK", "0") == "0":
         print(result["table"])
         console.print(f"wrote {result['folder']}/table.md, metrics.json, lm.png, cells/*.json")
+        if quick:
+            _quick_note("lm")
 
 
 @app.command()
@@ -694,6 +727,8 @@ def dam(
         )
     console.print(table)
     console.print(f"wrote {result['folder']}: cells/*.json, metrics.json, figures")
+    if quick:
+        _quick_note("dam")
 
 
 @app.command()
@@ -770,6 +805,8 @@ def sparsefinder(
         f"wrote {summary['folder']}: summary.json, table.md, sweep.json, "
         "downstream.json, timing.json, sparsity_recall.png, sparsity_downstream.png"
     )
+    if quick:
+        _quick_note("sparsefinder")
 
 
 @app.command("sparsefinder-decoder")
@@ -816,6 +853,8 @@ def sparsefinder_decoder(
         raise typer.BadParameter(str(err)) from err
     print(summary["table"])
     console.print(f"wrote {summary['folder']}: table.md, summary.json, sparsity_recall.png")
+    if quick:
+        _quick_note("sparsefinder-decoder")
 
 
 @app.command()
@@ -893,7 +932,9 @@ def bench(
 def mca(
     alphas: str = typer.Option("0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0", help="α values"),
     max_passages: int = typer.Option(48, help="test passages of the embedded corpus"),
-    run: str = typer.Option("default", help="run name under results/mca/"),
+    run: str | None = typer.Option(
+        None, help="run name under results/mca/ (default: from the config; --quick differs)"
+    ),
     quick: bool = typer.Option(
         False, help="3 α values on 16 passages (replaces --alphas and --max-passages)"
     ),
@@ -926,7 +967,9 @@ def mca(
         _print_mca_sweep(result)
     if "accounting" in result:
         _print_mca_accounting(result["accounting"])
-    console.print(f"results in results/mca/{run}/")
+    console.print(f"results in results/mca/{config.run_name()}/")
+    if quick:
+        _quick_note("mca")
 
 
 def _print_mca_accounting(acc: dict) -> None:

@@ -1,12 +1,15 @@
-"""Output that is not a terminal (issue 28, item 5): progress bars become a few plain lines,
-rich tables keep their natural width (no 80-column fold), and ``sparseattn demo`` times warm
-calls beside the first one."""
+"""Small runs that tell the truth (issue 28, item 5): output that is not a terminal (progress
+bars become a few plain lines, rich tables keep their natural width), ``sparseattn demo`` times
+warm calls beside the first one, ``--quick`` runs say what they cannot show, and run folders
+are named after their configuration."""
 
 from __future__ import annotations
 
 import io
 import re
 import time
+
+import typer
 
 from sparseattn import cli
 from sparseattn.progress import tqdm
@@ -57,3 +60,27 @@ def test_piped_tables_keep_their_width_and_demo_times_warm_calls(capsys, monkeyp
         assert column in header
     rows = [line for line in out.splitlines() if "engine='block'" in line]
     assert len(rows) == 1 and rows[0].count(" ms") == 2
+
+
+def test_every_quick_run_says_what_it_can_and_cannot_show():
+    """Each command with ``--quick`` has its note (bench and tour are small suites by design)."""
+    root = typer.main.get_command(cli.app)
+    quick = {
+        name
+        for name, command in root.commands.items()
+        if any("--quick" in p.opts for p in getattr(command, "params", []))
+    }
+    assert quick - {"bench", "tour"} == set(cli.QUICK_NOTES)
+    assert all("cannot" in note or "not" in note for note in cli.QUICK_NOTES.values())
+
+
+def test_mca_run_folders_follow_the_configuration():
+    """``mca --quick`` took the full run's folder name ``default``, so a later full run was
+    refused; now the name comes from the fields the folder is pinned to."""
+    from sparseattn.experiments.mca import MCAConfig
+
+    full = MCAConfig()
+    quick = MCAConfig((0.0, 0.2, 1.0), 16)  # what `sparseattn mca --quick` builds
+    assert quick.run_name() != full.run_name()
+    assert MCAConfig((0.5,), 48).run_name() == full.run_name()  # same cells, other α: resumes
+    assert MCAConfig(run="mine").run_name() == "mine"
