@@ -733,8 +733,14 @@ def _nonzero_weights(
     run once more under no_grad with ρ's support indicator and values of ones, (B, ·, n_k, 1),
     so that each query's output is its count (in float32: exact up to 2²⁴). q, k and
     ``target`` (pattern or graph) as the layer's call passes them (grouped queries included);
-    n_q the layer's query length."""
-    with torch.no_grad():
+    n_q the layer's query length. Autocast is switched off: the counts stay float32."""
+    device = q.device.type
+    no_autocast = (
+        torch.autocast(device, enabled=False)
+        if torch.amp.is_autocast_available(device)
+        else contextlib.nullcontext()
+    )
+    with torch.no_grad(), no_autocast:
         q32, k32 = q.detach().float(), k.detach().float()
         counts = sparse_attention(
             q32,

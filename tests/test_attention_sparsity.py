@@ -112,3 +112,17 @@ def test_softmax_weights_and_graph_agree_and_of_is_checked():
     assert hf.attention_sparsity(model) == hf.attention_sparsity(model, of="graph")
     with pytest.raises(ValueError, match="of"):
         hf.attention_sparsity(model, of="edges")
+
+
+def test_counting_under_autocast():
+    """Under bf16 autocast the layers run in bf16; the support counts stay float32 (exact
+    integers), so the sparsity is that of the bf16 weights: close to the float32 run's."""
+    model = _bert(spread=30.0)
+    ids = torch.randint(1, 100, (2, 48), generator=torch.Generator().manual_seed(0))
+    hf.sparsify(model, sa.dense(), "entmax15")
+    with torch.no_grad():
+        model(input_ids=ids)
+        exact = hf.attention_sparsity(model, reset=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids)
+    assert hf.attention_sparsity(model) == pytest.approx(exact, abs=0.03)
