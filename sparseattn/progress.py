@@ -50,9 +50,17 @@ class tqdm(_tqdm):  # noqa: N801 - a drop-in for tqdm.tqdm
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         stream = kwargs.get("file") or sys.stderr
-        if not kwargs.get("disable") and not _is_terminal(stream):
+        self._piped = not kwargs.get("disable") and not _is_terminal(stream)
+        if self._piped:
             kwargs["file"] = _Lines(stream)
             kwargs.setdefault("mininterval", PIPED_INTERVAL)
             kwargs["dynamic_ncols"] = False
             kwargs.setdefault("ncols", 100)
         super().__init__(*args, **kwargs)
+
+    # tqdm redraws at once on a new postfix or description; piped, they wait for the next line
+    def set_postfix(self, ordered_dict=None, refresh: bool = True, **kwargs: Any) -> None:
+        super().set_postfix(ordered_dict, refresh=refresh and not self._piped, **kwargs)
+
+    def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
+        super().set_description(desc, refresh=refresh and not self._piped)

@@ -22,6 +22,7 @@ def test_a_piped_progress_bar_writes_plain_lines_only():
     with tqdm(total=2000, desc="cells", file=stream) as bar:
         for i in range(2000):
             bar.update()
+            bar.set_postfix(loss=1.0 / (i + 1))  # tqdm redraws on every new postfix
             if i == 1000:
                 bar.write("halfway", file=stream)
     with tqdm(total=5, desc="inner", file=stream, position=1, leave=False, mininterval=0) as bar:
