@@ -10,7 +10,9 @@ take the complement (True for real keys); it is formed once, here.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -182,6 +184,44 @@ def choose_engine(
     return "block"
 
 
+def _autocasting(t: Tensor) -> bool:
+    """Whether ``torch.autocast`` is on for ``t``'s device type (False where it has none)."""
+    device = t.device.type
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+
+
+def _autocast_like_sdpa(inputs: tuple[str, ...]) -> Callable[[Callable], Callable]:
+    """Run the decorated function under ``torch.autocast`` as autocast runs SDPA (a
+    lower-precision op): the tensor ``inputs`` (floating, not float64) are cast to the autocast
+    dtype, and the body runs with autocast off, so that the engines pick their own compute
+    dtype (float32 inside for half inputs on CPU; docs/engines.md, "Mixed precision"). The
+    output comes back in the autocast dtype. Outside autocast: a plain call."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            first = args[0] if args else kwargs.get(inputs[0])
+            if not isinstance(first, Tensor) or not _autocasting(first):
+                return fn(*args, **kwargs)
+            device = first.device.type
+            dtype = torch.get_autocast_dtype(device)
+
+            def cast(t: object) -> object:
+                if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+                    return t.to(dtype)
+                return t
+
+            args = tuple(cast(a) if i < len(inputs) else a for i, a in enumerate(args))
+            kwargs = {name: cast(a) if name in inputs else a for name, a in kwargs.items()}
+            with torch.autocast(device, enabled=False):
+                return fn(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+@_autocast_like_sdpa(("q", "k", "v"))
 def sparse_attention(
     q: Tensor,
     k: Tensor,
@@ -225,6 +265,11 @@ def sparse_attention(
         leave a query without any key, a key padding mask that ignores every key of an item,
         and (on CPU) NaN/inf inputs and overflowing scores; on a GPU those two checks are
         skipped, since each would stall the host on the device.
+
+    Dtypes: float64, float32, bfloat16, float16 on every engine; the output has the inputs'
+    dtype. Under ``torch.autocast`` q, k, v are cast to the autocast dtype first, as for
+    SDPA. On CPU, half-precision inputs are computed in float32 inside the engines
+    (docs/engines.md, "Mixed precision").
     """
     _check_qkv(q, k, v, check_bool("enable_gqa", enable_gqa))
     rho = resolve_prob_map(prob_map)
@@ -324,6 +369,7 @@ def _full_rows(pattern: object, q: Tensor, k: Tensor) -> bool | None:
     return None
 
 
+@_autocast_like_sdpa(("q", "k"))
 def attention_weights(
     q: Tensor,
     k: Tensor,
@@ -437,6 +483,11 @@ class SparseAttention(nn.Module):
             2019): ``prob_map`` must be α-entmax with α > 1 (e.g. ``"entmax15"``), its α the
             initial value; α_h = 1 + softplus(θ_h) > 1 with θ the parameter ``alpha_logit``
             (H,); :attr:`alpha` reads the current values.
+
+    Dtypes: x must have the layer's dtype (``.bfloat16()``, ``.half()`` layers work), except
+    under ``torch.autocast``, where x of any floating dtype is accepted and the projections
+    and the attention run in the autocast dtype, as in ``nn.MultiheadAttention``
+    (docs/engines.md, "Mixed precision").
     """
 
     def __init__(
@@ -514,7 +565,7 @@ class SparseAttention(nn.Module):
                 f"x is on {x.device} but the layer's parameters are on "
                 f"{self.qkv.weight.device}; move one of them (layer.to(device) or x.to(...))"
             )
-        if x.dtype != self.qkv.weight.dtype:
+        if x.dtype != self.qkv.weight.dtype and not _autocasting(x):
             raise TypeError(f"x must have the layer's dtype {self.qkv.weight.dtype}, got {x.dtype}")
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(

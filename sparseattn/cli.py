@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,22 @@ app = _App(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
+#: Width of tables and text when output is piped or redirected (rich would use 80 columns and
+#: fold wide tables); tables keep their natural width, only lines longer than this wrap.
+PIPED_WIDTH = 200
+
+
+def _console() -> Console:
+    """The rich console: as usual on a terminal; piped or redirected, :data:`PIPED_WIDTH`
+    columns (no colour or cursor codes either: rich writes none off a terminal). A COLUMNS
+    environment variable still decides the width."""
+    plain = Console()
+    if plain.is_terminal or os.environ.get("COLUMNS"):
+        return plain
+    return Console(width=PIPED_WIDTH)
+
+
+console = _console()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +79,35 @@ def main(argv: list[str] | None = None) -> int:
 def _fail(message: str, code: int) -> int:
     print(f"Error: {' '.join(message.split())}", file=sys.stderr)
     return code
+
+
+#: What each command's ``--quick`` run can and cannot show, printed after its results.
+QUICK_NOTES = {
+    "copying": "n = 32, 200 steps, depths 1-2: it shows that every column trains, is evaluated "
+    "and writes its files. It cannot reproduce Tables 1-2: at this length and budget the sparse "
+    "columns stay near chance and dense is only partly trained. For the tables: `sparseattn "
+    "copying` (n = 64) or `--paper` (docs/experiments.md).",
+    "lm": "n = 64, 20 steps, one seed: it shows that every column trains and is evaluated. "
+    "20 steps leave every model near its untrained loss, so the perplexities do not rank the "
+    "patterns (Fig. 1a needs `sparseattn lm`).",
+    "dam": "n = 64, 100 + 40 + 20 steps, two λ: it shows the whole pipeline (warm start, learned "
+    "masks, extraction, retraining). The masks have not converged, so the sparsities and "
+    "accuracies are not SparseBERT's findings (`sparseattn dam` for those).",
+    "sparsefinder": "few passages and knobs (a tiny teacher unless the full one is cached): it "
+    "shows every predictor fitting and the evaluation running. It cannot compare methods: the "
+    "recall-sparsity points are too few and the teacher too short (`sparseattn sparsefinder`).",
+    "sparsefinder-decoder": "a 150-step n = 64 teacher, few knobs: it shows the pipeline on a "
+    "decoder. It cannot say how a trained decoder behaves: the teacher's attention is barely "
+    "trained (`sparseattn sparsefinder-decoder`).",
+    "mca": "α ∈ {0, 0.2, 1.0} on 16 passages, in its own run folder: it shows the sweep and the "
+    "accounting. It cannot draw docs/mca.md's curves: three α give three points, and retrieval "
+    "accuracy moves in steps of 1/16 (`sparseattn mca` for the table).",
+}
+
+
+def _quick_note(command: str) -> None:
+    """Say after a ``--quick`` run what it can and cannot show (:data:`QUICK_NOTES`)."""
+    console.print(f"Quick run ({command}): {QUICK_NOTES[command]}", markup=False)
 
 
 def _number(text: str, name: str, kind: type = float) -> float | int:
@@ -105,8 +150,12 @@ def _fmt(params: dict) -> str:
 @app.command()
 def demo(
     n: int = typer.Option(2048, min=1, help="sequence length of the attention comparison"),
+    repeats: int = typer.Option(3, min=1, help="warm calls timed after the first (median)"),
 ) -> None:
-    """A first look: the pattern table, then sparse attention next to dense attention."""
+    """A first look: the pattern table, then sparse attention next to dense attention — the
+    first (cold) call and the median of warm calls of each."""
+    import statistics
+
     import torch
 
     from . import longformer, sparse_attention
@@ -118,26 +167,51 @@ def demo(
     graph = pattern.graph(n)
 
     def timed(fn):
-        start = time.perf_counter()
-        out = fn()
-        return out, (time.perf_counter() - start) * 1e3
+        """(output, first call ms, median ms of ``repeats`` warm calls)."""
+        times = []
+        for _ in range(1 + repeats):
+            start = time.perf_counter()
+            out = fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return out, times[0], statistics.median(times[1:])
 
-    _, t_sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
-    ref, t_dense = timed(lambda: sparse_attention(q, k, v, graph, engine="dense"))
+    _, sdpa_first, sdpa_warm = timed(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    )
+    ref, dense_first, dense_warm = timed(lambda: sparse_attention(q, k, v, graph, engine="dense"))
     table = Table(title=escape(f"{pattern!r}: batch 1, 8 heads, n = {n}, d = 64, fp32"))
-    for col in ("computation", "time", "max |out − masked dense|"):
+    for col in (
+        "computation",
+        "first call",
+        f"warm (median of {repeats})",
+        "max |out − masked dense|",
+    ):
         table.add_column(col)
-    table.add_row("full attention (SDPA, no mask)", f"{t_sdpa:.0f} ms", "—")
-    table.add_row("masked dense reference (engine='dense')", f"{t_dense:.0f} ms", "0")
+    table.add_row(
+        "full attention (SDPA, no mask)", f"{sdpa_first:.0f} ms", f"{sdpa_warm:.0f} ms", "—"
+    )
+    table.add_row(
+        "masked dense reference (engine='dense')",
+        f"{dense_first:.0f} ms",
+        f"{dense_warm:.0f} ms",
+        "0",
+    )
     for engine in ("gather", "block"):
-        out, ms = timed(lambda engine=engine: sparse_attention(q, k, v, graph, engine=engine))
+        out, first, warm = timed(
+            lambda engine=engine: sparse_attention(q, k, v, graph, engine=engine)
+        )
         table.add_row(
-            f"sparse (engine='{engine}')", f"{ms:.0f} ms", f"{(out - ref).abs().max():.1e}"
+            f"sparse (engine='{engine}')",
+            f"{first:.0f} ms",
+            f"{warm:.0f} ms",
+            f"{(out - ref).abs().max():.1e}",
         )
     console.print(table)
     console.print(
         f"The pattern keeps {graph.density:.1%} of the n² connections "
-        f"({graph.num_edges / n:.0f} keys per query on average)."
+        f"({graph.num_edges / n:.0f} keys per query on average). A first call pays once per "
+        "graph for the engine's plan (cached on the graph) and torch's own warm-up; the warm "
+        "column is what later calls cost (docs/benchmarks.md quotes warm medians)."
     )
 
 
@@ -455,13 +529,15 @@ def copying(
     if os.environ.get("RANK", "0") == "0":
         for result in results:
             print(result["table"])
-            console.print(f"wrote {result['folder']}/table.md and cells/*.json")
+            console.print(f"wrote {result['folder']}/table.md, copying.png and cells/*.json")
         if len(configs) > 1:
             table, folder = seeds_table(configs), Path(results[0]["folder"])
             (folder / "seeds.md").write_text(table)
             seeds_figure(configs, folder / "seeds.png")
             print(table)
             console.print(f"wrote {folder}/seeds.md and seeds.png (every seed)")
+        if quick:
+            _quick_note("copying")
 
 
 @app.command()
@@ -527,6 +603,8 @@ def lm(
     if os.environ.get("RANK", "0") == "0":
         print(result["table"])
         console.print(f"wrote {result['folder']}/table.md, metrics.json, lm.png, cells/*.json")
+        if quick:
+            _quick_note("lm")
 
 
 @app.command()
@@ -654,6 +732,8 @@ def dam(
         )
     console.print(table)
     console.print(f"wrote {result['folder']}: cells/*.json, metrics.json, figures")
+    if quick:
+        _quick_note("dam")
 
 
 @app.command()
@@ -730,6 +810,8 @@ def sparsefinder(
         f"wrote {summary['folder']}: summary.json, table.md, sweep.json, "
         "downstream.json, timing.json, sparsity_recall.png, sparsity_downstream.png"
     )
+    if quick:
+        _quick_note("sparsefinder")
 
 
 @app.command("sparsefinder-decoder")
@@ -776,6 +858,8 @@ def sparsefinder_decoder(
         raise typer.BadParameter(str(err)) from err
     print(summary["table"])
     console.print(f"wrote {summary['folder']}: table.md, summary.json, sparsity_recall.png")
+    if quick:
+        _quick_note("sparsefinder-decoder")
 
 
 @app.command()
@@ -853,7 +937,9 @@ def bench(
 def mca(
     alphas: str = typer.Option("0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0", help="α values"),
     max_passages: int = typer.Option(48, help="test passages of the embedded corpus"),
-    run: str = typer.Option("default", help="run name under results/mca/"),
+    run: str | None = typer.Option(
+        None, help="run name under results/mca/ (default: from the config; --quick differs)"
+    ),
     quick: bool = typer.Option(
         False, help="3 α values on 16 passages (replaces --alphas and --max-passages)"
     ),
@@ -886,7 +972,9 @@ def mca(
         _print_mca_sweep(result)
     if "accounting" in result:
         _print_mca_accounting(result["accounting"])
-    console.print(f"results in results/mca/{run}/")
+    console.print(f"results in results/mca/{config.run_name()}/")
+    if quick:
+        _quick_note("mca")
 
 
 def _print_mca_accounting(acc: dict) -> None:

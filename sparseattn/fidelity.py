@@ -226,7 +226,7 @@ def evaluate(
             else contextlib.nullcontext()
         ):
             yield
-        per_layer_graph.update(hf.attention_sparsity(model, reset=True))
+        per_layer_graph.update(hf.attention_sparsity(model, reset=True, of="graph"))
 
     hf.sparsify(model, config.pattern, config.prob_map, config.engine, config.method)
     try:
@@ -349,8 +349,7 @@ def run_study(config: FidelityConfig) -> tuple[dict, Path]:
     re-run with the same config skips finished methods) and ``fidelity.png``.
     """
     from .corpus import load_corpus
-
-    tqdm = require("tqdm", "experiments", "the fidelity study").tqdm
+    from .progress import tqdm
 
     if config.max_passages < 2 or config.batch_size < 1 or config.max_length < 8:
         raise ValueError("max_passages must be >= 2, batch_size >= 1 and max_length >= 8")

@@ -56,7 +56,7 @@ from .attention import resolve_graph, sparse_attention
 from .engines import ENGINES
 from .graph import AttentionGraph
 from .kvcache import evictable_extent
-from .maps import ProbabilityMap, resolve_prob_map, softmax
+from .maps import ProbabilityMap, resolve_prob_map, softmax, support
 from .patterns import Causal, HeadSplit, Pattern, PatternCycle, as_cycle, dense
 from .patterns.fixed import Dense
 from .validate import check_choice, check_int, check_positive, check_tensor
@@ -181,6 +181,7 @@ class _State:
     hooks: list = dataclasses.field(default_factory=list)
     edges: dict[int, float] = dataclasses.field(default_factory=dict)
     pairs: dict[int, float] = dataclasses.field(default_factory=dict)
+    nonzero: dict[int, float] = dataclasses.field(default_factory=dict)
     capture: _Capture | None = None
 
 
@@ -401,18 +402,34 @@ def layer_specs(model: nn.Module) -> dict[int, LayerSpec]:
     return {} if state is None else dict(state.specs)
 
 
-def attention_sparsity(model: nn.Module, reset: bool = False) -> dict[int, float]:
-    """Per layer, the sparsity of the graphs actually used since sparsify (or the last reset):
-    1 − (allowed query–key pairs among real tokens) / (all real pairs), summed over heads and
-    batch items of every forward call (Sparsefinder eq. 5 restricted to real tokens)."""
+def attention_sparsity(
+    model: nn.Module, reset: bool = False, of: str = "weights"
+) -> dict[int, float]:
+    """Per layer, the sparsity of the attention actually used since sparsify (or the last
+    reset), summed over heads and batch items of every forward call, among real tokens
+    (Sparsefinder eq. 5 restricted to real tokens; the pairs are those the model's own mask
+    allows, j ≤ i in a decoder):
+
+    * ``of="weights"``: 1 − (non-zero attention weights) / (all real pairs). A sparse map
+      (α-entmax, sparsemax, …) also zeroes allowed pairs: its non-zeros are counted exactly,
+      by one more pass of the layer's engine under no_grad with values of ones (the support
+      indicator :func:`sparseattn.maps.support` gives each query's count; about one more
+      forward of the attention, without its P·V product). With softmax it equals "graph".
+    * ``of="graph"``: 1 − (allowed pairs of the pattern's graph) / (all real pairs).
+
+    Layers run by a method hook (e.g. MCA) report their graph's sparsity under both.
+    """
     _check_model(model)
+    check_choice("of", of, ["weights", "graph"])
     state = _state(model)
     if state is None:
         return {}
-    out = {layer: 1.0 - state.edges[layer] / state.pairs[layer] for layer in sorted(state.pairs)}
+    used = state.nonzero if of == "weights" else state.edges
+    out = {layer: 1.0 - used[layer] / state.pairs[layer] for layer in sorted(state.pairs)}
     if reset:
         state.edges.clear()
         state.pairs.clear()
+        state.nonzero.clear()
     return out
 
 
@@ -665,9 +682,10 @@ def _account(
     k: Tensor,
     view: _MaskView,
     spec: LayerSpec,
-) -> None:
+) -> float:
     """Check every real query keeps a real key; add the layer's real-token edge counts (the
-    pairs counted are those the model's own mask allows: j ≤ i in a decoder)."""
+    pairs counted are those the model's own mask allows: j ≤ i in a decoder); return the
+    edges counted."""
     bsz, heads, n_q = q.shape[:3]
     n_k = k.shape[-2]
     if view.kpm is None and view.structure is None:  # every token real: closed forms
@@ -676,7 +694,7 @@ def _account(
         edges = pairs if graph is None else _edges_without_padding(graph, bsz, heads)
         state.edges[layer] = state.edges.get(layer, 0.0) + edges
         state.pairs[layer] = state.pairs.get(layer, 0.0) + pairs
-        return
+        return edges
     real = torch.ones(bsz, n_k, dtype=torch.bool) if view.kpm is None else view.kpm.cpu()
     real_q = real[:, n_k - n_q :]
     pairs = float((_possible_keys(view, real, n_q) * real_q).sum()) * heads
@@ -696,6 +714,48 @@ def _account(
         edges = float((counts * real_q[:, None, :]).sum()) * heads / counts.shape[1]
     state.edges[layer] = state.edges.get(layer, 0.0) + edges
     state.pairs[layer] = state.pairs.get(layer, 0.0) + pairs
+    return edges
+
+
+def _nonzero_weights(
+    spec: LayerSpec,
+    q: Tensor,
+    k: Tensor,
+    target,
+    view: _MaskView,
+    scale: float,
+    n_q: int,
+    enable_gqa: bool = False,
+) -> float:
+    """How many weights of a sparse map are non-zero among real queries: the layer's engine
+    run once more under no_grad with ρ's support indicator and values of ones, (B, ·, n_k, 1),
+    so that each query's output is its count (in float32: exact up to 2²⁴). q, k and
+    ``target`` (pattern or graph) as the layer's call passes them (``enable_gqa`` where k has
+    fewer heads); n_q the layer's query length. Autocast is switched off: the counts stay
+    float32."""
+    device = q.device.type
+    no_autocast = (
+        torch.autocast(device, enabled=False)
+        if torch.amp.is_autocast_available(device)
+        else contextlib.nullcontext()
+    )
+    with torch.no_grad(), no_autocast:
+        q32, k32 = q.detach().float(), k.detach().float()
+        counts = sparse_attention(
+            q32,
+            k32,
+            k32.new_ones(*k32.shape[:-1], 1),
+            target,
+            prob_map=support(spec.prob_map),
+            engine=spec.engine,
+            scale=scale,
+            key_padding_mask=None if view.kpm is None else ~view.kpm,
+            enable_gqa=enable_gqa,
+        )
+    counts = counts.reshape(counts.shape[0], -1, n_q)
+    if view.kpm is not None:
+        counts = counts * view.kpm[:, None, view.kpm.shape[-1] - n_q :].to(counts.dtype)
+    return float(counts.double().sum())
 
 
 def _record(
@@ -764,7 +824,8 @@ def _attention_forward(
         attention_mask, query, key, _is_causal(module, kwargs), kwargs.get("sliding_window")
     )
     if spec is None and not capturing:
-        _account(state, layer, None, query, key, view, _EXACT)
+        edges = _account(state, layer, None, query, key, view, _EXACT)
+        state.nonzero[layer] = state.nonzero.get(layer, 0.0) + edges
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -785,7 +846,7 @@ def _attention_forward(
         else:
             key, value = _expand_kv(query, key, value)
     graph = None if free is not None and not capturing else _layer_graph(spec, query, key, view)
-    _account(state, layer, None if free is not None else graph, query, key, view, spec)
+    edges = _account(state, layer, None if free is not None else graph, query, key, view, spec)
     out = spec.method(
         query,
         key,
@@ -798,6 +859,11 @@ def _attention_forward(
         dropout_p=dropout,
         **extra,
     )
+    if spec.prob_map.sparse and spec.method is sparse_attention:  # exact zeros of the map
+        target = graph if free is None else free
+        gqa = extra.get("enable_gqa", False)
+        edges = _nonzero_weights(spec, query, key, target, view, scale, query.shape[-2], gqa)
+    state.nonzero[layer] = state.nonzero.get(layer, 0.0) + edges
     if capturing:
         _record(capture, layer, graph, query, key, view.kpm, spec, scale)
     return out.transpose(1, 2).contiguous(), None

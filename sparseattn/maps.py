@@ -13,7 +13,9 @@ Rules shared by all maps:
 * **a row with no valid entry maps to an all-zero row** with zero gradient, never NaN (the
   engines reject empty pattern rows at their public boundary; here the case is defined);
 * all maps are shift invariant, so the (detached) max of the valid entries is subtracted first;
-* float32 and float64, any number of leading dims. Sparse maps output exact zeros.
+* float64, float32, and bfloat16/float16 — computed in float32 (shift, exponentials,
+  denominators, thresholds) and returned in the scores' dtype; any number of leading dims.
+  Sparse maps output exact zeros.
 """
 
 from __future__ import annotations
@@ -36,7 +38,11 @@ __all__ = [
     "softmax",
     "sparselin_gen",
     "sparsemax",
+    "support",
 ]
+
+#: Score dtypes a map computes in float32 (and returns in their own dtype).
+_HALF = (torch.bfloat16, torch.float16)
 
 Kernel = Callable[[Tensor, Tensor], Tensor]
 """``kernel(z, valid) -> p``: z (..., K) shifted scores (valid max 0, padding 0), valid (..., K)."""
@@ -131,11 +137,13 @@ class ProbabilityMap:
                 ) from err
         if scores.shape[-1] == 0:
             return torch.zeros_like(scores)
-        z = _shift(scores, valid)
+        # half precision: a bf16 cumsum or row sum of a few hundred entries is too coarse for
+        # a threshold or a denominator, so the map runs in float32 (autograd through the casts)
+        z = _shift(scores.float() if scores.dtype in _HALF else scores, valid)
         # one reduction: NaN or ±inf at a valid entry makes z (hence its sum) non-finite
         if not torch.isfinite(z.detach().sum()) and not bool(torch.isfinite(z).all()):
             raise NonFiniteScoresError("scores must be finite at valid entries, got NaN or ±inf")
-        return self._kernel(z, valid)
+        return self._kernel(z, valid).to(scores.dtype)
 
     def __repr__(self) -> str:
         if self.alpha is not None:
@@ -385,6 +393,30 @@ def _in_float64(fn: Callable[[Tensor, Tensor | None], Tensor]):
         return fn(x, valid) if x.dtype == torch.float64 else fn(x.double(), valid).to(x.dtype)
 
     return widened
+
+
+class _Support(ProbabilityMap):
+    """1.0 where ρ gives a positive weight, 0.0 elsewhere (see :func:`support`)."""
+
+    def __init__(self, rho: ProbabilityMap) -> None:
+        super().__init__(
+            "support",
+            lambda z, valid: (rho._kernel(z, valid) > 0).to(z.dtype),
+            sparse=True,
+            fast=lambda s, valid: (rho.forward_only(s, valid) > 0).to(s.dtype),
+            alpha_tensor=rho.alpha,
+        )
+        self.rho = rho
+
+    def with_alpha(self, alpha: Tensor) -> ProbabilityMap:
+        return _Support(self.rho.with_alpha(alpha))
+
+
+def support(rho: ProbabilityMap) -> ProbabilityMap:
+    """The indicator of ρ's support, 1[ρ(scores)_j > 0], as a map of the same shape (forward
+    only). Through an engine with values of ones, (B, H, n_k, 1), it gives each query's number
+    of non-zero weights without an n_q × n_k tensor (``hf.attention_sparsity``)."""
+    return _Support(rho)
 
 
 _NAMED: dict[str, Callable[[], ProbabilityMap]] = {

@@ -288,6 +288,7 @@ def test_sweep_writes_cells_skips_finished_ones_and_resumes(tmp_path, monkeypatc
     table = (folder / "table.md").read_text()
     assert "| 2-layer |" in table and "STAR (" in table and "DENSE (0.0%)" in table
     assert result["complete"]
+    assert (folder / "copying.png").read_bytes()[:4] == b"\x89PNG"  # every experiment: a PNG
 
     calls = []
     real_train = copying.train

@@ -547,7 +547,7 @@ def test_predicted_pattern_in_model_is_exact_on_a_superset(tiny_bert):
         )
         with torch.no_grad():
             out = model(**batch).last_hidden_state
-        sparse_used = hf.attention_sparsity(model)
+        sparse_used = hf.attention_sparsity(model, of="graph")
         hf.restore(model)
         err = float((out - full).abs().max())
         assert (err < 1e-5) == same, err

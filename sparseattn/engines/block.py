@@ -48,6 +48,7 @@ from torch.autograd.function import FunctionCtx
 
 from ..graph import PIECE_EDGES, AttentionGraph
 from ..maps import ProbabilityMap
+from .precision import compute_dtype
 
 __all__ = [
     "BlockPairs",
@@ -499,8 +500,8 @@ def _build_plan(graph: AttentionGraph, block: int) -> BlockPlan:
 class _Runner:
     """What the per-chunk computations need, shared by forward and backward."""
 
-    def __init__(self, plan, prob_map, scale, key_ok, dropout_p, budget, lead, cpu, same_d):
-        self.plan, self.prob_map, self.scale = plan, prob_map, scale
+    def __init__(self, plan, prob_map, scale, key_ok, dropout_p, budget, lead, cpu, same_d, dtype):
+        self.plan, self.prob_map, self.scale, self.dtype = plan, prob_map, scale, dtype
         self.key_ok, self.dropout_p, self.lead = key_ok, dropout_p, lead
         self.softmax = prob_map.is_softmax
         self.split = self.softmax and key_ok is None and not dropout_p and cpu and same_d
@@ -603,8 +604,8 @@ def _masked_exp(s: Tensor, masks: list[Tensor], lse: Tensor | None):
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, alpha, run: _Runner) -> Tensor:
-        ctx.run = run
-        qp, kp, vp = (_blocked(t, run) for t in (q, k, v))
+        ctx.run, ctx.dtype = run, q.dtype
+        qp, kp, vp = (_blocked(t, run) for t in (q, k, v))  # in run.dtype (fp32 for half on CPU)
         out = qp.new_empty(*qp.shape[:-1], v.shape[-1])
         if run.split:
             lse_all = qp.new_empty(qp.shape[:-1])
@@ -614,7 +615,7 @@ class _BlockAttention(torch.autograd.Function):
                 lse_all.index_copy_(1, ch.rows, lse)
             ctx.shapes = q.shape, k.shape, v.shape
             ctx.save_for_backward(qp, kp, vp, out, lse_all)  # blocked: no second copy
-            return _unblock(out, q.shape)
+            return _unblock(out, q.shape).to(q.dtype)
         if run.dropout_p:
             ctx.rng = _rng_state(q.device)
         ap = None if alpha is None else _blocked_alpha(alpha, run)
@@ -630,13 +631,13 @@ class _BlockAttention(torch.autograd.Function):
             out.index_copy_(1, rows, torch.matmul(p, run.gather(vp, keys)))
         ctx.shapes = q.shape, k.shape, v.shape
         ctx.save_for_backward(qp, kp, vp, ap)
-        return _unblock(out, q.shape)
+        return _unblock(out, q.shape).to(q.dtype)
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad_out: Tensor):
         run: _Runner = ctx.run
         qp, kp, vp = ctx.saved_tensors[:3]
-        q_shape, k_shape, v_shape = ctx.shapes
+        q_shape = ctx.shapes[0]
         gp = _blocked(grad_out.contiguous(), run)
         dq, dk, dv = torch.zeros_like(qp), torch.zeros_like(kp), torch.zeros_like(vp)
         b = run.plan.block
@@ -644,7 +645,7 @@ class _BlockAttention(torch.autograd.Function):
             out, lse_all = ctx.saved_tensors[3:]
             for ch in run.chunks:
                 _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch)
-            return _unblock(dq, q_shape), _unblock(dk, k_shape), _unblock(dv, v_shape), None, None
+            return (*_unblocked_grads(ctx.dtype, (dq, dk, dv), ctx.shapes), None, None)
         ap = ctx.saved_tensors[3]
         want_alpha = ap is not None and ctx.needs_input_grad[3]
         dap = torch.zeros_like(ap) if want_alpha else None
@@ -679,7 +680,12 @@ class _BlockAttention(torch.autograd.Function):
                 dq.index_copy_(1, rows, torch.matmul(ds, kc).mul_(run.scale))
                 dk.index_add_(1, flat, _per_block(torch.matmul(ds.transpose(-1, -2), qs), b))
         d_alpha = None if dap is None else _unblock(dap, (*q_shape[:3], 1))
-        return _unblock(dq, q_shape), _unblock(dk, k_shape), _unblock(dv, v_shape), d_alpha, None
+        return (*_unblocked_grads(ctx.dtype, (dq, dk, dv), ctx.shapes), d_alpha, None)
+
+
+def _unblocked_grads(dtype: torch.dtype, grads, shapes) -> tuple[Tensor, ...]:
+    """dQ, dK, dV from the blocked layout back to their inputs' shapes, in the inputs' dtype."""
+    return tuple(_unblock(g, s).to(dtype) for g, s in zip(grads, shapes, strict=True))
 
 
 def _blocked_alpha(alpha: Tensor, run: _Runner) -> Tensor:
@@ -846,16 +852,19 @@ def _set_rng_state(device: torch.device, state: Tensor) -> None:
 
 
 def _blocked(x: Tensor, run: _Runner) -> Tensor:
-    """(B, H, n, e) → contiguous (L, G·nb, b, e), zero-padded to a multiple of the block size.
+    """(B, H, n, e) → contiguous (L, G·nb, b, e) in ``run.dtype``, zero-padded to a multiple of
+    the block size.
 
-    Inputs of any strides (the transposed views of a fused projection) are copied once here,
-    O(n·e), so that every block below is a dense slice and every run a strided view of it.
+    Inputs of any strides (the transposed views of a fused projection) or of half precision
+    on CPU (computed in float32, :mod:`.precision`) are copied once here, O(n·e), so that
+    every block below is a dense slice and every run a strided view of it.
     """
     b = run.plan.block
     pad = -x.shape[-2] % b
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
-    return x.reshape(run.lead, -1, b, x.shape[-1]).contiguous()
+    x = x.reshape(run.lead, -1, b, x.shape[-1])
+    return x.to(run.dtype, memory_format=torch.contiguous_format)
 
 
 def _unblock(x: Tensor, shape: torch.Size) -> Tensor:
@@ -935,5 +944,6 @@ def block_attention(
         lead,
         q.device.type == "cpu",
         q.shape[-1] == v.shape[-1],
+        compute_dtype(q),
     )
     return _BlockAttention.apply(q, k, v, prob_map.row_alpha(bsz, heads, q.shape[2]), run)

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
+from .precision import compute_dtype
 
 __all__ = ["dense_attention"]
 
@@ -36,8 +37,9 @@ def dense_attention(
         )
     if key_padding_mask is not None:
         mask = mask & key_padding_mask[:, None, None, :]
-    scores = (q @ k.transpose(-1, -2)) * scale
+    dtype = compute_dtype(q)  # half precision on CPU: float32 scores and weights
+    scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
     weights = prob_map(scores, mask)
     if dropout_p:
         weights = F.dropout(weights, dropout_p)
-    return weights @ v
+    return (weights @ v.to(dtype)).to(q.dtype)

@@ -25,6 +25,7 @@ from torch.autograd.function import FunctionCtx
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from .block import _masked_exp, _rng_state, replayed_rng
+from .precision import compute_dtype
 
 __all__ = ["gather_attention", "chunk_rows", "PIECE"]
 
@@ -222,7 +223,11 @@ def gather_attention(
         key_ok = key_padding_mask.to(q.device).repeat_interleave(heads, 0).reshape(b, -1)
     budget = BUDGET.get(q.device.type, BUDGET["cuda"]) if budget is None else budget
     run = _Run(graph, static, n_q, n_k, b, budget, prob_map, scale, key_ok, dropout_p, q.device)
+    dtype = compute_dtype(q)  # half precision on CPU: float32 inside (docs/engines.md)
     out = _GatherAttention.apply(
-        q.reshape(b, -1, d), k.reshape(b, -1, d), v.reshape(b, -1, d_v), run
+        q.reshape(b, -1, d).to(dtype),
+        k.reshape(b, -1, d).to(dtype),
+        v.reshape(b, -1, d_v).to(dtype),
+        run,
     )
-    return out.reshape(bsz, heads, n_q, d_v)
+    return out.reshape(bsz, heads, n_q, d_v).to(q.dtype)

@@ -30,6 +30,7 @@ from torch.autograd.function import FunctionCtx
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from .block import _rng_state, replayed_rng
+from .precision import compute_dtype
 
 __all__ = ["full_rows_attention", "rows_attention"]
 
@@ -191,13 +192,15 @@ def rows_attention(
     bsz, heads, n_q, _ = q.shape
     if causal and n_q > k.shape[-2]:
         raise ValueError(f"causal rows need n_q <= n_k, got n_q={n_q}, n_k={k.shape[-2]}")
+    dtype = compute_dtype(q)  # half precision on CPU: float32 inside (docs/engines.md)
     alpha = prob_map.row_alpha(bsz, heads, n_q)
     if alpha is not None:
-        alpha = alpha.to(q.dtype)
+        alpha = alpha.to(dtype)
     kpm = None if key_padding_mask is None else key_padding_mask.to(q.device)
     budget = BUDGET.get(q.device.type, BUDGET["cuda"]) if budget is None else budget
     run = _Run(q, k, graph, prob_map, scale, kpm, dropout_p, causal, budget)
-    return _RowsAttention.apply(q, k, v, alpha, run)
+    out = _RowsAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), alpha, run)
+    return out.to(q.dtype)
 
 
 def full_rows_attention(

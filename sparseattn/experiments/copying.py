@@ -32,7 +32,8 @@ global batch is sharded across workers and the model is wrapped in DistributedDa
 gloo on CPU, nccl on GPU).
 
 Writes ``<out_dir>/<run>/config.json``, ``cells/<column>-L<depth>.json`` (one per finished cell,
-atomically; a re-run skips finished cells), ``table.md`` and ``metrics.json``.
+atomically; a re-run skips finished cells), ``table.md``, ``metrics.json`` and ``copying.png``
+(:func:`seeds_figure` of the run: accuracy against depth per column, beside the paper's).
 Run: ``sparseattn copying`` (see ``--help``), ``torchrun --nproc_per_node 2 -m sparseattn.cli
 copying``, or ``run(CopyConfig())``.
 """
@@ -56,7 +57,6 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from ..attention import SparseAttention
 from ..patterns import (
@@ -76,6 +76,7 @@ from ..patterns import (
     strided,
     union,
 )
+from ..progress import tqdm
 from ..results import (
     atomic_write,
     machine_facts,
@@ -828,6 +829,8 @@ def run(config: CopyConfig, dist: Dist | None = None) -> dict[str, Any]:
     if dist.rank == 0:
         _write_text(folder / "table.md", result["table"])
         write_json(folder / "metrics.json", result)
+        if cells:
+            seeds_figure([config], folder / "copying.png")
     if owns_group and dist.world > 1:
         tdist.destroy_process_group()
     return result

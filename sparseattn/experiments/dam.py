@@ -56,7 +56,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from tqdm import tqdm
 
 from ..corpus import load_corpus
 from ..learned_mask import (
@@ -67,6 +66,7 @@ from ..learned_mask import (
 )
 from ..models.encoder import Encoder, EncoderConfig
 from ..patterns import Pattern, bigbird, dense, fixed, longformer, star, strided
+from ..progress import tqdm
 from ..results import (
     atomic_write,
     machine_facts,

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from ..analysis.expressivity import (
     _device,
@@ -36,6 +35,7 @@ from ..analysis.expressivity import (
     theorem_d,
     theorem_slope,
 )
+from ..progress import tqdm
 from ..results import machine_facts, run_folder, torch_threads, write_json
 from ..validate import check_finite_float, check_int, check_positive
 

@@ -53,7 +53,6 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from ..corpus import load_corpus
 from ..models import Encoder, EncoderConfig
@@ -68,6 +67,7 @@ from ..patterns import (
     star,
     union,
 )
+from ..progress import tqdm
 from ..results import (
     atomic_write,
     machine_facts,

@@ -17,12 +17,13 @@ again on the same passages unpadded (one per batch).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from ..progress import tqdm
 from ..results import machine_facts, read_json, save_figure, write_json
 from ..validate import check_finite_float, check_int, check_positive
 
@@ -39,7 +40,7 @@ class MCAConfig:
     batch_size: int = 8
     max_length: int = 256
     seed: int = 0
-    run: str = "default"
+    run: str | None = None  # run folder name; default derived from the result-defining fields
     out: str = "results/mca"
     sweep: bool = True  # False: only the accounting comparison
     # the accounting comparison (not part of the run identity: accounting.json records them);
@@ -47,6 +48,19 @@ class MCAConfig:
     accounting_alphas: tuple[float, ...] = ()
     accounting_words: int = 8
     accounting_length: int = 128
+
+    def identity(self) -> dict:
+        """The fields a run folder is pinned to (its cells are reused per α, so not ``alphas``)."""
+        skip = ("alphas", "run", "out", "sweep", *ACCOUNTING_FIELDS)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+
+    def run_name(self) -> str:
+        """``run``, or a name derived from :meth:`identity`: a ``--quick`` run and a full one
+        never share a folder."""
+        if self.run:
+            return self.run
+        digest = hashlib.sha1(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
+        return f"p{self.max_passages}-L{self.max_length}-seed{self.seed}-{digest[:8]}"
 
     def validate(self) -> MCAConfig:
         """Check every field (before any folder is written or the model loaded)."""
@@ -64,8 +78,10 @@ class MCAConfig:
         check_int("accounting_length", self.accounting_length, 8)
         if not self.sweep and not self.accounting_alphas:
             raise ValueError("nothing to run: sweep is off and accounting_alphas is empty")
-        if not isinstance(self.run, str) or not self.run.strip() or "/" in self.run:
-            raise ValueError(f"run must be a non-empty folder name, got {self.run!r}")
+        if self.run is not None and (
+            not isinstance(self.run, str) or not self.run.strip() or "/" in self.run
+        ):
+            raise ValueError(f"run must be None or a non-empty folder name, got {self.run!r}")
         return self
 
 
@@ -75,13 +91,9 @@ def run(config: MCAConfig = MCAConfig()) -> dict:
     from .. import hf
 
     config.validate()
-    folder = Path(config.out) / config.run
+    folder = Path(config.out) / config.run_name()
     # the cells of a run are reused per α: everything else must match the saved run
-    identity = {
-        k: v
-        for k, v in dataclasses.asdict(config).items()
-        if k not in ("alphas", "out", "sweep", *ACCOUNTING_FIELDS)
-    }
+    identity = config.identity()
     saved = read_json(folder / "config.json")
     if saved is not None and {k: saved.get(k) for k in identity} != identity:
         raise ValueError(

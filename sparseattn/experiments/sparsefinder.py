@@ -38,7 +38,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from .. import fidelity, hf
 from ..corpus import load_corpus
@@ -76,6 +75,7 @@ from ..predict.predictors import (
 )
 from ..predict.projection import QKProjection
 from ..predict.teacher import TeacherConfig, load_teacher, teacher_folder
+from ..progress import tqdm
 from ..results import (
     StepClock,
     atomic_write,

@@ -40,7 +40,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from ..attention import attention_weights
 from ..patterns import cycle, dense
@@ -48,6 +47,7 @@ from ..predict.evaluate import frontier_value, gold_summary
 from ..predict.extract import GraphBatch, LayerGraphs
 from ..predict.pattern import PredictedPattern
 from ..predict.predictors import FixedParts
+from ..progress import tqdm
 from ..results import (
     StepClock,
     atomic_write,

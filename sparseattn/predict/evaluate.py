@@ -344,7 +344,7 @@ def downstream(
     try:
         hf.attention_sparsity(model, reset=True)
         emb = embed(model, sets["passages"])
-        per_layer = hf.attention_sparsity(model, reset=True)
+        per_layer = hf.attention_sparsity(model, reset=True, of="graph")
         first, second = embed(model, sets["first"]), embed(model, sets["second"])
     finally:
         hf.restore(model)

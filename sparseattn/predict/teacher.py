@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from .. import fidelity, hf
-from .._extras import require
 from ..corpus import load_corpus
 from ..maps import entmax
 from ..patterns import dense
@@ -151,7 +150,8 @@ def load_teacher(
     embedding cosine, retrieval accuracy, per-layer error, share of zero weights) before and after
     adaptation, on ``eval_passages`` test passages. Cached in :func:`teacher_folder`.
     """
-    tqdm = require("tqdm", "experiments", "the entmax teacher's training").tqdm
+    from ..progress import tqdm
+
     config = TeacherConfig() if config is None else config
     if config.alpha <= 1.0 or config.steps < 0 or config.batch_size < 1:
         raise ValueError(f"alpha must be > 1, steps >= 0 and batch_size >= 1, got {config}")

@@ -1,0 +1,128 @@
+"""``hf.attention_sparsity`` counts the exact zeros of sparse maps (issue 28, item 6).
+
+The reference count is independent of the engines: each layer's scores are captured
+(``capture_attention``) and the ``entmax`` package's map is applied to them in float64 on the
+allowed real pairs; its zeros among the real pairs are the expected sparsity.
+"""
+
+from __future__ import annotations
+
+import math
+
+import entmax
+import pytest
+import torch
+import transformers
+
+import sparseattn as sa
+from sparseattn import hf
+
+PACKAGE = {"entmax15": entmax.entmax15, "sparsemax": entmax.sparsemax}
+
+
+def _bert(spread: float = 1.0):
+    """A tiny BERT; ``spread`` scales its query projections (wider scores: sparser maps, as
+    in a trained model)."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
+    model = transformers.BertModel(config).eval()
+    for layer in model.encoder.layer:
+        layer.attention.self.query.weight.data *= spread
+    return model
+
+
+def _expected(records, rho, causal=False):
+    """Per layer: 1 − (non-zero weights of the package's map) / (real pairs the model allows)."""
+    nonzero, pairs = {}, {}
+    for r in records:
+        s = r.scores.double().masked_fill(~r.allowed, -math.inf)
+        s = s.masked_fill(~r.allowed.any(-1, keepdim=True), 0.0)  # padding rows: not counted
+        p = PACKAGE[rho](s, dim=-1)
+        real = r.key_padding_mask[:, None, :, None] & r.key_padding_mask[:, None, None, :]
+        if causal:
+            real = real & torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+        real = real.expand_as(p)
+        nonzero[r.layer] = nonzero.get(r.layer, 0) + int(((p > 0) & real).sum())
+        pairs[r.layer] = pairs.get(r.layer, 0) + int(real.sum())
+    return {layer: 1 - nonzero[layer] / pairs[layer] for layer in pairs}
+
+
+@pytest.mark.parametrize(
+    ("pattern", "rho", "engine"),
+    [
+        (sa.dense(), "entmax15", "auto"),  # full rows, no graph
+        (sa.longformer(16, 2), "sparsemax", "block"),
+        (sa.window(24), "entmax15", "gather"),
+    ],
+)
+def test_an_encoder_counts_the_zeros_of_a_sparse_map(pattern, rho, engine):
+    """Padded batch: before, ``attention_sparsity`` gave 0.0 for entmax on the dense pattern
+    (the graph's sparsity) although most weights are exactly zero."""
+    model = _bert(spread=30.0)
+    ids = torch.randint(1, 100, (2, 48), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 48, dtype=torch.long)
+    mask[1, 30:] = 0
+    hf.sparsify(model, pattern, rho, engine=engine)
+    with torch.no_grad(), hf.capture_attention(model) as records:
+        model(input_ids=ids, attention_mask=mask)
+    weights = hf.attention_sparsity(model)
+    graph = hf.attention_sparsity(model, of="graph")
+    expected = _expected(records, rho)
+    assert weights == pytest.approx(expected, abs=2e-3)
+    assert all(weights[layer] > graph[layer] + 0.2 for layer in weights)
+    if pattern == sa.dense():
+        assert graph == pytest.approx({0: 0.0, 1: 0.0})
+
+
+def test_a_decoder_with_grouped_queries_counts_the_zeros():
+    """A Llama (two query heads per key/value head: the queries are stacked) with a causal
+    window and 1.5-entmax."""
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(1, 100, (2, 64), generator=torch.Generator().manual_seed(0))
+    hf.sparsify(model, sa.sliding_window(16, 2), "entmax15", engine="block")
+    with torch.no_grad(), hf.capture_attention(model) as records:
+        model(input_ids=ids)
+    expected = _expected(records, "entmax15", causal=True)
+    assert hf.attention_sparsity(model, reset=True) == pytest.approx(expected, abs=2e-3)
+    assert hf.attention_sparsity(model) == {}
+
+
+def test_softmax_weights_and_graph_agree_and_of_is_checked():
+    model = _bert()
+    hf.sparsify(model, sa.window(8))
+    with torch.no_grad():
+        model(input_ids=torch.randint(1, 100, (1, 40)))
+    assert hf.attention_sparsity(model) == hf.attention_sparsity(model, of="graph")
+    with pytest.raises(ValueError, match="of"):
+        hf.attention_sparsity(model, of="edges")
+
+
+def test_counting_under_autocast():
+    """Under bf16 autocast the layers run in bf16; the support counts stay float32 (exact
+    integers), so the sparsity is that of the bf16 weights: close to the float32 run's."""
+    model = _bert(spread=30.0)
+    ids = torch.randint(1, 100, (2, 48), generator=torch.Generator().manual_seed(0))
+    hf.sparsify(model, sa.dense(), "entmax15")
+    with torch.no_grad():
+        model(input_ids=ids)
+        exact = hf.attention_sparsity(model, reset=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids)
+    assert hf.attention_sparsity(model) == pytest.approx(exact, abs=0.03)
