@@ -45,7 +45,8 @@ def _expected(records, rho, causal=False):
         s = r.scores.double().masked_fill(~r.allowed, -math.inf)
         s = s.masked_fill(~r.allowed.any(-1, keepdim=True), 0.0)  # padding rows: not counted
         p = PACKAGE[rho](s, dim=-1)
-        real = r.key_padding_mask[:, None, :, None] & r.key_padding_mask[:, None, None, :]
+        keep = ~r.key_padding_mask  # the record's mask is True for padding
+        real = keep[:, None, :, None] & keep[:, None, None, :]
         if causal:
             real = real & torch.ones(s.shape[-2:], dtype=torch.bool).tril()
         real = real.expand_as(p)

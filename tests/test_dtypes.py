@@ -140,7 +140,7 @@ def test_rows_engine_in_chunks(dtype, rho, pattern, calls, monkeypatch):
     monkeypatch.setattr(rows_engine, "BUDGET", {"cpu": 2 * 64 * N, "cuda": 2 * 64 * N})
     q, k, v = _qkv(N, dtype)
     engine = "rows" if pattern is WINDOW else "auto"
-    out = sa.sparse_attention(q, k, v, pattern, rho, engine=engine)
+    out = sa.sparse_attention(q, k, v, pattern, prob_map=rho, engine=engine)
     _check(out, q, k, v, pattern, rho, dtype)
     sdpa = pattern is not WINDOW and rho == "softmax"
     assert seen["map"] == (0 if sdpa else 5)  # ceil(300 / 64) forward chunks
@@ -151,7 +151,7 @@ def test_rows_engine_in_chunks(dtype, rho, pattern, calls, monkeypatch):
 def test_dense_engine(dtype, rho):
     """Softmax through SDPA with the graph's mask, other maps through the masked scores."""
     q, k, v = _qkv(N, dtype)
-    out = sa.sparse_attention(q, k, v, WINDOW, rho, engine="dense")
+    out = sa.sparse_attention(q, k, v, WINDOW, prob_map=rho, engine="dense")
     _check(out, q, k, v, WINDOW, rho, dtype)
 
 
@@ -162,7 +162,7 @@ def test_entmax_with_a_tensor_alpha(dtype, engine):
     weights most; ∂q, ∂k, ∂v within the dtype's rounding."""
     q, k, v = _qkv(N, dtype, heads=4)
     rho = sa.entmax(torch.tensor([1.2, 1.5, 2.0, 3.0]).view(4, 1, 1))
-    out = sa.sparse_attention(q, k, v, WINDOW, rho, engine=engine)
+    out = sa.sparse_attention(q, k, v, WINDOW, prob_map=rho, engine=engine)
     _check(out, q, k, v, WINDOW, rho, dtype)
 
 
@@ -250,7 +250,7 @@ def test_sparse_attention_under_autocast_casts_like_sdpa():
     ``scaled_dot_product_attention`` does."""
     q, k, v = (t.detach() for t in _qkv(N, torch.float32))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = sa.sparse_attention(q, k, v, WINDOW, "entmax15", engine="block")
+        out = sa.sparse_attention(q, k, v, WINDOW, prob_map="entmax15", engine="block")
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert out.dtype == sdpa.dtype == torch.bfloat16
     ref = reference(*(t.bfloat16() for t in (q, k, v)), WINDOW, sa.entmax(1.5))
