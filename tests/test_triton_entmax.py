@@ -121,7 +121,7 @@ def test_dense_pattern(name):
 def test_causal_layout_and_graph(name):
     """causal_layout (no graph) and the causal pattern's graph give the causal reference."""
     alpha, prob_map = MAPS[name]
-    n = 80  # not a multiple of the block: the last blocks are cut
+    n = 56  # not a multiple of the block: the last blocks are cut
     q, k, v = inputs(1, 2, n, n, 16, seed=1)
     allowed = torch.ones(n, n, dtype=torch.bool).tril()
     out = te.entmax_attention(q, k, v, te.causal_layout(n, n, 16), alpha, 0.25)
@@ -134,8 +134,8 @@ def test_causal_layout_and_graph(name):
 @needs_kernels
 def test_causal_offset_decoding():
     """n_q < n_k: queries at the end of the keys (prefill in pieces, decoding)."""
-    n_q, n_k = 24, 72
-    q, k, v = inputs(2, 2, n_q, n_k, 16, seed=2)
+    n_q, n_k = 20, 56
+    q, k, v = inputs(2, 1, n_q, n_k, 16, seed=2)
     allowed = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
     out = te.entmax_attention(q, k, v, te.causal_layout(n_q, n_k, 16), 1.5, 0.3)
     check(out, q, k, v, allowed, 1.5, 0.3)
@@ -144,34 +144,34 @@ def test_causal_offset_decoding():
     torch.testing.assert_close(out2, out, atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["entmax15", "sparsemax", "entmax1.25"])
+@pytest.mark.parametrize("name", ["entmax15", "entmax1.25"])
 @needs_kernels
 def test_longformer_partial_blocks(name):
     """A window with global tokens at a block that does not divide it: partial blocks with
     element masks, a row block visiting every key block (the globals), key blocks visited by
     every row block."""
     alpha, prob_map = MAPS[name]
-    n = 96
+    n = 72
     graph = sa.longformer(20, 3).graph(n)
     layout = te.graph_layout(graph, 16)
     assert int((layout.pair_mask >= 0).sum()) > 0 and layout.pairs < layout.nbq * layout.nbk
-    q, k, v = inputs(1, 2, n, n, 32, seed=3)
+    q, k, v = inputs(1, 1, n, n, 32, seed=3)
     out = te.triton_entmax_attention(q, k, v, graph, prob_map, 0.3, block=16)
-    check(out, q, k, v, _dense_mask(graph, 1, 2), alpha, 0.3)
+    check(out, q, k, v, _dense_mask(graph, 1, 1), alpha, 0.3)
 
 
 @needs_kernels
 def test_key_padding_and_empty_rows():
     """Padded keys get no weight; a batch whose keys are all padding gives zeros (and zero
     gradients), as on the other engines."""
-    n = 64
+    n = 48
     graph = sa.window(16).graph(n)
-    q, k, v = inputs(3, 2, n, n, 16, seed=4)
+    q, k, v = inputs(3, 1, n, n, 16, seed=4)
     kpm = torch.ones(3, n, dtype=torch.bool)
-    kpm[0, 50:] = False
+    kpm[0, 40:] = False
     kpm[1, ::3] = False
     kpm[2] = False
-    allowed = _dense_mask(graph, 3, 2) & kpm[:, None, None, :]
+    allowed = _dense_mask(graph, 3, 1) & kpm[:, None, None, :]
     out = te.triton_entmax_attention(q, k, v, graph, sa.entmax(1.5), 0.25, kpm.to(DEVICE), block=16)
     check(out, q, k, v, allowed, 1.5, 0.25)
     assert not out[2].any()
@@ -189,12 +189,12 @@ def test_gqa_and_value_dim():
 @needs_kernels
 def test_per_head_graphs():
     """A batched graph (batch_shape (H,), MULTIHEAD): each head on its own layout graph."""
-    n = 64
+    n = 48
     graph = sa.split_heads(sa.window(8), sa.strided(16)).graph(n, num_heads=2)
     assert graph.batch_shape == (2,)
-    q, k, v = inputs(2, 2, n, n, 16, seed=6)
-    out = te.triton_entmax_attention(q, k, v, graph, sa.entmax(1.5), 0.25, block=16)
-    check(out, q, k, v, _dense_mask(graph, 2, 2), 1.5, 0.25)
+    q, k, v = inputs(1, 2, n, n, 16, seed=6)
+    out = te.triton_entmax_attention(q, k, v, graph, sa.sparsemax(), 0.25, block=16)
+    check(out, q, k, v, _dense_mask(graph, 1, 2), 2.0, 0.25)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -261,6 +261,8 @@ def test_unsupported_reasons():
 
 
 _COMPILE = """
+import sys
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -275,14 +277,18 @@ types = {
     **dict.fromkeys(("NZ", "KPM"), "*i8"),
     "MASKS": "*u8",
 }
-consts = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": 64, "HAS_KPM": True}
+consts = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": 64, "HAS_KPM": True, "UPCAST": False}
 specs = [
-    (kern._forward, {"MODE": 1, "NEED_GRAD": True, "MAX_IT": MAX_IT, "PREC": "tf32", "UPCAST": False}),
-    (kern._forward, {"MODE": 0, "NEED_GRAD": False, "MAX_IT": MAX_IT, "PREC": "ieee", "UPCAST": False}),
-    (kern._forward, {"MODE": 2, "NEED_GRAD": True, "MAX_IT": MAX_IT, "PREC": "tf32", "UPCAST": False}),
-    (kern._backward_dq, {"MODE": 1, "PREC": "tf32", "UPCAST": False}),
-    (kern._backward_dkdv, {"MODE": 0, "GROUP": 2, "PREC": "tf32", "UPCAST": False}),
+    (kern._forward, {"MODE": 1, "NEED_GRAD": True, "MAX_IT": MAX_IT, "PREC": "tf32"}),
+    (kern._backward_dkdv, {"MODE": 0, "GROUP": 2, "PREC": "tf32"}),
 ]
+if sys.argv[1] == "all":
+    specs += [
+        (kern._forward, {"MODE": m, "NEED_GRAD": g, "MAX_IT": MAX_IT, "PREC": p})
+        for m, g, p in [(0, False, "ieee"), (2, True, "tf32"), (1, False, "ieee")]
+    ]
+    specs += [(kern._backward_dq, {"MODE": m, "PREC": "tf32"}) for m in (0, 1, 2)]
+    specs += [(kern._backward_dkdv, {"MODE": m, "GROUP": 1, "PREC": "tf32"}) for m in (1, 2)]
 for fn, extra in specs:
     constexprs = {**consts, **extra}
     signature = {a: "constexpr" if a in constexprs else types.get(a, "*i32") for a in fn.arg_names}
@@ -293,16 +299,23 @@ print("compiled", len(specs))
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the other tests compile the kernels")
-def test_compiles_for_h100():
+@pytest.mark.parametrize("which", ["main", pytest.param("all", marks=pytest.mark.slow)])
+def test_compiles_for_h100(which):
     """The kernels compile (to a cubin for sm_90, by triton's own ptxas; no GPU needed) with
     constexprs the engine uses: what the interpreter accepts, the compiler must accept too.
-    In a fresh process, since this one's triton may be the interpreter's."""
+    In a fresh process, since this one's triton may be the interpreter's. ``main``: the
+    1.5-entmax forward with gradients and the general-α dK/dV kernel (~10 s of CPU);
+    ``all`` (slow): every map × kernel."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(te.__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _COMPILE, which],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 5" in done.stdout
+    assert f"compiled {2 if which == 'main' else 10}" in done.stdout

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -77,6 +78,8 @@ def _interpreted() -> bool:
     set before triton was imported (its own library functions are built at import)."""
     import triton.language as tl
 
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
     interpreted = type(_kernels()._forward).__name__ == "InterpretedFunction"
     return interpreted and type(tl.zeros).__name__ != "JITFunction"
 
@@ -270,9 +273,7 @@ def _alpha_of(prob_map: ProbabilityMap) -> float | str:
     if alpha == 1.0:
         return "entmax(1) is softmax: the Triton entmax kernels need α > 1"
     if alpha - 1.0 < MIN_ALPHA_GAP:
-        return (
-            f"α − 1 < {MIN_ALPHA_GAP} needs float64 thresholds; the Triton kernels use float32"
-        )
+        return f"α − 1 < {MIN_ALPHA_GAP} needs float64 thresholds; the Triton kernels use float32"
     return alpha
 
 
@@ -440,9 +441,7 @@ def entmax_attention(
     """
     bsz, heads, n_q, d = q.shape
     if (layout.n_q, layout.n_k) != (n_q, k.shape[2]):
-        raise ValueError(
-            f"layout is {layout.n_q} × {layout.n_k}, inputs are {n_q} × {k.shape[2]}"
-        )
+        raise ValueError(f"layout is {layout.n_q} × {layout.n_k}, inputs are {n_q} × {k.shape[2]}")
     if not alpha > 1.0:
         raise ValueError(f"alpha must be > 1, got {alpha}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -453,9 +452,7 @@ def entmax_attention(
     if key_padding_mask is not None:
         kpm = key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return _EntmaxAttention.apply(
-        q, k, v, layout, graph_index, kpm, float(alpha), scale, need_grad
-    )
+    return _EntmaxAttention.apply(q, k, v, layout, graph_index, kpm, float(alpha), scale, need_grad)
 
 
 def triton_entmax_attention(
