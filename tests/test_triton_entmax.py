@@ -28,8 +28,7 @@ if DEVICE == "cpu":  # triton builds its library functions at import: interprete
     os.environ["TRITON_INTERPRET"] = "1"
 try:
     triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-    if DEVICE == "cpu":
-        te._kernels()
+    INTERPRETED = DEVICE == "cpu" and te._interpreted()  # imports the kernels
 finally:  # the other test modules see the environment unchanged
     if _ENV is None:
         os.environ.pop("TRITON_INTERPRET", None)
@@ -46,7 +45,7 @@ def _interpreter(monkeypatch):
 
 
 needs_kernels = pytest.mark.skipif(
-    DEVICE == "cpu" and not te._interpreted(),
+    DEVICE == "cpu" and not INTERPRETED,
     reason="no GPU, and triton was imported before TRITON_INTERPRET=1 was set (run this "
     "module on its own, or with TRITON_INTERPRET=1 in the environment)",
 )
@@ -142,6 +141,9 @@ def test_causal_offset_decoding():
     graph = sa.dense().causal().graph(n_k, n_q)
     out2 = te.triton_entmax_attention(q, k, v, graph, sa.entmax(1.5), 0.3, block=16)
     torch.testing.assert_close(out2, out, atol=2e-6, rtol=0)
+    one = [t[:, :, -1:].detach().requires_grad_() for t in (q,)] + [k, v]  # decoding
+    out1 = te.entmax_attention(*one, te.causal_layout(1, n_k, 16), 1.5, 0.3)
+    check(out1, *one, torch.ones(1, n_k, dtype=torch.bool), 1.5, 0.3)
 
 
 @pytest.mark.parametrize("name", ["entmax15", "entmax1.25"])
@@ -238,7 +240,8 @@ def test_layout_cached_on_graph():
     assert te.graph_layout(graph, 32) is not te.graph_layout(graph, 16)
 
 
-def test_unsupported_reasons():
+@needs_kernels
+def test_unsupported_reasons(monkeypatch):
     q, k, v = inputs(1, 2, 32, 32, 16)
     assert te.triton_entmax_unsupported(q, k, v, sa.entmax(1.5)) is None
     assert te.triton_entmax_unsupported(q, k, v, sa.sparsemax()) is None
@@ -256,6 +259,10 @@ def test_unsupported_reasons():
     assert "float32/bfloat16/float16" in why
     q3, k3, v3 = inputs(1, 3, 32, 32, 16, kv_heads=2)
     assert "multiple" in te.triton_entmax_unsupported(q3, k3, v3, sa.entmax(1.5))
+    if DEVICE == "cpu":  # outside the interpreter, CPU tensors are refused
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert "CUDA" in te.triton_entmax_unsupported(q, k, v, sa.entmax(1.5))
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="dropout"):
         te.triton_entmax_attention(q, k, v, sa.dense().graph(32), sa.entmax(1.5), 0.25, None, 0.1)
 
