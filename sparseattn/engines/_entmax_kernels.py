@@ -136,6 +136,7 @@ def _forward(
     TAU,
     GV,
     NZ,
+    TMAX,
     ROW_PTR,
     PAIR_KB,
     PAIR_MASK,
@@ -181,6 +182,7 @@ def _forward(
     kv_base = bkv.to(tl.int64) * n_k * D
     v_base = bkv.to(tl.int64) * n_k * DV
     kpm_base = b.to(tl.int64) * n_k
+    pair_base = bh.to(tl.int64) * n_pairs
     q = tl.load(
         Q + q_base + rows[:, None] * D + dcol[None, :],
         mask=row_ok[:, None] & (dcol[None, :] < D),
@@ -197,8 +199,10 @@ def _forward(
             q, K, kv_base, kb, n_k, midx, MASKS, KPM, kpm_base, row_ok, mul,
             D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
         )  # fmt: skip
-        m = tl.maximum(m, tl.max(tl.where(ok, s, float("-inf")), 1))
+        s = tl.where(ok, s, float("-inf"))
+        m = tl.maximum(m, tl.max(s, 1))
         cnt += tl.sum(ok.to(tl.float32), 1)
+        tl.store(TMAX + pair_base + p, tl.max(tl.max(s, 1), 0))  # the tile's largest score
     has = cnt > 0
     m = tl.where(has, m, 0.0)
 
@@ -214,25 +218,29 @@ def _forward(
         s2 = tl.zeros((BLOCK,), tl.float32)
         x_in = tl.full((BLOCK,), float("inf"), tl.float32)
         x_out = tl.full((BLOCK,), float("-inf"), tl.float32)
+        # τ only grows (Newton from the left; for α > 2 the bracket's lo): a tile whose largest
+        # score is below every open row's m + τ holds none of their supports: skip it
+        floor = tl.min(tl.where(has & ~done, m + (lo if MODE == 0 else tau), float("inf")), 0)
         for p in range(start, end):
-            kb = tl.load(PAIR_KB + p)
-            midx = tl.load(PAIR_MASK + p)
-            s, ok, k = _scores(
-                q, K, kv_base, kb, n_k, midx, MASKS, KPM, kpm_base, row_ok, mul,
-                D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
-            )  # fmt: skip
-            x = tl.where(ok, s - m[:, None], float("-inf"))
-            pos = x > tau[:, None]
-            d = tl.where(pos, x - tau[:, None], 0.0)
-            c0 += tl.sum(pos.to(tl.float32), 1)
-            if MODE == 0:
-                s1 += tl.sum(_weights(d, R, 0), 1)
-                s2 += tl.sum(_slopes(d, R, 0), 1)
-            else:
-                s1 += tl.sum(d, 1)
-                s2 += tl.sum(d * d, 1)
-                x_in = tl.minimum(x_in, tl.min(tl.where(pos, x, float("inf")), 1))
-                x_out = tl.maximum(x_out, tl.max(tl.where(ok & ~pos, x, float("-inf")), 1))
+            if tl.load(TMAX + pair_base + p) > floor:
+                kb = tl.load(PAIR_KB + p)
+                midx = tl.load(PAIR_MASK + p)
+                s, ok, k = _scores(
+                    q, K, kv_base, kb, n_k, midx, MASKS, KPM, kpm_base, row_ok, mul,
+                    D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
+                )  # fmt: skip
+                x = tl.where(ok, s - m[:, None], float("-inf"))
+                pos = x > tau[:, None]
+                d = tl.where(pos, x - tau[:, None], 0.0)
+                c0 += tl.sum(pos.to(tl.float32), 1)
+                if MODE == 0:
+                    s1 += tl.sum(_weights(d, R, 0), 1)
+                    s2 += tl.sum(_slopes(d, R, 0), 1)
+                else:
+                    s1 += tl.sum(d, 1)
+                    s2 += tl.sum(d * d, 1)
+                    x_in = tl.minimum(x_in, tl.min(tl.where(pos, x, float("inf")), 1))
+                    x_out = tl.maximum(x_out, tl.max(tl.where(ok & ~pos, x, float("-inf")), 1))
         c0 = tl.maximum(c0, 1.0)
         if MODE == 2:  # Michelot: the Newton step is the closed form on S
             new = tau + (s1 - 1.0) / c0
@@ -266,31 +274,34 @@ def _forward(
     g_acc = tl.zeros((BLOCK, BDV), tl.float32)
     g_sum = tl.zeros((BLOCK,), tl.float32)
     p_sum = tl.zeros((BLOCK,), tl.float32)
+    floor = tl.min(tau_abs, 0)
     for p in range(start, end):
-        kb = tl.load(PAIR_KB + p)
-        midx = tl.load(PAIR_MASK + p)
-        s, ok, k = _scores(
-            q, K, kv_base, kb, n_k, midx, MASKS, KPM, kpm_base, row_ok, mul,
-            D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
-        )  # fmt: skip
-        d = tl.maximum(tl.where(ok, s - tau_abs[:, None], 0.0), 0.0)
-        nz = tl.max(tl.max(d, 1), 0) > 0
-        if nz:
-            cols = kb * BLOCK + offs
-            v = tl.load(
-                V + v_base + cols[:, None] * DV + vcol[None, :],
-                mask=(cols < n_k)[:, None] & (vcol[None, :] < DV),
-                other=0.0,
-            )
-            w = _weights(d, R, MODE)
-            p_sum += tl.sum(w, 1)
-            acc += _mm(w.to(v.dtype), v, PREC, UPCAST)
-            if NEED_GRAD:
-                sl = _slopes(d, R, MODE)
-                g_sum += tl.sum(sl, 1)
-                g_acc += _mm(sl.to(v.dtype), v, PREC, UPCAST)
+        nz = tl.load(TMAX + pair_base + p) > floor
+        if nz:  # else no row has a weight in this tile: skip both products
+            kb = tl.load(PAIR_KB + p)
+            midx = tl.load(PAIR_MASK + p)
+            s, ok, k = _scores(
+                q, K, kv_base, kb, n_k, midx, MASKS, KPM, kpm_base, row_ok, mul,
+                D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
+            )  # fmt: skip
+            d = tl.maximum(tl.where(ok, s - tau_abs[:, None], 0.0), 0.0)
+            nz = tl.max(tl.max(d, 1), 0) > 0
+            if nz:
+                cols = kb * BLOCK + offs
+                v = tl.load(
+                    V + v_base + cols[:, None] * DV + vcol[None, :],
+                    mask=(cols < n_k)[:, None] & (vcol[None, :] < DV),
+                    other=0.0,
+                )
+                w = _weights(d, R, MODE)
+                p_sum += tl.sum(w, 1)
+                acc += _mm(w.to(v.dtype), v, PREC, UPCAST)
+                if NEED_GRAD:
+                    sl = _slopes(d, R, MODE)
+                    g_sum += tl.sum(sl, 1)
+                    g_acc += _mm(sl.to(v.dtype), v, PREC, UPCAST)
         if NEED_GRAD:
-            tl.store(NZ + bh.to(tl.int64) * n_pairs + p, nz.to(tl.int8))
+            tl.store(NZ + pair_base + p, nz.to(tl.int8))
     if MODE == 0:  # τ to float precision: renormalise, as bisection does
         acc = acc / tl.where(p_sum > 0, p_sum, 1.0)[:, None]
     o_base = bh.to(tl.int64) * n_q * DV

@@ -349,13 +349,14 @@ class _EntmaxAttention(torch.autograd.Function):
         out = torch.empty(bsz, heads, n_q, dv, dtype=q.dtype, device=q.device)
         tau = torch.empty(bsz, heads, n_q, dtype=torch.float32, device=q.device)
         dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
+        tmax = torch.empty(bsz * heads, max(1, layout.pairs), dtype=torch.float32, device=q.device)
         gv, nz = dummy, dummy
         if need_grad:  # Σ g v / Σ g per row, and whether each (pair, head) holds a non-zero
             gv = torch.empty(bsz, heads, n_q, dv, dtype=torch.float32, device=q.device)
             nz = torch.empty(bsz * heads, max(1, layout.pairs), dtype=torch.int8, device=q.device)
         kpm_t = dummy.to(torch.int8) if kpm is None else kpm
         kern._forward[(layout.nbq, bsz * heads)](
-            q, k, v, out, tau, gv, nz,
+            q, k, v, out, tau, gv, nz, tmax,
             layout.row_ptr, layout.pair_kb, layout.pair_mask, layout.masks, gidx, kpm_t,
             n_q, n_k, heads, hkv, layout.nbq, max(1, layout.pairs),
             scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0),
