@@ -222,6 +222,32 @@ def test_alpha_above_two():
 
 
 @needs_kernels
+@pytest.mark.parametrize("name", ["sparsemax", "entmax15"])
+def test_skipped_tiles_and_hard_rows(name):
+    """Peaked rows: most (row block, key block) tiles hold no weight, are skipped (flags in
+    the backward's buffer) and the result stays exact; tied keys and near-uniform rows (a
+    tiny scale: every key in the support) too."""
+    alpha, prob_map = MAPS[name]
+    n = 64
+    q, k, v = inputs(1, 1, n, n, 16, seed=11)
+    q, k = q.detach(), k.detach()
+    with torch.no_grad():
+        u = torch.ones(16, device=DEVICE) / 4
+        q += 3 * u  # all queries share a direction; keys 16..31 point away from it
+        k[:, :, 16:32] = 0.3 * k[:, :, 16:32] - 3 * u
+        k[:, :, 40:48] = k[:, :, 8:16]  # ties across tiles
+    q, k = q.requires_grad_(), k.requires_grad_()
+    graph = sa.dense().graph(n)
+    out = te.triton_entmax_attention(q, k, v, graph, prob_map, 3.0, block=16)
+    nonzero = out.grad_fn.saved_tensors[5]  # int8 (B·H, pairs): does the pair hold a weight
+    assert 0 < int(nonzero.sum()) < nonzero.numel()
+    check(out, q, k, v, torch.ones(n, n, dtype=torch.bool), alpha, 3.0, atol=5e-5, gtol=2e-4)
+    out = te.triton_entmax_attention(q, k, v, graph, prob_map, 1e-3, block=32)
+    assert bool((out.grad_fn.saved_tensors[5] == 1).all())
+    check(out, q, k, v, torch.ones(n, n, dtype=torch.bool), alpha, 1e-3)
+
+
+@needs_kernels
 def test_matches_dense_engine_float64():
     """The library's own dense engine in float64 agrees too (same map, engine-level call)."""
     n = 64
@@ -303,6 +329,15 @@ for fn, extra in specs:
     assert "cubin" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm
 print("compiled", len(specs))
 """
+
+
+def test_without_triton(monkeypatch):
+    """Without triton the engine module imports and names the reason (the kernels' module is
+    what imports triton, on first use)."""
+    monkeypatch.setattr(te, "_KERNELS", None)
+    monkeypatch.setitem(sys.modules, "sparseattn.engines._entmax_kernels", None)
+    q, k, v = inputs(1, 2, 32, 32, 16)
+    assert "triton is not installed" in te.triton_entmax_unsupported(q, k, v, sa.entmax(1.5))
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the other tests compile the kernels")
