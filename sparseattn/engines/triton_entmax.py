@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
+from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
@@ -371,6 +371,7 @@ class _EntmaxAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: FunctionCtx, grad_out: Tensor):
         kern = _kernels()
         q, k, v, tau, gv, nz = ctx.saved_tensors
