@@ -306,7 +306,7 @@ types = {
     **dict.fromkeys(("n_q", "n_k", "H", "HKV", "nbq", "nbk", "n_pairs"), "i32"),
     **dict.fromkeys(("mul", "scale", "AM1", "R"), "fp32"),
     **dict.fromkeys(("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_"), "*bf16"),
-    **dict.fromkeys(("TAU", "GV", "DELTA"), "*fp32"),
+    **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX"), "*fp32"),
     **dict.fromkeys(("NZ", "KPM"), "*i8"),
     "MASKS": "*u8",
 }

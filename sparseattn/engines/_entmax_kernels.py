@@ -137,6 +137,7 @@ def _forward(
     GV,
     NZ,
     TMAX,
+    PASSES,
     ROW_PTR,
     PAIR_KB,
     PAIR_MASK,
@@ -310,6 +311,7 @@ def _forward(
         O + o_base + rows[:, None] * DV + vcol[None, :], acc.to(O.dtype.element_ty), mask=o_mask
     )
     tl.store(TAU + bh.to(tl.int64) * n_q + rows, tau_abs, mask=row_ok)
+    tl.store(PASSES + bh.to(tl.int64) * nbq + qb, it + tl.zeros((), tl.int32))
     if NEED_GRAD:
         g_acc = g_acc / tl.where(g_sum > 0, g_sum, 1.0)[:, None]
         tl.store(GV + o_base + rows[:, None] * DV + vcol[None, :], g_acc, mask=o_mask)

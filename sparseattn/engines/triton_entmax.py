@@ -325,6 +325,47 @@ def _mode(alpha: float) -> int:
     return 2 if alpha == 2.0 else 1 if alpha == 1.5 else 0
 
 
+def _launch_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: BlockLayout,
+    gidx: Tensor,
+    kpm: Tensor | None,
+    alpha: float,
+    scale: float,
+    need_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Run the forward kernel on contiguous q, k, v. Returns out (B, H, n_q, d_v), τ + m per
+    row (B, H, n_q) float32, Σ g v / Σ g (B, H, n_q, d_v) and the non-zero flags int8
+    (B·H, pairs) — the last two only with ``need_grad`` — and the threshold passes each
+    program took, int32 (B·H, nbq)."""
+    kern = _kernels()
+    bsz, heads, n_q, d = q.shape
+    hkv, n_k, dv = k.shape[1], k.shape[2], v.shape[-1]
+    b, pairs, dev = layout.block, max(1, layout.pairs), q.device
+    out = torch.empty(bsz, heads, n_q, dv, dtype=q.dtype, device=dev)
+    tau = torch.empty(bsz, heads, n_q, dtype=torch.float32, device=dev)
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    tmax = torch.empty(bsz * heads, pairs, dtype=torch.float32, device=dev)
+    passes = torch.empty(bsz * heads, layout.nbq, dtype=torch.int32, device=dev)
+    gv, nz = dummy, dummy
+    if need_grad:  # Σ g v / Σ g per row, and whether each (pair, head) holds a non-zero
+        gv = torch.empty(bsz, heads, n_q, dv, dtype=torch.float32, device=dev)
+        nz = torch.empty(bsz * heads, pairs, dtype=torch.int8, device=dev)
+    kern._forward[(layout.nbq, bsz * heads)](
+        q, k, v, out, tau, gv, nz, tmax, passes,
+        layout.row_ptr, layout.pair_kb, layout.pair_mask, layout.masks, gidx,
+        dummy.to(torch.int8) if kpm is None else kpm,
+        n_q, n_k, heads, hkv, layout.nbq, pairs,
+        scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0),
+        D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BLOCK=b, MODE=_mode(alpha),
+        HAS_KPM=kpm is not None, NEED_GRAD=need_grad, MAX_IT=MAX_IT,
+        PREC=_precision(q), UPCAST=_upcast(q), num_warps=4 if b <= 64 else 8,
+    )  # fmt: skip
+    return out, tau, gv, nz, passes
+
+
 class _EntmaxAttention(torch.autograd.Function):
     """Fused α-entmax attention on a block layout; backward by the closed form (module doc)."""
 
@@ -341,29 +382,9 @@ class _EntmaxAttention(torch.autograd.Function):
         scale: float,
         need_grad: bool,
     ) -> Tensor:
-        kern = _kernels()
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        bsz, heads, n_q, d = q.shape
-        hkv, n_k, dv = k.shape[1], k.shape[2], v.shape[-1]
-        b = layout.block
-        out = torch.empty(bsz, heads, n_q, dv, dtype=q.dtype, device=q.device)
-        tau = torch.empty(bsz, heads, n_q, dtype=torch.float32, device=q.device)
-        dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
-        tmax = torch.empty(bsz * heads, max(1, layout.pairs), dtype=torch.float32, device=q.device)
-        gv, nz = dummy, dummy
-        if need_grad:  # Σ g v / Σ g per row, and whether each (pair, head) holds a non-zero
-            gv = torch.empty(bsz, heads, n_q, dv, dtype=torch.float32, device=q.device)
-            nz = torch.empty(bsz * heads, max(1, layout.pairs), dtype=torch.int8, device=q.device)
-        kpm_t = dummy.to(torch.int8) if kpm is None else kpm
-        kern._forward[(layout.nbq, bsz * heads)](
-            q, k, v, out, tau, gv, nz, tmax,
-            layout.row_ptr, layout.pair_kb, layout.pair_mask, layout.masks, gidx, kpm_t,
-            n_q, n_k, heads, hkv, layout.nbq, max(1, layout.pairs),
-            scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0),
-            D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BLOCK=b, MODE=_mode(alpha),
-            HAS_KPM=kpm is not None, NEED_GRAD=need_grad, MAX_IT=MAX_IT,
-            PREC=_precision(q), UPCAST=_upcast(q), num_warps=4 if b <= 64 else 8,
-        )  # fmt: skip
+        out, tau, gv, nz, _ = _launch_forward(q, k, v, layout, gidx, kpm, alpha, scale, need_grad)
+        kpm_t = torch.zeros(1, dtype=torch.int8, device=q.device) if kpm is None else kpm
         if need_grad:
             ctx.save_for_backward(q, k, v, tau, gv, nz)
             ctx.layout, ctx.gidx, ctx.kpm = layout, gidx, kpm_t

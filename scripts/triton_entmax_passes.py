@@ -1,0 +1,62 @@
+"""Work counts of the Triton entmax kernel that do not depend on the device: how many threshold
+passes each query block takes (each pass recomputes q·kᵀ over the block's key tiles; the
+forward does 1 + passes + 1 of them) and what share of the (query block, key block) tiles hold
+a non-zero weight (the others skip the value product, and the backward skips them entirely).
+
+Runs under Triton's interpreter on CPU (slow: keep n ≤ 1024) or on a GPU. Inputs: Gaussian
+q, k, v, scale c/sqrt(d) for the given temperatures c (c = 1: scores ~ N(0, 1)).
+
+    TRITON_INTERPRET=1 python scripts/triton_entmax_passes.py --n 512 --d 64
+"""
+
+import argparse
+import os
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+from sparseattn.engines import triton_entmax as te  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=512)
+    parser.add_argument("--d", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--temperatures", default="1,4")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(args.seed)
+    shape = (1, args.heads, args.n, args.d)
+    q, k, v = (torch.randn(shape, generator=gen).to(device) for _ in range(3))
+    layouts = {
+        "dense": te.dense_layout(args.n, args.n, args.block),
+        "causal": te.causal_layout(args.n, args.n, args.block),
+    }
+    gidx = torch.zeros(args.heads, dtype=torch.int32, device=device)
+    print(f"device {device}, n {args.n}, d {args.d}, heads {args.heads}, block {args.block}")
+    print("layout  alpha  c  passes mean  max  tiles with weights")
+    for c in (float(x) for x in args.temperatures.split(",")):
+        scale = c / args.d**0.5
+        for name, layout in layouts.items():
+            layout = layout.to(q.device)
+            for alpha in (1.5, 2.0, 1.25):
+                start = time.perf_counter()
+                _, _, _, nz, passes = te._launch_forward(
+                    q, k, v, layout, gidx, None, alpha, scale, need_grad=True
+                )
+                nz = nz[:, : layout.pairs].float()
+                print(
+                    f"{name:7} {alpha:5} {c:2g} {passes.float().mean():11.2f} "
+                    f"{int(passes.max()):4d}  {nz.mean():.3f}"
+                    f"   ({time.perf_counter() - start:.1f} s)"
+                )
+
+
+if __name__ == "__main__":
+    main()
