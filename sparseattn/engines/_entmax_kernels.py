@@ -1,29 +1,30 @@
 """Triton kernels of :mod:`sparseattn.engines.triton_entmax` (imported lazily: needs triton).
 
-α-entmax attention over a block layout, Yun et al. eq. (3) with ρ = α-entmax (Peters et al.
-2019, eq. 9 of their α-entmax definition): for each query row i,
+α-entmax attention over a block layout, Yun et al. eq. (3) with ρ = α-entmax (Yun et al.
+appendix B.3; Peters et al. 2019, whose closed form of α-entmax this is): for each query row i,
 
     p_ij = [z_ij − τ_i]₊^r,  r = 1/(α − 1),  z_ij = (α − 1) · scale · q_i·k_j,  Σ_j p_ij = 1,
 
 with j running over the key blocks the row's query block visits (elements masked out by a
 partial block's tile, key padding or the sequence ends take no part). Three kernels:
 
-* ``_forward``: one program per (query block, batch·head). Pass 0 finds each row's max m_i and
-  number of keys; then τ (shifted by m, so τ ∈ [−1, −n^{1−α}]) by passes over the row's key
-  tiles, each pass recomputing the tile's scores: sparsemax (α = 2) by Newton from the left =
-  Michelot's iteration; 1.5-entmax by Newton from the left on G(τ) = ‖[x − τ]₊‖₂ − 1, with the
-  closed form on the current support S, τ_S = τ + (ΣS d − sqrt((ΣS d)² − |S|(ΣS d² − 1)))/|S|,
-  accepted when max_{x∉S} x ≤ τ_S ≤ min_{x∈S} x (then f(τ_S) = 1: τ_S is the threshold); any
-  other α by safeguarded Newton on ‖[x − τ]₊‖_r − 1 inside the bracket [−1, −n^{1−α}]
-  (bisection when a step leaves it) to float precision. A last pass accumulates p·V over the
-  tiles that hold a non-zero (the others skip the value product) and, when gradients are
-  needed, g·V with g = p^{2−α}, Σg and one byte per (row block, key block) pair: whether the
-  pair holds a non-zero weight.
-* ``_backward_dq``: one program per (query block, batch·head); ``_backward_dkdv``: one per
-  (key block, batch·kv head), looping over the query heads of its GQA group and over the
-  query blocks that visit the key block (the layout's columns). Both reuse τ and skip the
-  pairs without non-zeros. The closed form (Peters et al. 2019, §3.3): with g = p^{2−α},
-  dp = dO·Vᵀ and δ_i = Σ_j g_ij dp_ij / Σ_j g_ij (= dO_i · (Σ_j g_ij v_j)/Σ_j g_ij, from the
+* ``_forward``: one program per (query block, batch·head). Pass 0 finds each row's max m_i,
+  number of keys and each tile's largest score; then τ (shifted by m, so τ ∈ [−1, −n^{1−α}]) by
+  passes over the row's key tiles, each pass recomputing the tile's scores: sparsemax (α = 2) by
+  Newton from the left = Michelot's iteration; 1.5-entmax by Newton from the left on G(τ) = ‖[x
+  − τ]₊‖₂ − 1, with the closed form on the current support S, τ_S = τ + (ΣS d − sqrt((ΣS d)² −
+  |S|(ΣS d² − 1)))/|S|, accepted when max_{x∉S} x ≤ τ_S ≤ min_{x∈S} x (then f(τ_S) = 1: τ_S is
+  the threshold); any other α by safeguarded Newton on ‖[x − τ]₊‖_r − 1 (r > 1) or Σ[x − τ]₊^r −
+  1 (r < 1) inside the bracket [−1, −n^{1−α}] (bisection when a step leaves it) to float
+  precision. τ only grows, so tiles whose largest score lies below every open row's m + τ are
+  skipped. A last pass accumulates p·V over the tiles that hold a non-zero (the others skip the
+  value product) and, when gradients are needed, g·V with g = p^{2−α}, Σg and one byte per (row
+  block, key block) pair: whether the pair holds a non-zero weight.
+* ``_backward_dq``: one program per (query block, batch·head); ``_backward_dkdv``: one per (key
+  block, batch·kv head), looping over the query heads of its GQA group and over the query blocks
+  that visit the key block (the layout's columns). Both reuse τ and skip the pairs without
+  non-zeros. The closed-form gradient of α-entmax (Peters et al. 2019): with g = p^{2−α}, dp =
+  dO·Vᵀ and δ_i = Σ_j g_ij dp_ij / Σ_j g_ij (= dO_i · (Σ_j g_ij v_j)/Σ_j g_ij, from the
   forward), ds = g ⊙ (dp − δ); dV = pᵀ dO, dQ = scale · ds K, dK = scale · dsᵀ Q.
 
 Tiles are square, ``BLOCK`` × ``BLOCK`` (the layout's block); head dims are padded to powers

@@ -504,5 +504,10 @@ def triton_entmax_attention(
     alpha = _alpha_of(prob_map)
     block = DEFAULT_BLOCK.get(q.device.type, 64) if block is None else block
     layout = graph_layout(graph, block)
-    gidx = _graph_index(graph.batch_shape, q.shape[0], q.shape[1], q.device)
+    bsz, heads = q.shape[:2]
+    gidx = _cached(
+        graph,
+        ("triton_entmax_graph_index", bsz, heads, q.device),
+        lambda: _graph_index(graph.batch_shape, bsz, heads, q.device),
+    )
     return entmax_attention(q, k, v, layout, alpha, scale, key_padding_mask, gidx)
