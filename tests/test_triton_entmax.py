@@ -300,7 +300,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sparseattn.engines import _entmax_kernels as kern
-from sparseattn.engines.triton_entmax import MAX_IT
+from sparseattn.engines.triton_entmax import MAX_IT, TOPK
 
 types = {
     **dict.fromkeys(("n_q", "n_k", "H", "HKV", "nbq", "nbk", "n_pairs"), "i32"),
@@ -312,12 +312,12 @@ types = {
 }
 consts = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": 64, "HAS_KPM": True, "UPCAST": False}
 specs = [
-    (kern._forward, {"MODE": 1, "NEED_GRAD": True, "MAX_IT": MAX_IT, "PREC": "tf32"}),
+    (kern._forward, {"MODE": 1, "NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": "tf32"}),
     (kern._backward_dkdv, {"MODE": 0, "GROUP": 2, "PREC": "tf32"}),
 ]
 if sys.argv[1] == "all":
     specs += [
-        (kern._forward, {"MODE": m, "NEED_GRAD": g, "MAX_IT": MAX_IT, "PREC": p})
+        (kern._forward, {"MODE": m, "NEED_GRAD": g, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": p})
         for m, g, p in [(0, False, "ieee"), (2, True, "tf32"), (1, False, "ieee")]
     ]
     specs += [(kern._backward_dq, {"MODE": m, "PREC": "tf32"}) for m in (0, 1, 2)]

@@ -129,6 +129,31 @@ def _slopes(d, R, MODE: tl.constexpr):
 
 
 @triton.jit
+def _start(x, R, BLOCK: tl.constexpr, MODE: tl.constexpr, STEPS: tl.constexpr):
+    """A lower bound τ₀ ≥ −1 of the threshold from a subset of each row's scores, x (BLOCK, K)
+    shifted by the row max (−inf for empty slots). Dropping entries only lowers the threshold,
+    and Newton from the left on the subset's convex function stays below the subset's
+    threshold, so every step is a lower bound of the row's τ. For α > 2 (r < 1, f concave)
+    τ₀ = −1."""
+    tau = tl.full((BLOCK,), -1.0, tl.float32)
+    for _ in tl.static_range(STEPS):
+        pos = x > tau[:, None]
+        d = tl.where(pos, x - tau[:, None], 0.0)
+        if MODE == 2:
+            new = tau + (tl.sum(d, 1) - 1.0) / tl.maximum(tl.sum(pos.to(tl.float32), 1), 1.0)
+        elif MODE == 1:
+            nrm = tl.sqrt(tl.sum(d * d, 1))
+            new = tau + (nrm - 1.0) * nrm / tl.maximum(tl.sum(d, 1), 1e-30)
+        else:
+            s1 = tl.sum(_weights(d, R, 0), 1)
+            nrm = tl.exp2(tl.log2(tl.maximum(s1, 1e-30)) / R)
+            new = tau + (nrm - 1.0) * s1 / tl.maximum(nrm * tl.sum(_slopes(d, R, 0), 1), 1e-30)
+            new = tl.where(R > 1.0, new, -1.0)
+        tau = tl.maximum(tau, new)
+    return tau
+
+
+@triton.jit
 def _forward(
     Q,
     K,
@@ -163,6 +188,7 @@ def _forward(
     HAS_KPM: tl.constexpr,
     NEED_GRAD: tl.constexpr,
     MAX_IT: tl.constexpr,
+    TOPK: tl.constexpr,
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -191,9 +217,12 @@ def _forward(
         other=0.0,
     )
 
-    # pass 0: row max m and number of keys n of every row
+    # pass 0: row max m, number of keys n of every row, each tile's largest score, and the
+    # TOPK largest of each row's per-tile maxima (a subset of the row: a start for τ)
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     cnt = tl.zeros((BLOCK,), tl.float32)
+    slot = tl.arange(0, TOPK)
+    top = tl.full((BLOCK, TOPK), float("-inf"), tl.float32)
     for p in range(start, end):
         kb = tl.load(PAIR_KB + p)
         midx = tl.load(PAIR_MASK + p)
@@ -202,15 +231,19 @@ def _forward(
             D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
         )  # fmt: skip
         s = tl.where(ok, s, float("-inf"))
-        m = tl.maximum(m, tl.max(s, 1))
+        t = tl.max(s, 1)
+        m = tl.maximum(m, t)
         cnt += tl.sum(ok.to(tl.float32), 1)
-        tl.store(TMAX + pair_base + p, tl.max(tl.max(s, 1), 0))  # the tile's largest score
+        tl.store(TMAX + pair_base + p, tl.max(t, 0))  # the tile's largest score
+        low = tl.min(top, 1)  # t replaces the first smallest slot when larger
+        first = tl.min(tl.where(top == low[:, None], slot[None, :], TOPK), 1)
+        top = tl.where((slot[None, :] == first[:, None]) & (t > low)[:, None], t[:, None], top)
     has = cnt > 0
     m = tl.where(has, m, 0.0)
 
-    # threshold τ of x = z − m: f(−1) ≥ 0 ≥ f(−n^{1−α})
-    tau = tl.full((BLOCK,), -1.0, tl.float32)
-    lo = tl.full((BLOCK,), -1.0, tl.float32)
+    # threshold τ of x = z − m: f(−1) ≥ 0 ≥ f(−n^{1−α}); start at the subset's lower bound
+    tau = _start(top - m[:, None], R, BLOCK, MODE, TOPK)
+    lo = tau
     hi = tl.where(has, -tl.exp2(-AM1 * tl.log2(tl.maximum(cnt, 1.0))), 0.0)
     done = ~has
     it = 0

@@ -56,6 +56,10 @@ DEFAULT_BLOCK = {"cuda": 64, "cpu": 32}
 #: Most threshold passes per query block (rows stop earlier when converged; only float ties
 #: at τ or bisection for α > 2 come near it).
 MAX_IT = 40
+#: Per-tile row maxima kept per row in pass 0: the threshold search starts at their subset's
+#: threshold, a lower bound (Gaussian rows, n = 1024 and 4096: 3 passes per 64-row block
+#: instead of 5–6 from max − 1; scripts/triton_entmax_passes.py).
+TOPK = 8
 #: For α − 1 below this the maps compute in float64 (``maps._WIDEN_BELOW``); the kernels
 #: compute in float32, so they refuse such α.
 MIN_ALPHA_GAP = 1e-3
@@ -360,7 +364,7 @@ def _launch_forward(
         n_q, n_k, heads, hkv, layout.nbq, pairs,
         scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0),
         D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BLOCK=b, MODE=_mode(alpha),
-        HAS_KPM=kpm is not None, NEED_GRAD=need_grad, MAX_IT=MAX_IT,
+        HAS_KPM=kpm is not None, NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK,
         PREC=_precision(q), UPCAST=_upcast(q), num_warps=4 if b <= 64 else 8,
     )  # fmt: skip
     return out, tau, gv, nz, passes
