@@ -4,7 +4,10 @@ forward does 1 + passes + 1 of them) and what share of the (query block, key blo
 a non-zero weight (the others skip the value product, and the backward skips them entirely).
 
 Runs under Triton's interpreter on CPU (slow: keep n ≤ 1024) or on a GPU. Inputs: Gaussian
-q, k, v, scale c/sqrt(d) for the given temperatures c (c = 1: scores ~ N(0, 1)).
+q, k, v, scale c/sqrt(d) for the given temperatures c (c = 1: scores ~ N(0, 1)); with
+``--local A`` q and k also carry A·sqrt(d)·e(i), e(i) sinusoids of d/2 frequencies from 1 to
+1/n with e(i)·e(j) = mean_f cos(ω_f (i − j)), so that scores favour nearby keys (attention
+with locality: most far tiles hold no weight).
 
     TRITON_INTERPRET=1 python scripts/triton_entmax_passes.py --n 512 --d 64
 """
@@ -29,17 +32,27 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--temperatures", default="1,4")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--local", type=float, default=0.0)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(args.seed)
     shape = (1, args.heads, args.n, args.d)
-    q, k, v = (torch.randn(shape, generator=gen).to(device) for _ in range(3))
+    q, k, v = (torch.randn(shape, generator=gen) for _ in range(3))
+    if args.local:
+        freq = torch.logspace(0, -torch.log10(torch.tensor(float(args.n))), args.d // 2)
+        angle = torch.arange(args.n)[:, None] * freq
+        pos = torch.cat([angle.cos(), angle.sin()], 1) * (2 / args.d) ** 0.5
+        q, k = (x + args.local * args.d**0.5 * pos for x in (q, k))
+    q, k, v = (x.to(device) for x in (q, k, v))
     layouts = {
         "dense": te.dense_layout(args.n, args.n, args.block),
         "causal": te.causal_layout(args.n, args.n, args.block),
     }
     gidx = torch.zeros(args.heads, dtype=torch.int32, device=device)
-    print(f"device {device}, n {args.n}, d {args.d}, heads {args.heads}, block {args.block}")
+    print(
+        f"device {device}, n {args.n}, d {args.d}, heads {args.heads}, block {args.block}, "
+        f"local {args.local}"
+    )
     print("layout  alpha  c  passes mean  max  tiles with weights")
     for c in (float(x) for x in args.temperatures.split(",")):
         scale = c / args.d**0.5
