@@ -10,10 +10,17 @@ q, k, v, scale c/sqrt(d) for the given temperatures c (c = 1: scores ~ N(0, 1));
 with locality: most far tiles hold no weight).
 
     TRITON_INTERPRET=1 python scripts/triton_entmax_passes.py --n 512 --d 64
+
+``--time`` (meant for a GPU) also times the kernel, forward and forward + backward, in
+``--dtype`` against ``scaled_dot_product_attention`` (dense and ``is_causal``) on the same
+inputs: medians of ``--repeats`` calls after a warm-up, CUDA events on a GPU.
+
+    python scripts/triton_entmax_passes.py --n 8192 --heads 8 --time --dtype bfloat16
 """
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -33,6 +40,9 @@ def main() -> None:
     parser.add_argument("--temperatures", default="1,4")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--local", type=float, default=0.0)
+    parser.add_argument("--time", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(args.seed)
@@ -69,6 +79,57 @@ def main() -> None:
                     f"{int(passes.max()):4d}  {nz.mean():.3f}"
                     f"   ({time.perf_counter() - start:.1f} s)"
                 )
+    if args.time:
+        timings(q, k, v, layouts, args)
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up (compiles)
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def timings(q, k, v, layouts, args) -> None:
+    """1.5-entmax kernel against SDPA softmax on the same inputs, forward and forward+backward."""
+    import torch.nn.functional as F
+
+    dtype = getattr(torch, args.dtype)
+    q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
+    scale = 1 / args.d**0.5
+    print(f"times (ms, medians of {args.repeats}), {args.dtype}; ratio to SDPA in brackets")
+    for name, layout in layouts.items():
+        layout = layout.to(q.device)
+        causal = name == "causal"
+
+        def ours(layout=layout):
+            return te.entmax_attention(q, k, v, layout, 1.5, scale)
+
+        def sdpa(causal=causal):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+        row = []
+        for fn in (ours, sdpa):
+            with torch.no_grad():
+                fwd = _median_ms(fn, args.repeats)
+            both = _median_ms(lambda fn=fn: fn().sum().backward(), args.repeats)
+            row.append((fwd, both))
+        (f1, b1), (f2, b2) = row
+        print(
+            f"{name:7} entmax15 fwd {f1:.3f} [{f1 / f2:.2f}x]  fwd+bwd {b1:.3f} [{b1 / b2:.2f}x]"
+            f"   SDPA fwd {f2:.3f}  fwd+bwd {b2:.3f}"
+        )
 
 
 if __name__ == "__main__":
