@@ -283,6 +283,7 @@ def test_unsupported_reasons(monkeypatch):
         assert why is not None and words in why, case
     why = te.triton_entmax_unsupported(q.double(), k.double(), v.double(), sa.entmax(1.5))
     assert "float32/bfloat16/float16" in why
+    assert "do not fit" in te.triton_entmax_unsupported(q, k[:, :, :16], v, sa.entmax(1.5))
     q3, k3, v3 = inputs(1, 3, 32, 32, 16, kv_heads=2)
     assert "multiple" in te.triton_entmax_unsupported(q3, k3, v3, sa.entmax(1.5))
     if DEVICE == "cpu":  # outside the interpreter, CPU tensors are refused

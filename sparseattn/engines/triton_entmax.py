@@ -303,6 +303,11 @@ def triton_entmax_unsupported(
         return "q, k and v must share one dtype and one device"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "q, k, v must be (batch, heads, n, d)"
+    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+        return (
+            f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: "
+            "one batch, k and v one length, q and k one head dim"
+        )
     if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
         return (
             f"query heads ({q.shape[1]}) must be a multiple of the key/value heads "
