@@ -1,0 +1,555 @@
+"""Triton kernels of :mod:`sparseattn.engines.triton_entmax` (imported lazily: needs triton).
+
+α-entmax attention over a block layout, Yun et al. eq. (3) with ρ = α-entmax (Yun et al.
+appendix B.3; Peters et al. 2019, whose closed form of α-entmax this is): for each query row i,
+
+    p_ij = [z_ij − τ_i]₊^r,  r = 1/(α − 1),  z_ij = (α − 1) · scale · q_i·k_j,  Σ_j p_ij = 1,
+
+with j running over the key blocks the row's query block visits (elements masked out by a
+partial block's tile, key padding or the sequence ends take no part). Three kernels:
+
+* ``_forward``: one program per (query block, batch·head). Pass 0 finds each row's max m_i,
+  number of keys and each tile's largest score; then τ (shifted by m, so τ ∈ [−1, −n^{1−α}]) by
+  passes over the row's key tiles, each pass recomputing the tile's scores: sparsemax (α = 2) by
+  Newton from the left = Michelot's iteration; 1.5-entmax by Newton from the left on G(τ) = ‖[x
+  − τ]₊‖₂ − 1, with the closed form on the current support S, τ_S = τ + (ΣS d − sqrt((ΣS d)² −
+  |S|(ΣS d² − 1)))/|S|, accepted when max_{x∉S} x ≤ τ_S ≤ min_{x∈S} x (then f(τ_S) = 1: τ_S is
+  the threshold); any other α by safeguarded Newton on ‖[x − τ]₊‖_r − 1 (r > 1) or Σ[x − τ]₊^r −
+  1 (r < 1) inside the bracket [−1, −n^{1−α}] (bisection when a step leaves it) to float
+  precision. τ only grows, so tiles whose largest score lies below every open row's m + τ are
+  skipped. A last pass accumulates p·V over the tiles that hold a non-zero (the others skip the
+  value product) and, when gradients are needed, g·V with g = p^{2−α}, Σg and one byte per (row
+  block, key block) pair: whether the pair holds a non-zero weight.
+* ``_backward_dq``: one program per (query block, batch·head); ``_backward_dkdv``: one per (key
+  block, batch·kv head), looping over the query heads of its GQA group and over the query blocks
+  that visit the key block (the layout's columns). Both reuse τ and skip the pairs without
+  non-zeros. The closed-form gradient of α-entmax (Peters et al. 2019): with g = p^{2−α}, dp =
+  dO·Vᵀ and δ_i = Σ_j g_ij dp_ij / Σ_j g_ij (= dO_i · (Σ_j g_ij v_j)/Σ_j g_ij, from the
+  forward), ds = g ⊙ (dp − δ); dV = pᵀ dO, dQ = scale · ds K, dK = scale · dsᵀ Q.
+
+Tiles are square, ``BLOCK`` × ``BLOCK`` (the layout's block); head dims are padded to powers
+of two. Accumulation in float32; fp32 inputs use exact (IEEE) products, bf16/fp16 inputs cast
+the weights to the input type for the value products, as flash attention does.
+Only plain loads/stores, ``tl.dot``, ``tl.where``, reductions and ``range`` loops: accepted
+by triton 3.6 and 3.9.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: Two steps closer than this (in units of the shifted scores, τ ∈ [−1, 0)) end the search.
+TOL = tl.constexpr(2.5e-7)
+#: Slack of the exact-support test of sparsemax and 1.5-entmax.
+EPS = tl.constexpr(2.5e-7)
+
+
+@triton.jit
+def _scores(
+    q,
+    K,
+    kv_base,
+    kb,
+    n_k,
+    midx,
+    MASKS,
+    KPM,
+    kpm_base,
+    row_ok,
+    mul,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Scores z = mul · q kᵀ of one (query block, key block) pair, (BLOCK, BLOCK) float32,
+    the bool tile of the entries that are edges (mask tile, key padding, sequence ends) and
+    the key tile k (BLOCK, BD)."""
+    offs = tl.arange(0, BLOCK)
+    dcol = tl.arange(0, BD)
+    cols = kb * BLOCK + offs
+    col_ok = cols < n_k
+    k = tl.load(
+        K + kv_base + cols[:, None] * D + dcol[None, :],
+        mask=col_ok[:, None] & (dcol[None, :] < D),
+        other=0.0,
+    )
+    s = _mm(q, tl.trans(k), PREC, UPCAST) * mul
+    ok = row_ok[:, None] & col_ok[None, :]
+    if HAS_KPM:
+        kp = tl.load(KPM + kpm_base + cols, mask=col_ok, other=0)
+        ok = ok & (kp != 0)[None, :]
+    partial = (tl.zeros((BLOCK, BLOCK), tl.int32) + midx) >= 0
+    tile = tl.load(
+        MASKS + midx.to(tl.int64) * (BLOCK * BLOCK) + offs[:, None] * BLOCK + offs[None, :],
+        mask=partial,
+        other=1,
+    )
+    ok = ok & (tile != 0)
+    return s, ok, k
+
+
+@triton.jit
+def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with float32 accumulation; ``UPCAST`` multiplies in float32 (set under the
+    interpreter, whose bfloat16 ``tl.dot`` is wrong in triton 3.9: the products of bf16
+    values are exact in float32, so this is what the GPU computes)."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PREC)
+    return out
+
+
+@triton.jit
+def _weights(d, R, MODE: tl.constexpr):
+    """p = d^r for d = [z − τ]₊ ≥ 0 (r = 1 sparsemax, 2 for 1.5-entmax, else 1/(α − 1))."""
+    if MODE == 2:
+        w = d
+    elif MODE == 1:
+        w = d * d
+    else:
+        w = tl.where(d > 0, tl.exp2(R * tl.log2(d)), 0.0)
+    return w
+
+
+@triton.jit
+def _slopes(d, R, MODE: tl.constexpr):
+    """g = p^{2−α} = d^{r−1} on the support, 0 elsewhere (the backward's weights)."""
+    if MODE == 2:
+        w = (d > 0).to(tl.float32)
+    elif MODE == 1:
+        w = d
+    else:
+        w = tl.where(d > 0, tl.exp2((R - 1.0) * tl.log2(d)), 0.0)
+    return w
+
+
+@triton.jit
+def _start(x, R, BLOCK: tl.constexpr, MODE: tl.constexpr, STEPS: tl.constexpr):
+    """A lower bound τ₀ ≥ −1 of the threshold from a subset of each row's scores, x (BLOCK, K)
+    shifted by the row max (−inf for empty slots). Dropping entries only lowers the threshold,
+    and Newton from the left on the subset's convex function stays below the subset's
+    threshold, so every step is a lower bound of the row's τ. For α > 2 (r < 1, f concave)
+    τ₀ = −1."""
+    tau = tl.full((BLOCK,), -1.0, tl.float32)
+    for _ in tl.static_range(STEPS):
+        pos = x > tau[:, None]
+        d = tl.where(pos, x - tau[:, None], 0.0)
+        if MODE == 2:
+            new = tau + (tl.sum(d, 1) - 1.0) / tl.maximum(tl.sum(pos.to(tl.float32), 1), 1.0)
+        elif MODE == 1:
+            nrm = tl.sqrt(tl.sum(d * d, 1))
+            new = tau + (nrm - 1.0) * nrm / tl.maximum(tl.sum(d, 1), 1e-30)
+        else:
+            s1 = tl.sum(_weights(d, R, 0), 1)
+            nrm = tl.exp2(tl.log2(tl.maximum(s1, 1e-30)) / R)
+            new = tau + (nrm - 1.0) * s1 / tl.maximum(nrm * tl.sum(_slopes(d, R, 0), 1), 1e-30)
+            new = tl.where(R > 1.0, new, -1.0)
+        tau = tl.maximum(tau, new)
+    return tau
+
+
+@triton.jit
+def _forward(
+    Q,
+    K,
+    V,
+    O,
+    TAU,
+    GV,
+    NZ,
+    TMAX,
+    PASSES,
+    ROW_PTR,
+    PAIR_KB,
+    PAIR_MASK,
+    MASKS,
+    GIDX,
+    KPM,
+    n_q,
+    n_k,
+    H,
+    HKV,
+    nbq,
+    n_pairs,
+    mul,
+    AM1,
+    R,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BD: tl.constexpr,
+    BDV: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MODE: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    NEED_GRAD: tl.constexpr,
+    MAX_IT: tl.constexpr,
+    TOPK: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    bkv = b * HKV + h // (H // HKV)
+    g = tl.load(GIDX + bh)
+    start = tl.load(ROW_PTR + g * nbq + qb)
+    end = tl.load(ROW_PTR + g * nbq + qb + 1)
+
+    offs = tl.arange(0, BLOCK)
+    dcol = tl.arange(0, BD)
+    vcol = tl.arange(0, BDV)
+    rows = qb * BLOCK + offs
+    row_ok = rows < n_q
+    q_base = bh.to(tl.int64) * n_q * D
+    kv_base = bkv.to(tl.int64) * n_k * D
+    v_base = bkv.to(tl.int64) * n_k * DV
+    kpm_base = b.to(tl.int64) * n_k
+    pair_base = bh.to(tl.int64) * n_pairs
+    q = tl.load(
+        Q + q_base + rows[:, None] * D + dcol[None, :],
+        mask=row_ok[:, None] & (dcol[None, :] < D),
+        other=0.0,
+    )
+
+    # pass 0: row max m, number of keys n of every row, each tile's largest score, and the
+    # TOPK largest of each row's per-tile maxima (a subset of the row: a start for τ)
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    cnt = tl.zeros((BLOCK,), tl.float32)
+    slot = tl.arange(0, TOPK)
+    top = tl.full((BLOCK, TOPK), float("-inf"), tl.float32)
+    for p in range(start, end):
+        kb = tl.load(PAIR_KB + p)
+        midx = tl.load(PAIR_MASK + p)
+        s, ok, k = _scores(
+            q, K, kv_base, kb, n_k, midx, MASKS, KPM, kpm_base, row_ok, mul,
+            D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
+        )  # fmt: skip
+        s = tl.where(ok, s, float("-inf"))
+        t = tl.max(s, 1)
+        m = tl.maximum(m, t)
+        cnt += tl.sum(ok.to(tl.float32), 1)
+        tl.store(TMAX + pair_base + p, tl.max(t, 0))  # the tile's largest score
+        low = tl.min(top, 1)  # t replaces the first smallest slot when larger
+        first = tl.min(tl.where(top == low[:, None], slot[None, :], TOPK), 1)
+        top = tl.where((slot[None, :] == first[:, None]) & (t > low)[:, None], t[:, None], top)
+    has = cnt > 0
+    m = tl.where(has, m, 0.0)
+
+    # threshold τ of x = z − m: f(−1) ≥ 0 ≥ f(−n^{1−α}); start at the subset's lower bound
+    tau = _start(top - m[:, None], R, BLOCK, MODE, TOPK)
+    lo = tau
+    hi = tl.where(has, -tl.exp2(-AM1 * tl.log2(tl.maximum(cnt, 1.0))), 0.0)
+    done = ~has
+    it = 0
+    while (it < MAX_IT) & (tl.sum((~done).to(tl.int32), 0) > 0):
+        c0 = tl.zeros((BLOCK,), tl.float32)
+        s1 = tl.zeros((BLOCK,), tl.float32)
+        s2 = tl.zeros((BLOCK,), tl.float32)
+        x_in = tl.full((BLOCK,), float("inf"), tl.float32)
+        x_out = tl.full((BLOCK,), float("-inf"), tl.float32)
+        # τ only grows (Newton from the left; for α > 2 the bracket's lo): a tile whose largest
+        # score is below every open row's m + τ holds none of their supports: skip it
+        floor = tl.min(tl.where(has & ~done, m + (lo if MODE == 0 else tau), float("inf")), 0)
+        for p in range(start, end):
+            if tl.load(TMAX + pair_base + p) > floor:
+                kb = tl.load(PAIR_KB + p)
+                midx = tl.load(PAIR_MASK + p)
+                s, ok, k = _scores(
+                    q, K, kv_base, kb, n_k, midx, MASKS, KPM, kpm_base, row_ok, mul,
+                    D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
+                )  # fmt: skip
+                x = tl.where(ok, s - m[:, None], float("-inf"))
+                pos = x > tau[:, None]
+                d = tl.where(pos, x - tau[:, None], 0.0)
+                c0 += tl.sum(pos.to(tl.float32), 1)
+                if MODE == 0:
+                    s1 += tl.sum(_weights(d, R, 0), 1)
+                    s2 += tl.sum(_slopes(d, R, 0), 1)
+                else:
+                    s1 += tl.sum(d, 1)
+                    s2 += tl.sum(d * d, 1)
+                    x_in = tl.minimum(x_in, tl.min(tl.where(pos, x, float("inf")), 1))
+                    x_out = tl.maximum(x_out, tl.max(tl.where(ok & ~pos, x, float("-inf")), 1))
+        c0 = tl.maximum(c0, 1.0)
+        if MODE == 2:  # Michelot: the Newton step is the closed form on S
+            new = tau + (s1 - 1.0) / c0
+            exact = (x_out <= new + EPS) & (new <= x_in + EPS)
+        elif MODE == 1:
+            disc = s1 * s1 - c0 * (s2 - 1.0)
+            t_s = tau + (s1 - tl.sqrt(tl.maximum(disc, 0.0))) / c0
+            exact = (disc >= 0) & (x_out <= t_s + EPS) & (t_s <= x_in + EPS)
+            nrm = tl.sqrt(s2)
+            new = tl.where(exact, t_s, tau + (nrm - 1.0) * nrm / tl.maximum(s1, 1e-30))
+        else:
+            f = s1 - 1.0
+            lo = tl.where(f >= 0, tl.maximum(lo, tau), lo)
+            hi = tl.where(f < 0, tl.minimum(hi, tau), hi)
+            # r > 1: Newton on the convex ‖d‖_r − 1 (monotone from the left); r < 1: on f
+            nrm = tl.exp2(AM1 * tl.log2(tl.maximum(s1, 1e-30)))  # (Σ d^r)^{1/r}
+            step_g = (nrm - 1.0) * s1 / tl.maximum(nrm * s2, 1e-30)
+            step_f = f / tl.maximum(R * s2, 1e-30)
+            new = tau + tl.where(R > 1.0, step_g, step_f)
+            keep = ((new > lo) & (new < hi)) | (tl.abs(new - tau) <= TOL)  # False for NaN
+            new = tl.where(keep, new, 0.5 * (lo + hi))
+            exact = f == 0
+        conv = exact | (tl.abs(new - tau) <= TOL)
+        tau = tl.where(done, tau, new)
+        done = done | conv
+        it += 1
+
+    # last pass: out = Σ p V (and for the backward Σ g V / Σ g and the non-zero pairs)
+    tau_abs = tl.where(has, m + tau, float("inf"))
+    acc = tl.zeros((BLOCK, BDV), tl.float32)
+    g_acc = tl.zeros((BLOCK, BDV), tl.float32)
+    g_sum = tl.zeros((BLOCK,), tl.float32)
+    p_sum = tl.zeros((BLOCK,), tl.float32)
+    floor = tl.min(tau_abs, 0)
+    for p in range(start, end):
+        nz = tl.load(TMAX + pair_base + p) > floor
+        if nz:  # else no row has a weight in this tile: skip both products
+            kb = tl.load(PAIR_KB + p)
+            midx = tl.load(PAIR_MASK + p)
+            s, ok, k = _scores(
+                q, K, kv_base, kb, n_k, midx, MASKS, KPM, kpm_base, row_ok, mul,
+                D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
+            )  # fmt: skip
+            d = tl.maximum(tl.where(ok, s - tau_abs[:, None], 0.0), 0.0)
+            nz = tl.max(tl.max(d, 1), 0) > 0
+            if nz:
+                cols = kb * BLOCK + offs
+                v = tl.load(
+                    V + v_base + cols[:, None] * DV + vcol[None, :],
+                    mask=(cols < n_k)[:, None] & (vcol[None, :] < DV),
+                    other=0.0,
+                )
+                w = _weights(d, R, MODE)
+                p_sum += tl.sum(w, 1)
+                acc += _mm(w.to(v.dtype), v, PREC, UPCAST)
+                if NEED_GRAD:
+                    sl = _slopes(d, R, MODE)
+                    g_sum += tl.sum(sl, 1)
+                    g_acc += _mm(sl.to(v.dtype), v, PREC, UPCAST)
+        if NEED_GRAD:
+            tl.store(NZ + pair_base + p, nz.to(tl.int8))
+    if MODE == 0:  # τ to float precision: renormalise, as bisection does
+        acc = acc / tl.where(p_sum > 0, p_sum, 1.0)[:, None]
+    o_base = bh.to(tl.int64) * n_q * DV
+    o_mask = row_ok[:, None] & (vcol[None, :] < DV)
+    tl.store(
+        O + o_base + rows[:, None] * DV + vcol[None, :], acc.to(O.dtype.element_ty), mask=o_mask
+    )
+    tl.store(TAU + bh.to(tl.int64) * n_q + rows, tau_abs, mask=row_ok)
+    tl.store(PASSES + bh.to(tl.int64) * nbq + qb, it + tl.zeros((), tl.int32))
+    if NEED_GRAD:
+        g_acc = g_acc / tl.where(g_sum > 0, g_sum, 1.0)[:, None]
+        tl.store(GV + o_base + rows[:, None] * DV + vcol[None, :], g_acc, mask=o_mask)
+
+
+@triton.jit
+def _backward_dq(
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    TAU,
+    DELTA,
+    NZ,
+    ROW_PTR,
+    PAIR_KB,
+    PAIR_MASK,
+    MASKS,
+    GIDX,
+    KPM,
+    n_q,
+    n_k,
+    H,
+    HKV,
+    nbq,
+    n_pairs,
+    mul,
+    scale,
+    R,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BD: tl.constexpr,
+    BDV: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MODE: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    bkv = b * HKV + h // (H // HKV)
+    g = tl.load(GIDX + bh)
+    start = tl.load(ROW_PTR + g * nbq + qb)
+    end = tl.load(ROW_PTR + g * nbq + qb + 1)
+
+    offs = tl.arange(0, BLOCK)
+    dcol = tl.arange(0, BD)
+    vcol = tl.arange(0, BDV)
+    rows = qb * BLOCK + offs
+    row_ok = rows < n_q
+    q_base = bh.to(tl.int64) * n_q * D
+    o_base = bh.to(tl.int64) * n_q * DV
+    kv_base = bkv.to(tl.int64) * n_k * D
+    v_base = bkv.to(tl.int64) * n_k * DV
+    kpm_base = b.to(tl.int64) * n_k
+    q_mask = row_ok[:, None] & (dcol[None, :] < D)
+    q = tl.load(Q + q_base + rows[:, None] * D + dcol[None, :], mask=q_mask, other=0.0)
+    do = tl.load(
+        DO + o_base + rows[:, None] * DV + vcol[None, :],
+        mask=row_ok[:, None] & (vcol[None, :] < DV),
+        other=0.0,
+    )
+    tau = tl.load(TAU + bh.to(tl.int64) * n_q + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + bh.to(tl.int64) * n_q + rows, mask=row_ok, other=0.0)
+    dq = tl.zeros((BLOCK, BD), tl.float32)
+    for p in range(start, end):
+        if tl.load(NZ + bh.to(tl.int64) * n_pairs + p) != 0:
+            kb = tl.load(PAIR_KB + p)
+            midx = tl.load(PAIR_MASK + p)
+            s, ok, k = _scores(
+                q, K, kv_base, kb, n_k, midx, MASKS, KPM, kpm_base, row_ok, mul,
+                D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
+            )  # fmt: skip
+            d = tl.maximum(tl.where(ok, s - tau[:, None], 0.0), 0.0)
+            cols = kb * BLOCK + offs
+            col_ok = cols < n_k
+            v = tl.load(
+                V + v_base + cols[:, None] * DV + vcol[None, :],
+                mask=col_ok[:, None] & (vcol[None, :] < DV),
+                other=0.0,
+            )
+            dp = _mm(do, tl.trans(v), PREC, UPCAST)
+            ds = _slopes(d, R, MODE) * (dp - delta[:, None])
+            dq += _mm(ds.to(k.dtype), k, PREC, UPCAST)
+    tl.store(
+        DQ + q_base + rows[:, None] * D + dcol[None, :],
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+@triton.jit
+def _backward_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV_,
+    TAU,
+    DELTA,
+    NZ,
+    COL_PTR,
+    COL_PAIR,
+    COL_QB,
+    PAIR_MASK,
+    MASKS,
+    GIDX,
+    KPM,
+    n_q,
+    n_k,
+    H,
+    HKV,
+    nbk,
+    n_pairs,
+    mul,
+    scale,
+    R,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BD: tl.constexpr,
+    BDV: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    MODE: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    kb = tl.program_id(0)
+    bkv = tl.program_id(1)
+    b = bkv // HKV
+    kvh = bkv % HKV
+
+    offs = tl.arange(0, BLOCK)
+    dcol = tl.arange(0, BD)
+    vcol = tl.arange(0, BDV)
+    cols = kb * BLOCK + offs
+    col_ok = cols < n_k
+    kv_base = bkv.to(tl.int64) * n_k * D
+    v_base = bkv.to(tl.int64) * n_k * DV
+    kpm_base = b.to(tl.int64) * n_k
+    k_mask = col_ok[:, None] & (dcol[None, :] < D)
+    v_mask = col_ok[:, None] & (vcol[None, :] < DV)
+    k = tl.load(K + kv_base + cols[:, None] * D + dcol[None, :], mask=k_mask, other=0.0)
+    v = tl.load(V + v_base + cols[:, None] * DV + vcol[None, :], mask=v_mask, other=0.0)
+    col_in = col_ok
+    if HAS_KPM:
+        kp = tl.load(KPM + kpm_base + cols, mask=col_ok, other=0)
+        col_in = col_in & (kp != 0)
+    dk = tl.zeros((BLOCK, BD), tl.float32)
+    dv = tl.zeros((BLOCK, BDV), tl.float32)
+    for t in tl.static_range(GROUP):
+        bh = b * H + kvh * GROUP + t
+        g = tl.load(GIDX + bh)
+        start = tl.load(COL_PTR + g * nbk + kb)
+        end = tl.load(COL_PTR + g * nbk + kb + 1)
+        q_base = bh.to(tl.int64) * n_q * D
+        o_base = bh.to(tl.int64) * n_q * DV
+        for c in range(start, end):
+            pair = tl.load(COL_PAIR + c)
+            if tl.load(NZ + bh.to(tl.int64) * n_pairs + pair) != 0:
+                qb = tl.load(COL_QB + c)
+                midx = tl.load(PAIR_MASK + pair)
+                rows = qb * BLOCK + offs
+                row_ok = rows < n_q
+                q = tl.load(
+                    Q + q_base + rows[:, None] * D + dcol[None, :],
+                    mask=row_ok[:, None] & (dcol[None, :] < D),
+                    other=0.0,
+                )
+                do = tl.load(
+                    DO + o_base + rows[:, None] * DV + vcol[None, :],
+                    mask=row_ok[:, None] & (vcol[None, :] < DV),
+                    other=0.0,
+                )
+                tau = tl.load(TAU + bh.to(tl.int64) * n_q + rows, mask=row_ok, other=float("inf"))
+                delta = tl.load(DELTA + bh.to(tl.int64) * n_q + rows, mask=row_ok, other=0.0)
+                s = _mm(q, tl.trans(k), PREC, UPCAST) * mul
+                partial = (tl.zeros((BLOCK, BLOCK), tl.int32) + midx) >= 0
+                tile = tl.load(
+                    MASKS
+                    + midx.to(tl.int64) * (BLOCK * BLOCK)
+                    + offs[:, None] * BLOCK
+                    + offs[None, :],
+                    mask=partial,
+                    other=1,
+                )
+                ok = row_ok[:, None] & col_in[None, :] & (tile != 0)
+                d = tl.maximum(tl.where(ok, s - tau[:, None], 0.0), 0.0)
+                w = _weights(d, R, MODE)
+                dv += _mm(tl.trans(w.to(do.dtype)), do, PREC, UPCAST)
+                dp = _mm(do, tl.trans(v), PREC, UPCAST)
+                ds = _slopes(d, R, MODE) * (dp - delta[:, None])
+                dk += _mm(tl.trans(ds.to(q.dtype)), q, PREC, UPCAST)
+    tl.store(
+        DK + kv_base + cols[:, None] * D + dcol[None, :],
+        (dk * scale).to(DK.dtype.element_ty),
+        mask=k_mask,
+    )
+    tl.store(
+        DV_ + v_base + cols[:, None] * DV + vcol[None, :], dv.to(DV_.dtype.element_ty), mask=v_mask
+    )

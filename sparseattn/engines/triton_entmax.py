@@ -1,0 +1,522 @@
+"""Triton engine for α-entmax and sparsemax attention on a pattern's block layout (issue 26).
+
+Computes Yun et al. eq. (3), out_i = Σ_{j ∈ A_i} ρ(scale · q_i·k_j)_j v_j, with ρ = α-entmax,
+p = [(α − 1)s − τ]₊^{1/(α−1)} (Peters et al. 2019; α = 2 is sparsemax), by fused Triton kernels
+(:mod:`sparseattn.engines._entmax_kernels`) that visit only the (query block, key block) pairs
+of the graph's block layout: each row's threshold τ is found over the row's own key tiles by a
+few Newton passes (exact for α = 1.5 and 2), then p·V is accumulated; the backward reuses τ,
+skips pairs without non-zero weights and needs no n × n tensor (memory O(n·d + pairs)).
+
+Entry points:
+
+* :func:`triton_entmax_attention` — the engines' signature
+  ``(q, k, v, graph, prob_map, scale, key_padding_mask=None, dropout_p=0.0) -> out``;
+* :func:`entmax_attention` — the same on a :class:`BlockLayout` (e.g. :func:`dense_layout` or
+  :func:`causal_layout`, which need no graph: the dense and causal patterns as layouts);
+* :func:`triton_entmax_unsupported` — None if a request can run here, else why not.
+
+Triton is imported on first use only: ``import sparseattn`` works without it. The kernels run
+on CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before
+triton is first imported, and while the kernels run).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from ..graph import AttentionGraph
+from ..maps import ProbabilityMap
+from .block import block_pairs
+
+__all__ = [
+    "BlockLayout",
+    "causal_layout",
+    "dense_layout",
+    "entmax_attention",
+    "graph_layout",
+    "triton_entmax_attention",
+    "triton_entmax_unsupported",
+]
+
+#: Block sizes the kernels take (square tiles; ``tl.dot`` needs at least 16).
+BLOCKS = (16, 32, 64, 128)
+#: Default block on a GPU (to be measured: speed on a GPU is not yet known) and under the
+#: interpreter (fewer, larger tiles run faster there).
+DEFAULT_BLOCK = {"cuda": 64, "cpu": 32}
+#: Most threshold passes per query block (rows stop earlier when converged; only float ties
+#: at τ or bisection for α > 2 come near it).
+MAX_IT = 40
+#: Per-tile row maxima kept per row in pass 0: the threshold search starts at their subset's
+#: threshold, a lower bound (Gaussian rows, n = 1024 and 4096: 3 passes per 64-row block
+#: instead of 5–6 from max − 1; scripts/triton_entmax_passes.py).
+TOPK = 8
+#: For α − 1 below this the maps compute in float64 (``maps._WIDEN_BELOW``); the kernels
+#: compute in float32, so they refuse such α.
+MIN_ALPHA_GAP = 1e-3
+#: Largest head dim (registers of one tile).
+MAX_HEAD_DIM = 256
+
+_KERNELS: ModuleType | None = None
+
+
+def _kernels() -> ModuleType:
+    """The kernel module, imported on first use (raises ImportError without triton)."""
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = importlib.import_module("._entmax_kernels", __package__)
+    return _KERNELS
+
+
+def _interpreted() -> bool:
+    """Whether the kernels run under Triton's interpreter: TRITON_INTERPRET=1 must have been
+    set before triton was imported (its own library functions are built at import)."""
+    import triton.language as tl
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    interpreted = type(_kernels()._forward).__name__ == "InterpretedFunction"
+    return interpreted and type(tl.zeros).__name__ != "JITFunction"
+
+
+# ---------------------------------------------------------------------------- layouts
+@dataclass
+class BlockLayout:
+    """Block layout of G graphs for the kernels: CSR rows of (query block, key block) pairs.
+
+    Attributes:
+        block: tile size b (queries and keys).
+        graphs: G; program (batch, head) uses graph ``graph_index[batch·H + head]``.
+        n_q, n_k: queries and keys; nbq = ceil(n_q / b), nbk = ceil(n_k / b).
+        row_ptr: int32[G·nbq + 1], pairs of row block g·nbq + i are
+            ``row_ptr[g·nbq + i] : row_ptr[g·nbq + i + 1]``.
+        pair_kb: int32[P], the key block of each pair (ascending within a row block).
+        pair_mask: int32[P], −1 for a full pair, else its index into ``masks``.
+        masks: uint8[P_partial, b, b], 1 where (query offset, key offset) of a partial pair
+            is an edge.
+        col_ptr: int32[G·nbk + 1], the same pairs by key block (the backward's dK, dV).
+        col_pair: int32[P], pair index of each column entry; col_qb: int32[P], its query block.
+    """
+
+    block: int
+    graphs: int
+    n_q: int
+    n_k: int
+    row_ptr: Tensor
+    pair_kb: Tensor
+    pair_mask: Tensor
+    masks: Tensor
+    col_ptr: Tensor
+    col_pair: Tensor
+    col_qb: Tensor
+    _on: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def nbq(self) -> int:
+        return -(-self.n_q // self.block)
+
+    @property
+    def nbk(self) -> int:
+        return -(-self.n_k // self.block)
+
+    @property
+    def pairs(self) -> int:
+        """Number of (query block, key block) pairs the kernels visit."""
+        return int(self.pair_kb.numel())
+
+    def to(self, device: torch.device) -> BlockLayout:
+        """This layout with its tensors on ``device`` (copied once, cached on the layout)."""
+        if self.row_ptr.device == device:
+            return self
+        if device not in self._on:
+            moved = {
+                name: getattr(self, name).to(device)
+                for name in (
+                    "row_ptr",
+                    "pair_kb",
+                    "pair_mask",
+                    "masks",
+                    "col_ptr",
+                    "col_pair",
+                    "col_qb",
+                )
+            }
+            self._on[device] = BlockLayout(
+                self.block, self.graphs, self.n_q, self.n_k, **moved, _on=self._on
+            )
+        return self._on[device]
+
+
+def _check_block(block: int) -> None:
+    if block not in BLOCKS:
+        raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
+
+
+def _from_pairs(
+    rb: Tensor, kb: Tensor, part: Tensor, masks: Tensor, graphs: int, n_q: int, n_k: int, b: int
+) -> BlockLayout:
+    """Layout from pairs sorted by (global row block rb = g·nbq + i, key block kb)."""
+    nbq, nbk = -(-n_q // b), -(-n_k // b)
+    row_ptr = torch.zeros(graphs * nbq + 1, dtype=torch.long)
+    row_ptr[1:] = torch.bincount(rb, minlength=graphs * nbq).cumsum(0)
+    column = (rb // nbq) * nbk + kb
+    order = torch.argsort(column * nbq + rb % nbq, stable=True)
+    col_ptr = torch.zeros(graphs * nbk + 1, dtype=torch.long)
+    col_ptr[1:] = torch.bincount(column, minlength=graphs * nbk).cumsum(0)
+    i32 = torch.int32
+    return BlockLayout(
+        b,
+        graphs,
+        n_q,
+        n_k,
+        row_ptr.to(i32),
+        kb.to(i32),
+        part.to(i32),
+        masks.to(torch.uint8).contiguous(),
+        col_ptr.to(i32),
+        order.to(i32),
+        (rb % nbq)[order].to(i32),
+    )
+
+
+def dense_layout(n_q: int, n_k: int, block: int) -> BlockLayout:
+    """Every query block visits every key block, all pairs full (the dense pattern)."""
+    _check_block(block)
+    nbq, nbk = -(-n_q // block), -(-n_k // block)
+    rb = torch.arange(nbq).repeat_interleave(nbk)
+    kb = torch.arange(nbk).repeat(nbq)
+    none = torch.zeros(0, block, block, dtype=torch.uint8)
+    return _from_pairs(rb, kb, torch.full_like(rb, -1), none, 1, n_q, n_k, block)
+
+
+def causal_layout(n_q: int, n_k: int, block: int) -> BlockLayout:
+    """Causal attention as a layout: query i (at position n_k − n_q + i, so n_q < n_k is
+    decoding or prefill in pieces) visits keys j ≤ n_k − n_q + i; blocks crossing the
+    diagonal are partial with their triangle as mask tile. O(nbq · nbk) pairs, no graph."""
+    _check_block(block)
+    if n_q > n_k:
+        raise ValueError(f"causal_layout needs n_q <= n_k, got n_q={n_q}, n_k={n_k}")
+    off = n_k - n_q
+    nbq = -(-n_q // block)
+    qb = torch.arange(nbq)
+    last_row = torch.clamp((qb + 1) * block, max=n_q) - 1
+    count = (off + last_row) // block + 1
+    rb = qb.repeat_interleave(count)
+    kb = torch.arange(int(count.sum())) - (count.cumsum(0) - count).repeat_interleave(count)
+    full = (kb + 1) * block - 1 <= off + rb * block
+    part = torch.full_like(rb, -1)
+    part[~full] = torch.arange(int((~full).sum()))
+    r = torch.arange(block)
+    qpos = off + rb[~full, None, None] * block + r[None, :, None]
+    kpos = kb[~full, None, None] * block + r[None, None, :]
+    return _from_pairs(rb, kb, part, kpos <= qpos, 1, n_q, n_k, block)
+
+
+def graph_layout(graph: AttentionGraph, block: int) -> BlockLayout:
+    """The block layout of ``graph`` (all its batch_shape graphs) at ``block``, built in
+    O(E + partial pairs · b²) by ``block_pairs`` and cached on the graph."""
+    _check_block(block)
+
+    def make() -> BlockLayout:
+        pairs = block_pairs(graph, block, partial=True)
+        nbk = -(-graph.n_k // block)
+        partial = ~pairs.full
+        part = torch.full_like(pairs.keys, -1)
+        part[partial] = torch.arange(int(partial.sum()))
+        masks = torch.zeros(int(partial.sum()), block, block, dtype=torch.uint8)
+        if pairs.e_pair is not None and pairs.e_pair.numel():
+            masks[part[pairs.e_pair], pairs.e_q, pairs.e_k] = 1
+        graphs = max(1, math.prod(graph.batch_shape))
+        return _from_pairs(
+            pairs.keys // nbk, pairs.keys % nbk, part, masks, graphs, graph.n_q, graph.n_k, block
+        )
+
+    return _cached(graph, ("triton_entmax_layout", block), make)
+
+
+def _cached(graph: AttentionGraph, key: Any, make: Callable[[], Any]) -> Any:
+    """``make()`` computed once per graph object and ``key`` (the one place that stores on
+    the graph: switch to the graph's cache API here when it exists)."""
+    store = graph.__dict__.setdefault("_triton_entmax", {})
+    if key not in store:
+        store[key] = make()
+    return store[key]
+
+
+def _graph_index(batch_shape: tuple[int, ...], bsz: int, heads: int, device) -> Tensor:
+    """int32[B·H]: which of the prod(batch_shape) graphs each (batch, head) uses."""
+    ids = torch.arange(max(1, math.prod(batch_shape)), dtype=torch.int32).reshape(batch_shape)
+    try:
+        ids = ids.expand(bsz, heads)
+    except RuntimeError as err:
+        raise ValueError(
+            f"graph batch_shape {batch_shape} must broadcast to (batch, heads) = {(bsz, heads)}"
+        ) from err
+    return ids.reshape(-1).contiguous().to(device)
+
+
+# ---------------------------------------------------------------------------- requests
+def _alpha_of(prob_map: ProbabilityMap) -> float | str:
+    """α of an entmax/sparsemax map, or why the kernels cannot compute the map."""
+    if prob_map.name == "sparsemax":
+        return 2.0
+    if prob_map.name != "entmax":
+        return f"the Triton entmax kernels compute α-entmax and sparsemax only, not {prob_map!r}"
+    if prob_map.alpha is not None:
+        return "the Triton entmax kernels take a fixed α, not a tensor (learnable) α"
+    alpha = float(prob_map.params.get("alpha", 1.5))
+    if alpha == 1.0:
+        return "entmax(1) is softmax: the Triton entmax kernels need α > 1"
+    if alpha - 1.0 < MIN_ALPHA_GAP:
+        return f"α − 1 < {MIN_ALPHA_GAP} needs float64 thresholds; the Triton kernels use float32"
+    return alpha
+
+
+def triton_entmax_unsupported(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    prob_map: ProbabilityMap | None,
+    dropout_p: float = 0.0,
+    graph: AttentionGraph | None = None,
+) -> str | None:
+    """None if :func:`triton_entmax_attention` can compute this request, else why not."""
+    if prob_map is None:
+        return "the probability map is unknown (the Triton kernels compute entmax/sparsemax)"
+    alpha = _alpha_of(prob_map)
+    if isinstance(alpha, str):
+        return alpha
+    if dropout_p:
+        return "the Triton entmax kernels have no attention dropout"
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"the Triton entmax kernels take float32/bfloat16/float16, not {q.dtype}"
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        return "q, k and v must share one dtype and one device"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v must be (batch, heads, n, d)"
+    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+        return (
+            f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: "
+            "one batch, k and v one length, q and k one head dim"
+        )
+    if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
+        return (
+            f"query heads ({q.shape[1]}) must be a multiple of the key/value heads "
+            f"({k.shape[1]}, {v.shape[1]})"
+        )
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        return f"head dims above {MAX_HEAD_DIM} are not supported"
+    if graph is not None and (graph.n_q, graph.n_k) != (q.shape[2], k.shape[2]):
+        return f"graph is {graph.n_q} × {graph.n_k}, inputs {q.shape[2]} × {k.shape[2]}"
+    try:
+        _kernels()
+    except ImportError:
+        return "triton is not installed (pip install triton)"
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreted()):
+        return (
+            f"the Triton kernels run on CUDA tensors, not {q.device.type} (on CPU only under "
+            "Triton's interpreter: TRITON_INTERPRET=1 set before triton is imported)"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------- the function
+def _mode(alpha: float) -> int:
+    return 2 if alpha == 2.0 else 1 if alpha == 1.5 else 0
+
+
+def _launch_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: BlockLayout,
+    gidx: Tensor,
+    kpm: Tensor | None,
+    alpha: float,
+    scale: float,
+    need_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Run the forward kernel on contiguous q, k, v. Returns out (B, H, n_q, d_v), τ + m per
+    row (B, H, n_q) float32, Σ g v / Σ g (B, H, n_q, d_v) and the non-zero flags int8
+    (B·H, pairs) — the last two only with ``need_grad`` — and the threshold passes each
+    program took, int32 (B·H, nbq)."""
+    kern = _kernels()
+    bsz, heads, n_q, d = q.shape
+    hkv, n_k, dv = k.shape[1], k.shape[2], v.shape[-1]
+    b, pairs, dev = layout.block, max(1, layout.pairs), q.device
+    out = torch.empty(bsz, heads, n_q, dv, dtype=q.dtype, device=dev)
+    tau = torch.empty(bsz, heads, n_q, dtype=torch.float32, device=dev)
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    tmax = torch.empty(bsz * heads, pairs, dtype=torch.float32, device=dev)
+    passes = torch.empty(bsz * heads, layout.nbq, dtype=torch.int32, device=dev)
+    gv, nz = dummy, dummy
+    if need_grad:  # Σ g v / Σ g per row, and whether each (pair, head) holds a non-zero
+        gv = torch.empty(bsz, heads, n_q, dv, dtype=torch.float32, device=dev)
+        nz = torch.empty(bsz * heads, pairs, dtype=torch.int8, device=dev)
+    kern._forward[(layout.nbq, bsz * heads)](
+        q, k, v, out, tau, gv, nz, tmax, passes,
+        layout.row_ptr, layout.pair_kb, layout.pair_mask, layout.masks, gidx,
+        dummy.to(torch.int8) if kpm is None else kpm,
+        n_q, n_k, heads, hkv, layout.nbq, pairs,
+        scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0),
+        D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BLOCK=b, MODE=_mode(alpha),
+        HAS_KPM=kpm is not None, NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK,
+        PREC=_precision(q), UPCAST=_upcast(q), num_warps=4 if b <= 64 else 8,
+    )  # fmt: skip
+    return out, tau, gv, nz, passes
+
+
+class _EntmaxAttention(torch.autograd.Function):
+    """Fused α-entmax attention on a block layout; backward by the closed form (module doc)."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layout: BlockLayout,
+        gidx: Tensor,
+        kpm: Tensor | None,
+        alpha: float,
+        scale: float,
+        need_grad: bool,
+    ) -> Tensor:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, tau, gv, nz, _ = _launch_forward(q, k, v, layout, gidx, kpm, alpha, scale, need_grad)
+        kpm_t = torch.zeros(1, dtype=torch.int8, device=q.device) if kpm is None else kpm
+        if need_grad:
+            ctx.save_for_backward(q, k, v, tau, gv, nz)
+            ctx.layout, ctx.gidx, ctx.kpm = layout, gidx, kpm_t
+            ctx.has_kpm, ctx.alpha, ctx.scale = kpm is not None, alpha, scale
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_out: Tensor):
+        kern = _kernels()
+        q, k, v, tau, gv, nz = ctx.saved_tensors
+        layout, alpha, scale = ctx.layout, ctx.alpha, ctx.scale
+        bsz, heads, n_q, d = q.shape
+        hkv, n_k, dv = k.shape[1], k.shape[2], v.shape[-1]
+        b = layout.block
+        do = grad_out.to(q.dtype).contiguous()
+        delta = (do.float() * gv).sum(-1).contiguous()  # δ_i = Σ_j g dp / Σ_j g
+        dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        common = dict(
+            D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BLOCK=b, MODE=_mode(alpha),
+            HAS_KPM=ctx.has_kpm, PREC=_precision(q), UPCAST=_upcast(q),
+            num_warps=4 if b <= 64 else 8,
+        )  # fmt: skip
+        mul, r = scale * (alpha - 1.0), 1.0 / (alpha - 1.0)
+        kern._backward_dq[(layout.nbq, bsz * heads)](
+            q, k, v, do, dq, tau, delta, nz,
+            layout.row_ptr, layout.pair_kb, layout.pair_mask, layout.masks, ctx.gidx, ctx.kpm,
+            n_q, n_k, heads, hkv, layout.nbq, nz.shape[1], mul, scale, r, **common,
+        )  # fmt: skip
+        kern._backward_dkdv[(layout.nbk, bsz * hkv)](
+            q, k, v, do, dk, dvv, tau, delta, nz,
+            layout.col_ptr, layout.col_pair, layout.col_qb, layout.pair_mask, layout.masks,
+            ctx.gidx, ctx.kpm,
+            n_q, n_k, heads, hkv, layout.nbk, nz.shape[1], mul, scale, r,
+            GROUP=heads // hkv, **common,
+        )  # fmt: skip
+        return dq, dk, dvv, None, None, None, None, None, None
+
+
+def _pow2(x: int) -> int:
+    return max(16, 1 << (x - 1).bit_length())
+
+
+def _precision(q: Tensor) -> str:
+    """Exact float32 products for float32 inputs (the thresholds are sensitive to score
+    errors); bf16/fp16 products accumulate in float32 anyway."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _upcast(q: Tensor) -> bool:
+    """Products in float32 under the interpreter for bfloat16 (its bf16 ``tl.dot`` is wrong
+    in triton 3.9); on a GPU the tensor cores multiply bf16 directly."""
+    return q.dtype == torch.bfloat16 and q.device.type == "cpu"
+
+
+def entmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: BlockLayout,
+    alpha: float,
+    scale: float | None = None,
+    key_padding_mask: Tensor | None = None,
+    graph_index: Tensor | None = None,
+) -> Tensor:
+    """α-entmax attention (α > 1; 2 = sparsemax) over a block layout, Yun et al. eq. (3).
+
+    Args:
+        q: (B, H, n_q, d); k: (B, H_kv, n_k, d); v: (B, H_kv, n_k, d_v), H a multiple of
+            H_kv (GQA: query head h uses key/value head h // (H / H_kv)); float32, bfloat16 or
+            float16, on CUDA (or CPU under Triton's interpreter).
+        layout: from :func:`graph_layout`, :func:`dense_layout` or :func:`causal_layout`.
+        alpha: α > 1 (1.5 and 2 exact; others Newton/bisection to float precision).
+        scale: score scale, default 1/sqrt(d).
+        key_padding_mask: (B, n_k) bool, True for real keys. A row left without keys gives 0.
+        graph_index: int32 (B·H,), the layout graph of each (batch, head); default all 0.
+    Returns:
+        (B, H, n_q, d_v) in the inputs' dtype; differentiable in q, k and v.
+    """
+    bsz, heads, n_q, d = q.shape
+    if (layout.n_q, layout.n_k) != (n_q, k.shape[2]):
+        raise ValueError(f"layout is {layout.n_q} × {layout.n_k}, inputs are {n_q} × {k.shape[2]}")
+    if not alpha > 1.0:
+        raise ValueError(f"alpha must be > 1, got {alpha}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    layout = layout.to(q.device)
+    if graph_index is None:
+        graph_index = torch.zeros(bsz * heads, dtype=torch.int32, device=q.device)
+    kpm = None
+    if key_padding_mask is not None:
+        kpm = key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return _EntmaxAttention.apply(q, k, v, layout, graph_index, kpm, float(alpha), scale, need_grad)
+
+
+def triton_entmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    graph: AttentionGraph,
+    prob_map: ProbabilityMap,
+    scale: float,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    block: int | None = None,
+) -> Tensor:
+    """α-entmax / sparsemax attention on ``graph`` by the Triton kernels (engine signature).
+
+    Shapes: q (B, H, n_q, d), k (B, H_kv, n_k, d), v (B, H_kv, n_k, d_v) → (B, H, n_q, d_v);
+    ``graph`` static (batch_shape ()) or batched ((H,), (B, H)); ``key_padding_mask`` (B, n_k),
+    True for real keys. ``block``: tile size of the layout (default ``DEFAULT_BLOCK``).
+    Raises ValueError with the reason of :func:`triton_entmax_unsupported` when it cannot run.
+    """
+    why = triton_entmax_unsupported(q, k, v, prob_map, dropout_p, graph)
+    if why is not None:
+        raise ValueError(why)
+    alpha = _alpha_of(prob_map)
+    block = DEFAULT_BLOCK.get(q.device.type, 64) if block is None else block
+    layout = graph_layout(graph, block)
+    bsz, heads = q.shape[:2]
+    gidx = _cached(
+        graph,
+        ("triton_entmax_graph_index", bsz, heads, q.device),
+        lambda: _graph_index(graph.batch_shape, bsz, heads, q.device),
+    )
+    return entmax_attention(q, k, v, layout, alpha, scale, key_padding_mask, gidx)

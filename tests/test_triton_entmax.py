@@ -1,0 +1,364 @@
+"""The Triton α-entmax / sparsemax kernels (engines/triton_entmax.py), forward and backward.
+
+Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` while the
+kernel module is imported) on CPU tensors, at small sizes: n ≤ 96, d = 16/32, a few heads.
+The reference is independent of the kernels: float64 scores on the dense mask of the graph,
+the ``entmax`` package's maps (``entmax15``, ``sparsemax``, ``entmax_bisect``), weights · V,
+and autograd through the package's backward for the gradients. One test compiles the kernels
+for an H100 (sm_90) without running them, so that code the interpreter accepts but the
+compiler would not is caught here too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sparseattn as sa
+from sparseattn.engines import triton_entmax as te
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_ENV = os.environ.get("TRITON_INTERPRET")
+if DEVICE == "cpu":  # triton builds its library functions at import: interpreted, from here on
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    INTERPRETED = DEVICE == "cpu" and te._interpreted()  # imports the kernels
+finally:  # the other test modules see the environment unchanged
+    if _ENV is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _ENV
+entmax_pkg = pytest.importorskip("entmax", reason="the entmax package is the reference")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    """The interpreter checks TRITON_INTERPRET while kernels run, too: set it per test."""
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+needs_kernels = pytest.mark.skipif(
+    DEVICE == "cpu" and not INTERPRETED,
+    reason="no GPU, and triton was imported before TRITON_INTERPRET=1 was set (run this "
+    "module on its own, or with TRITON_INTERPRET=1 in the environment)",
+)
+
+MAPS = {
+    "entmax15": (1.5, sa.entmax(1.5)),
+    "sparsemax": (2.0, sa.sparsemax()),
+    "entmax1.25": (1.25, sa.entmax(1.25)),
+}
+
+
+def _package_map(alpha: float):
+    if alpha == 1.5:
+        return entmax_pkg.entmax15
+    if alpha == 2.0:
+        return entmax_pkg.sparsemax
+    return lambda x, dim: entmax_pkg.entmax_bisect(x, alpha, dim=dim, n_iter=60)
+
+
+def reference(q, k, v, allowed, alpha, scale):
+    """float64 α-entmax attention on a dense mask ``allowed`` (…, n_q, n_k), by the entmax
+    package; GQA by repeating k, v; rows without an allowed key give 0 (and 0 gradient)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ kk.transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, -1e6)  # far below any threshold: weight exactly 0
+    p = _package_map(alpha)(s, dim=-1) * allowed
+    return p @ vv, (q, k, v)
+
+
+def inputs(bsz, heads, n_q, n_k, d, dtype=torch.float32, kv_heads=None, d_v=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kv_heads = heads if kv_heads is None else kv_heads
+    q = torch.randn(bsz, heads, n_q, d, generator=g)
+    k = torch.randn(bsz, kv_heads, n_k, d, generator=g)
+    v = torch.randn(bsz, kv_heads, n_k, d_v or d, generator=g)
+    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+
+
+def check(out, q, k, v, allowed, alpha, scale, atol=2e-5, gtol=5e-5):
+    """Output and q, k, v gradients against the float64 reference (same upstream grad)."""
+    ref, (q64, k64, v64) = reference(q, k, v, allowed.to(DEVICE), alpha, scale)
+    g = torch.Generator().manual_seed(7)
+    up = torch.randn(out.shape, generator=g).to(DEVICE)
+    assert out.dtype == q.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref.detach(), atol=atol, rtol=0)
+    grads = torch.autograd.grad(out, (q, k, v), up.to(out.dtype))
+    refs = torch.autograd.grad(ref, (q64, k64, v64), up.double())
+    for name, got, want in zip("qkv", grads, refs, strict=True):
+        assert got.dtype == q.dtype, name
+        torch.testing.assert_close(got.double(), want, atol=gtol, rtol=0, msg=f"d{name}")
+
+
+def _dense_mask(graph, bsz, heads):
+    m = graph.to_dense().to(DEVICE)
+    return m.reshape((1,) * (4 - m.dim()) + m.shape).expand(bsz, heads, -1, -1)
+
+
+@pytest.mark.parametrize("name", list(MAPS))
+@needs_kernels
+def test_dense_pattern(name):
+    alpha, prob_map = MAPS[name]
+    q, k, v = inputs(1, 2, 64, 64, 16)
+    graph = sa.dense().graph(64)
+    out = te.triton_entmax_attention(q, k, v, graph, prob_map, 0.5, block=32)
+    check(out, q, k, v, torch.ones(64, 64, dtype=torch.bool), alpha, 0.5)
+
+
+@pytest.mark.parametrize("name", ["entmax15", "sparsemax"])
+@needs_kernels
+def test_causal_layout_and_graph(name):
+    """causal_layout (no graph) and the causal pattern's graph give the causal reference."""
+    alpha, prob_map = MAPS[name]
+    n = 56  # not a multiple of the block: the last blocks are cut
+    q, k, v = inputs(1, 2, n, n, 16, seed=1)
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()
+    out = te.entmax_attention(q, k, v, te.causal_layout(n, n, 16), alpha, 0.25)
+    check(out, q, k, v, allowed, alpha, 0.25)
+    graph = sa.dense().causal().graph(n)
+    out2 = te.triton_entmax_attention(q, k, v, graph, prob_map, 0.25, block=32)
+    torch.testing.assert_close(out2, out, atol=1e-5, rtol=0)
+
+
+@needs_kernels
+def test_causal_offset_decoding():
+    """n_q < n_k: queries at the end of the keys (prefill in pieces, decoding)."""
+    n_q, n_k = 20, 56
+    q, k, v = inputs(2, 1, n_q, n_k, 16, seed=2)
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
+    out = te.entmax_attention(q, k, v, te.causal_layout(n_q, n_k, 16), 1.5, 0.3)
+    check(out, q, k, v, allowed, 1.5, 0.3)
+    graph = sa.dense().causal().graph(n_k, n_q)
+    out2 = te.triton_entmax_attention(q, k, v, graph, sa.entmax(1.5), 0.3, block=16)
+    torch.testing.assert_close(out2, out, atol=1e-5, rtol=0)
+    one = [t[:, :, -1:].detach().requires_grad_() for t in (q,)] + [k, v]  # decoding
+    out1 = te.entmax_attention(*one, te.causal_layout(1, n_k, 16), 1.5, 0.3)
+    check(out1, *one, torch.ones(1, n_k, dtype=torch.bool), 1.5, 0.3)
+
+
+@pytest.mark.parametrize("name", ["entmax15", "entmax1.25"])
+@needs_kernels
+def test_longformer_partial_blocks(name):
+    """A window with global tokens at a block that does not divide it: partial blocks with
+    element masks, a row block visiting every key block (the globals), key blocks visited by
+    every row block."""
+    alpha, prob_map = MAPS[name]
+    n = 72
+    graph = sa.longformer(20, 3).graph(n)
+    layout = te.graph_layout(graph, 16)
+    assert int((layout.pair_mask >= 0).sum()) > 0 and layout.pairs < layout.nbq * layout.nbk
+    q, k, v = inputs(1, 1, n, n, 32, seed=3)
+    out = te.triton_entmax_attention(q, k, v, graph, prob_map, 0.3, block=16)
+    check(out, q, k, v, _dense_mask(graph, 1, 1), alpha, 0.3)
+
+
+@needs_kernels
+def test_key_padding_and_empty_rows():
+    """Padded keys get no weight; a batch whose keys are all padding gives zeros (and zero
+    gradients), as on the other engines."""
+    n = 48
+    graph = sa.window(16).graph(n)
+    q, k, v = inputs(3, 1, n, n, 16, seed=4)
+    kpm = torch.ones(3, n, dtype=torch.bool, device=DEVICE)
+    kpm[0, 40:] = False
+    kpm[1, ::3] = False
+    kpm[2] = False
+    allowed = _dense_mask(graph, 3, 1) & kpm[:, None, None, :]
+    out = te.triton_entmax_attention(q, k, v, graph, sa.entmax(1.5), 0.25, kpm, block=16)
+    check(out, q, k, v, allowed, 1.5, 0.25)
+    assert not out[2].any()
+
+
+@needs_kernels
+def test_gqa_and_value_dim():
+    """Fewer key/value heads than query heads, and d_v ≠ d."""
+    q, k, v = inputs(1, 4, 48, 48, 16, kv_heads=2, d_v=32, seed=5)
+    graph = sa.dense().graph(48)
+    out = te.triton_entmax_attention(q, k, v, graph, sa.sparsemax(), 0.25, block=16)
+    check(out, q, k, v, torch.ones(48, 48, dtype=torch.bool), 2.0, 0.25)
+
+
+@needs_kernels
+def test_per_head_graphs():
+    """A batched graph (batch_shape (H,), MULTIHEAD): each head on its own layout graph."""
+    n = 48
+    graph = sa.split_heads(sa.window(8), sa.strided(16)).graph(n, num_heads=2)
+    assert graph.batch_shape == (2,)
+    q, k, v = inputs(1, 2, n, n, 16, seed=6)
+    out = te.triton_entmax_attention(q, k, v, graph, sa.sparsemax(), 0.25, block=16)
+    check(out, q, k, v, _dense_mask(graph, 1, 2), 2.0, 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@needs_kernels
+def test_half_precision(dtype):
+    """bf16/fp16 inputs, float32 accumulation: outputs and gradients in the input dtype,
+    close to the float64 reference on the same (rounded) inputs."""
+    n = 64
+    graph = sa.dense().causal().graph(n)
+    q, k, v = inputs(1, 2, n, n, 32, dtype=dtype, seed=8)
+    out = te.triton_entmax_attention(q, k, v, graph, sa.entmax(1.5), 1 / math.sqrt(32), block=32)
+    tol = 3e-2 if dtype == torch.bfloat16 else 5e-3
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()
+    check(out, q, k, v, allowed, 1.5, 1 / math.sqrt(32), atol=tol, gtol=4 * tol)
+
+
+@needs_kernels
+def test_alpha_above_two():
+    """α > 2: the concave case, safeguarded Newton with bisection."""
+    q, k, v = inputs(1, 1, 32, 32, 16, seed=9)
+    out = te.entmax_attention(q, k, v, te.dense_layout(32, 32, 16), 3.0, 0.5)
+    check(out, q, k, v, torch.ones(32, 32, dtype=torch.bool), 3.0, 0.5, atol=1e-4, gtol=1e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["sparsemax", "entmax15"])
+def test_skipped_tiles_and_hard_rows(name):
+    """Peaked rows: most (row block, key block) tiles hold no weight, are skipped (flags in
+    the backward's buffer) and the result stays exact; tied keys and near-uniform rows (a
+    tiny scale: every key in the support) too."""
+    alpha, prob_map = MAPS[name]
+    n = 64
+    q, k, v = inputs(1, 1, n, n, 16, seed=11)
+    q, k = q.detach(), k.detach()
+    with torch.no_grad():
+        u = torch.ones(16, device=DEVICE) / 4
+        q += 3 * u  # all queries share a direction; keys 16..31 point away from it
+        k[:, :, 16:32] = 0.3 * k[:, :, 16:32] - 3 * u
+        k[:, :, 40:48] = k[:, :, 8:16]  # ties across tiles
+    q, k = q.requires_grad_(), k.requires_grad_()
+    graph = sa.dense().graph(n)
+    out = te.triton_entmax_attention(q, k, v, graph, prob_map, 3.0, block=16)
+    nonzero = out.grad_fn.saved_tensors[5]  # int8 (B·H, pairs): does the pair hold a weight
+    assert 0 < int(nonzero.sum()) < nonzero.numel()
+    check(out, q, k, v, torch.ones(n, n, dtype=torch.bool), alpha, 3.0, atol=5e-5, gtol=2e-4)
+    out = te.triton_entmax_attention(q, k, v, graph, prob_map, 1e-3, block=32)
+    assert bool((out.grad_fn.saved_tensors[5] == 1).all())
+    check(out, q, k, v, torch.ones(n, n, dtype=torch.bool), alpha, 1e-3)
+
+
+@needs_kernels
+def test_matches_dense_engine_float64():
+    """The library's own dense engine in float64 agrees too (same map, engine-level call)."""
+    n = 64
+    graph = sa.longformer(16, 2).graph(n)
+    q, k, v = inputs(1, 2, n, n, 16, seed=10)
+    out = te.triton_entmax_attention(q, k, v, graph, sa.sparsemax(), 0.25, block=16)
+    ref = sa.engines.dense_attention(
+        *(t.detach().double().cpu() for t in (q, k, v)), graph, sa.sparsemax(), 0.25
+    )
+    torch.testing.assert_close(out.detach().double().cpu(), ref, atol=2e-5, rtol=0)
+
+
+def test_layout_cached_on_graph():
+    graph = sa.window(8).graph(64)
+    assert te.graph_layout(graph, 16) is te.graph_layout(graph, 16)
+    assert te.graph_layout(graph, 32) is not te.graph_layout(graph, 16)
+
+
+@needs_kernels
+def test_unsupported_reasons(monkeypatch):
+    q, k, v = inputs(1, 2, 32, 32, 16)
+    assert te.triton_entmax_unsupported(q, k, v, sa.entmax(1.5)) is None
+    assert te.triton_entmax_unsupported(q, k, v, sa.sparsemax()) is None
+    cases = {
+        "softmax only": (sa.softmax(), 0.0, "entmax and sparsemax only"),
+        "dropout": (sa.entmax(1.5), 0.1, "dropout"),
+        "alpha 1": (sa.entmax(1.0), 0.0, "softmax"),
+        "tensor alpha": (sa.entmax(torch.tensor([1.5, 1.7]).view(2, 1, 1)), 0.0, "tensor"),
+        "no map": (None, 0.0, "unknown"),
+    }
+    for case, (prob_map, p, words) in cases.items():
+        why = te.triton_entmax_unsupported(q, k, v, prob_map, p)
+        assert why is not None and words in why, case
+    why = te.triton_entmax_unsupported(q.double(), k.double(), v.double(), sa.entmax(1.5))
+    assert "float32/bfloat16/float16" in why
+    assert "do not fit" in te.triton_entmax_unsupported(q, k[:, :, :16], v, sa.entmax(1.5))
+    q3, k3, v3 = inputs(1, 3, 32, 32, 16, kv_heads=2)
+    assert "multiple" in te.triton_entmax_unsupported(q3, k3, v3, sa.entmax(1.5))
+    if DEVICE == "cpu":  # outside the interpreter, CPU tensors are refused
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert "CUDA" in te.triton_entmax_unsupported(q, k, v, sa.entmax(1.5))
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="dropout"):
+        te.triton_entmax_attention(q, k, v, sa.dense().graph(32), sa.entmax(1.5), 0.25, None, 0.1)
+
+
+_COMPILE = """
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sparseattn.engines import _entmax_kernels as kern
+from sparseattn.engines.triton_entmax import MAX_IT, TOPK
+
+types = {
+    **dict.fromkeys(("n_q", "n_k", "H", "HKV", "nbq", "nbk", "n_pairs"), "i32"),
+    **dict.fromkeys(("mul", "scale", "AM1", "R"), "fp32"),
+    **dict.fromkeys(("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_"), "*bf16"),
+    **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX"), "*fp32"),
+    **dict.fromkeys(("NZ", "KPM"), "*i8"),
+    "MASKS": "*u8",
+}
+consts = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": 64, "HAS_KPM": True, "UPCAST": False}
+specs = [
+    (kern._forward, {"MODE": 1, "NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": "tf32"}),
+    (kern._backward_dkdv, {"MODE": 0, "GROUP": 2, "PREC": "tf32"}),
+]
+if sys.argv[1] == "all":
+    specs += [
+        (kern._forward, {"MODE": m, "NEED_GRAD": g, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": p})
+        for m, g, p in [(0, False, "ieee"), (2, True, "tf32"), (1, False, "ieee")]
+    ]
+    specs += [(kern._backward_dq, {"MODE": m, "PREC": "tf32"}) for m in (0, 1, 2)]
+    specs += [(kern._backward_dkdv, {"MODE": m, "GROUP": 1, "PREC": "tf32"}) for m in (1, 2)]
+for fn, extra in specs:
+    constexprs = {**consts, **extra}
+    signature = {a: "constexpr" if a in constexprs else types.get(a, "*i32") for a in fn.arg_names}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    assert "cubin" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm
+print("compiled", len(specs))
+"""
+
+
+def test_without_triton(monkeypatch):
+    """Without triton the engine module imports and names the reason (the kernels' module is
+    what imports triton, on first use)."""
+    monkeypatch.setattr(te, "_KERNELS", None)
+    monkeypatch.setitem(sys.modules, "sparseattn.engines._entmax_kernels", None)
+    q, k, v = inputs(1, 2, 32, 32, 16)
+    assert "triton is not installed" in te.triton_entmax_unsupported(q, k, v, sa.entmax(1.5))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the other tests compile the kernels")
+@pytest.mark.parametrize("which", ["main", pytest.param("all", marks=pytest.mark.slow)])
+def test_compiles_for_h100(which):
+    """The kernels compile (to a cubin for sm_90, by triton's own ptxas; no GPU needed) with
+    constexprs the engine uses: what the interpreter accepts, the compiler must accept too.
+    In a fresh process, since this one's triton may be the interpreter's. ``main``: the
+    1.5-entmax forward with gradients and the general-α dK/dV kernel (~10 s of CPU);
+    ``all`` (slow): every map × kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(te.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE, which],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"compiled {2 if which == 'main' else 10}" in done.stdout
