@@ -17,8 +17,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .engines import ENGINES, SPECS, unsupported
+from .engines import ENGINES, SPECS, reasons, unsupported
 from .engines.rows import full_rows_attention
+from .engines.triton_entmax import full_rows_entmax
 from .graph import AttentionGraph, broadcast_or_none
 from .maps import NonFiniteScoresError, ProbabilityMap, entmax, resolve_prob_map
 from .patterns import Causal, HeadSplit, Pattern, PatternCycle, as_cycle, dense
@@ -147,7 +148,8 @@ def choose_engine(
 
     1. ``dense`` while the full score matrix is small (B·H·n_q·n_k ≤ DENSE_LIMIT entries on
        CPU, GPU_DENSE_LIMIT on a GPU).
-    2. On a GPU, ``flex`` wherever it qualifies (one fused kernel, forward and backward).
+    2. On a GPU, ``flex`` wherever it qualifies (softmax: one fused kernel, forward and
+       backward), and ``triton`` (α-entmax, sparsemax: fused kernels) wherever it qualifies.
     3. The block layout at the block size the block engine would choose scores
        ``work`` = pairs·b² entries per graph, of which ``fill`` = E / work are edges. A scored
        block entry costs ~4–8 ns, a gathered edge ~60–110 ns (fp32, d = 64, CPU), so
@@ -156,12 +158,11 @@ def choose_engine(
     4. On CPU, ``flex`` only where its estimated cost, FLEX_ENTRY_COST × its work at block
        128, is below the block engine's. On the measured CPUs it never is.
     """
-    from .engines import SPECS, Request
+    from .engines import SPECS, reasons
     from .engines.block import BLOCK_MIN_FILL, ENTRY_COST, choose_block, count_pairs
     from .engines.flex import FLEX_BLOCK, FLEX_ENTRY_COST
 
-    req = Request.of(q, k, k, prob_map, dropout_p)
-    ok = {name for name, spec in SPECS.items() if not spec.not_supported_reasons(req)}
+    ok = {name for name in SPECS if not reasons(name, q, k, k, prob_map, dropout_p)}
     bsz, heads, n_q, _ = q.shape
     gpu = q.device.type != "cpu"
     limit = GPU_DENSE_LIMIT if gpu else DENSE_LIMIT
@@ -169,6 +170,8 @@ def choose_engine(
         return "dense"
     if gpu and "flex" in ok:
         return "flex"
+    if gpu and "triton" in ok:
+        return "triton"
     cache = graph.__dict__.setdefault("_auto", {})
     if "block_work" not in cache:
         b = choose_block(graph)
@@ -310,7 +313,10 @@ def _attend(
     heads; ``valid`` (batch, n_k) is True for real keys (the engines' convention)."""
     causal = _full_rows(pattern, q, k) if engine in ("auto", "rows") else None
     if causal is not None:  # the dense pattern: no n² graph (docs/engines.md, "full rows")
-        out = full_rows_attention(q, k, v, rho, scale, valid, dropout_p, causal)
+        if engine == "auto" and q.device.type != "cpu" and not reasons("triton", q, k, v, rho):
+            out = full_rows_entmax(q, k, v, rho, scale, valid, causal)  # sparse maps on a GPU
+        else:
+            out = full_rows_attention(q, k, v, rho, scale, valid, dropout_p, causal)
         return _check_overflow(out, scale)
     graph = resolve_graph(pattern, q, k)
     if engine == "auto":

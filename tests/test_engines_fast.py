@@ -619,7 +619,14 @@ def test_engine_capabilities_are_declared_and_refusals_name_them():
 
     for spec in SPECS.values():
         assert spec.why and spec.devices and spec.dtypes
-        assert not spec.not_supported_reasons(Request("cpu", torch.float32, softmax()))
+        if spec.name != "triton":
+            assert not spec.not_supported_reasons(Request("cpu", torch.float32, softmax()))
+    triton = SPECS["triton"].not_supported_reasons(Request("cpu", torch.float32, softmax()))
+    assert any("cuda" in r for r in triton) and any("entmax" in r for r in triton)
+    on_gpu = Request("cuda", torch.bfloat16, entmax(1.5), train=True)
+    assert SPECS["triton"].not_supported_reasons(on_gpu) == (
+        [] if SPECS["triton"].available() is None else ["triton is not installed"]
+    )
     wants = Request("tpu", torch.float32, entmax(1.5), train=True, dropout=True, row_alpha=True)
     reasons = SPECS["flex"].not_supported_reasons(wants)
     assert any("tpu" in r for r in reasons) and any("softmax only" in r for r in reasons)

@@ -11,6 +11,7 @@ picks among them by the cost measurements of the input's device.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -22,11 +23,28 @@ from .dense import dense_attention
 from .flex import flex_attention_engine, flex_available
 from .gather import gather_attention
 from .rows import rows_attention
+from .triton_entmax import triton_entmax_attention, triton_entmax_unsupported, triton_map_reason
 
-__all__ = ["ENGINES", "EngineSpec", "Request", "SPECS", "unsupported"]
+__all__ = ["ENGINES", "EngineSpec", "Request", "SPECS", "reasons", "unsupported"]
 
 _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_HALF_AND_FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32})
 _ANY = frozenset({"cpu", "cuda"})
+
+
+def _any_map(prob_map: ProbabilityMap | None) -> str | None:
+    return None
+
+
+def _softmax_only(prob_map: ProbabilityMap | None) -> str | None:
+    if prob_map is not None and prob_map.is_softmax:
+        return None
+    what = "an unknown map" if prob_map is None else repr(prob_map)
+    return f"it computes softmax only, not {what}"
+
+
+def _triton_available() -> str | None:
+    return None if importlib.util.find_spec("triton") else "triton is not installed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +100,14 @@ class EngineSpec:
         why: one sentence on what the engine is for.
         devices: device types it runs on.
         dtypes: input dtypes it takes.
-        softmax_only: it computes ρ = softmax only.
+        maps: why it cannot compute a map (None when it can; the map may be None: unknown).
         backward_devices: device types on which it has a backward.
         dropout: it applies dropout to the attention weights.
         row_alpha: it takes α-entmax with a tensor α.
         gqa: it takes k, v with fewer heads than q itself (else they are repeated first).
         available: None when what it needs is here (a compiler, a package), else why not.
+        refuses: a finer check on the tensors themselves (head dims, shapes), consulted once
+            the declared capabilities allow the call: None, or why not.
     """
 
     name: str
@@ -95,12 +115,13 @@ class EngineSpec:
     why: str
     devices: frozenset[str] = _ANY
     dtypes: frozenset[torch.dtype] = _FLOATS
-    softmax_only: bool = False
+    maps: Callable[[ProbabilityMap | None], str | None] = _any_map
     backward_devices: frozenset[str] = _ANY
     dropout: bool = True
     row_alpha: bool = False
     gqa: bool = False
     available: Callable[[], str | None] = lambda: None
+    refuses: Callable[..., str | None] | None = None
 
     def not_supported_reasons(self, req: Request) -> list[str]:
         """Why this engine cannot compute ``req``, one sentence each; empty if it can."""
@@ -109,9 +130,9 @@ class EngineSpec:
             reasons.append(f"it runs on {sorted(self.devices)}, not on {req.device}")
         if req.dtype not in self.dtypes:
             reasons.append(f"it takes {sorted(str(d) for d in self.dtypes)}, not {req.dtype}")
-        if self.softmax_only and (req.prob_map is None or not req.prob_map.is_softmax):
-            what = "an unknown map" if req.prob_map is None else repr(req.prob_map)
-            reasons.append(f"it computes softmax only, not {what}")
+        wrong_map = self.maps(req.prob_map)
+        if wrong_map is not None:
+            reasons.append(wrong_map)
         if req.train and req.device not in self.backward_devices:
             reasons.append(f"it has no backward on {req.device} (inputs require grad)")
         if req.dropout and not self.dropout:
@@ -154,18 +175,48 @@ SPECS: dict[str, EngineSpec] = {
             "flex",
             flex_attention_engine,
             "torch's compiled FlexAttention on the graph's BlockMask: softmax",
-            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-            softmax_only=True,
+            dtypes=_HALF_AND_FLOAT,
+            maps=_softmax_only,
             backward_devices=frozenset({"cuda"}),
             dropout=False,
             gqa=True,
             available=flex_available,
+        ),
+        EngineSpec(
+            "triton",
+            triton_entmax_attention,
+            "fused Triton kernels for α-entmax and sparsemax on the graph's block layout",
+            devices=frozenset({"cuda"}),
+            dtypes=_HALF_AND_FLOAT,
+            maps=triton_map_reason,
+            dropout=False,
+            gqa=True,
+            available=_triton_available,
+            refuses=triton_entmax_unsupported,
         ),
     )
 }
 
 #: The engines by name, as callables (what ``sparse_attention`` runs).
 ENGINES: dict[str, Callable[..., Tensor]] = {name: spec.run for name, spec in SPECS.items()}
+
+
+def reasons(
+    engine: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    prob_map: ProbabilityMap | None,
+    dropout_p: float = 0.0,
+) -> list[str]:
+    """Why ``engine`` cannot compute this call: its declared reasons, then (if none) its finer
+    check on the tensors; empty when it can."""
+    spec = SPECS[engine]
+    found = spec.not_supported_reasons(Request.of(q, k, v, prob_map, dropout_p))
+    if not found and spec.refuses is not None:
+        finer = spec.refuses(q, k, v, prob_map, dropout_p)
+        found = [] if finer is None else [finer]
+    return found
 
 
 def unsupported(
@@ -177,5 +228,4 @@ def unsupported(
     dropout_p: float = 0.0,
 ) -> str | None:
     """None if ``engine`` can compute this call, else why not (its reasons, joined)."""
-    reasons = SPECS[engine].not_supported_reasons(Request.of(q, k, v, prob_map, dropout_p))
-    return "; ".join(reasons) or None
+    return "; ".join(reasons(engine, q, k, v, prob_map, dropout_p)) or None

@@ -22,6 +22,7 @@ triton is first imported, and while the kernels run).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -43,9 +44,11 @@ __all__ = [
     "causal_layout",
     "dense_layout",
     "entmax_attention",
+    "full_rows_entmax",
     "graph_layout",
     "triton_entmax_attention",
     "triton_entmax_unsupported",
+    "triton_map_reason",
 ]
 
 #: Block sizes the kernels take (square tiles; ``tl.dot`` needs at least 16).
@@ -281,6 +284,15 @@ def _alpha_of(prob_map: ProbabilityMap) -> float | str:
     return alpha
 
 
+def triton_map_reason(prob_map: ProbabilityMap | None) -> str | None:
+    """None if the kernels compute ``prob_map`` (α-entmax with a fixed α > 1, sparsemax),
+    else why not (the engine table's map check)."""
+    if prob_map is None:
+        return "the probability map is unknown (the Triton kernels compute entmax/sparsemax)"
+    alpha = _alpha_of(prob_map)
+    return alpha if isinstance(alpha, str) else None
+
+
 def triton_entmax_unsupported(
     q: Tensor,
     k: Tensor,
@@ -290,11 +302,9 @@ def triton_entmax_unsupported(
     graph: AttentionGraph | None = None,
 ) -> str | None:
     """None if :func:`triton_entmax_attention` can compute this request, else why not."""
-    if prob_map is None:
-        return "the probability map is unknown (the Triton kernels compute entmax/sparsemax)"
-    alpha = _alpha_of(prob_map)
-    if isinstance(alpha, str):
-        return alpha
+    wrong_map = triton_map_reason(prob_map)
+    if wrong_map is not None:
+        return wrong_map
     if dropout_p:
         return "the Triton entmax kernels have no attention dropout"
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -520,3 +530,28 @@ def triton_entmax_attention(
         lambda: _graph_index(graph.batch_shape, bsz, heads, q.device),
     )
     return entmax_attention(q, k, v, layout, alpha, scale, key_padding_mask, gidx)
+
+
+def full_rows_entmax(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    prob_map: ProbabilityMap,
+    scale: float,
+    key_padding_mask: Tensor | None,
+    causal: bool,
+    block: int | None = None,
+) -> Tensor:
+    """The dense pattern (``sa.dense()``, or causal: queries at the end of the keys) by the
+    Triton kernels, without a graph: the dense or causal layout, built once per (n_q, n_k,
+    block, device). Shapes and ``key_padding_mask`` (True for real keys) as
+    :func:`triton_entmax_attention`."""
+    block = DEFAULT_BLOCK.get(q.device.type, 64) if block is None else block
+    layout = _full_layout(q.shape[2], k.shape[2], block, causal, q.device)
+    return entmax_attention(q, k, v, layout, _alpha_of(prob_map), scale, key_padding_mask)
+
+
+@functools.lru_cache(maxsize=16)
+def _full_layout(n_q: int, n_k: int, block: int, causal: bool, device: torch.device) -> BlockLayout:
+    make = causal_layout if causal else dense_layout
+    return make(n_q, n_k, block).to(device)
