@@ -28,7 +28,6 @@ Run: ``sparseattn sparsefinder`` (``--quick`` for a ~2 minute smoke version).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import statistics
@@ -86,6 +85,7 @@ from ..results import (
     torch_threads,
     write_json,
 )
+from .runner import run_name_digest
 
 __all__ = ["METHODS", "SparsefinderConfig", "quick_config", "run"]
 
@@ -104,6 +104,22 @@ METHODS: dict[str, tuple[str, str]] = {
     "sf_kmeans": ("Sparsefinder k-means", "n_clusters"),
     "sf_chunked_v1": ("Sparsefinder chunked v1", "top_blocks"),
     "sf_chunked_v2": ("Sparsefinder chunked v2", "top_blocks"),
+}
+#: Method name → the config field holding its knob grid (shared with the decoder pipeline).
+KNOB_GRIDS: dict[str, str] = {
+    "window": "window_grid",
+    "bigbird": "bigbird_blocks",
+    "longformer": "longformer_tokens",
+    "strided": "strides",
+    "reformer": "lsh_buckets",
+    "reformer_separate": "lsh_buckets",
+    "routing": "routing_clusters",
+    "sf_distance": "thresholds",
+    "sf_distance_all_edges": "thresholds",
+    "sf_quantization": "bins",
+    "sf_kmeans": "clusters",
+    "sf_chunked_v1": "chunk_top",
+    "sf_chunked_v2": "chunk_top",
 }
 #: Config fields of the timing step (kept out of the run identity).
 TIMING_FIELDS = ("timing_lengths", "timing_layer", "timing_methods", "timing_repeats")
@@ -208,25 +224,11 @@ class SparsefinderConfig:
     def run_name(self) -> str:
         if self.run:
             return self.run
-        digest = hashlib.sha1(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
-        return f"minilm-{digest[:8]}"
+        return f"minilm-{run_name_digest(self.identity())}"
 
     def grid(self, method: str) -> tuple[float, ...]:
-        return {
-            "window": self.window_grid,
-            "bigbird": self.bigbird_blocks,
-            "longformer": self.longformer_tokens,
-            "strided": self.strides,
-            "reformer": self.lsh_buckets,
-            "reformer_separate": self.lsh_buckets,
-            "routing": self.routing_clusters,
-            "sf_distance": self.thresholds,
-            "sf_distance_all_edges": self.thresholds,
-            "sf_quantization": self.bins,
-            "sf_kmeans": self.clusters,
-            "sf_chunked_v1": self.chunk_top,
-            "sf_chunked_v2": self.chunk_top,
-        }[method]
+        """The knob values the sweep tries for ``method``."""
+        return getattr(self, KNOB_GRIDS[method])
 
     def validate(self) -> SparsefinderConfig:
         if self.batch_size < 1 or self.r < 1 or self.threads < 1 or self.timing_repeats < 1:

@@ -32,7 +32,6 @@ methods and downstream points are skipped when the same config runs again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
@@ -59,8 +58,10 @@ from ..results import (
     write_json,
 )
 from . import lm
+from .runner import run_name_digest
 from .sparsefinder import (
     COLORS,
+    KNOB_GRIDS,
     METHODS,
     _fit,
     _Fitted,
@@ -174,22 +175,11 @@ class DecoderSparsefinderConfig:
     def run_name(self) -> str:
         if self.run:
             return self.run
-        digest = hashlib.sha1(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
-        return f"decoder-{digest[:8]}"
+        return f"decoder-{run_name_digest(self.identity())}"
 
     def grid(self, method: str) -> tuple[float, ...]:
-        return {
-            "window": self.window_grid,
-            "bigbird": self.bigbird_blocks,
-            "longformer": self.longformer_tokens,
-            "strided": self.strides,
-            "reformer": self.lsh_buckets,
-            "reformer_separate": self.lsh_buckets,
-            "routing": self.routing_clusters,
-            "sf_distance": self.thresholds,
-            "sf_quantization": self.bins,
-            "sf_kmeans": self.clusters,
-        }[method]
+        """The knob values the sweep tries for ``method``."""
+        return getattr(self, KNOB_GRIDS[method])
 
     def validate(self) -> DecoderSparsefinderConfig:
         """Check the fields; raises ValueError naming the field and what was expected."""
