@@ -96,14 +96,33 @@ def test_mca_accounting_numbers_come_from_the_kept_runs() -> None:
         keys = ("reference_padded", "reference_real_tokens", "ours_padded", "ours_unpadded")
         for cell, key in zip(cells[1:], keys, strict=True):
             assert cell == f"{100 * got[key]:.1f}%", (key, cell, got[key])
-    rows = _table_after("mca.md", "accounting-s*")
+    rows = _table_after("mca.md", "accounting-s<seed>")
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         alpha = float(cells[0])
         gaps = []
-        for path in sorted(folder.glob("accounting-s*/accounting.json")):
+        names = [p.name for p in folder.iterdir() if re.fullmatch(r"accounting-s\d+", p.name)]
+        for name in sorted(names, key=lambda x: int(x.removeprefix("accounting-s"))):
+            path = folder / name / "accounting.json"
             got = {r["alpha"]: r for r in json.loads(path.read_text())["rows"]}
             if alpha in got:
                 gaps.append(100 * (got[alpha]["ours_padded"] - got[alpha]["ours_unpadded"]))
         assert cells[1] == str(len(gaps))
         assert cells[2] == " / ".join(f"{g:+.2f}" for g in gaps)
+
+
+def test_connectivity_table_numbers_come_from_the_kept_reports() -> None:
+    """docs/analysis.md's n = 256 Assumption 1 table: each row's sparsity per layer, hops and
+    verdict are the kept `sparseattn analyze … --json` report's."""
+    folder = ROOT / "docs/results/analysis/connectivity-n256"
+    rows = _table_after("analysis.md", "connectivity-n256")
+    assert len(rows) == len(list(folder.glob("*.json")))
+    for row in rows:
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
+        spec = cells[0].strip("`").replace(" --config ", "-")
+        report = json.loads((folder / f"{spec}.json").read_text())
+        sparsity = " \\| ".join(f"{100 * s:.2f}%" for s in report["sparsity"])
+        assert cells[5] == sparsity, (spec, cells[5], sparsity)
+        hops = "never" if report["hops"] is None else str(report["hops"])
+        assert cells[4].split(" ")[0] == hops, (spec, cells[4], report["hops"])
+        assert cells[6].strip("*") == ("yes" if report["satisfied"] else "no"), spec
