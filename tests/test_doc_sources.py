@@ -4,7 +4,7 @@ Above each table, between it and the text before it, stands one source line:
 
 - ``Source: docs/results/<experiment>/<run>/…`` — the result files kept in the repository
   (config + metrics JSON, no weights), with the command that regenerates them; every path named
-  must exist;
+  must exist, and a kept printed table (.txt, .md) must hold the quoted rows verbatim;
 - ``Source: … run lost …; regenerate with `<command>``` — the run folder was not kept (``results/``
   is not committed) and is too long to redo here; the line says so and names the command;
 - ``<!-- source: none, <why> -->`` — not a measurement (definitions, a paper's printed numbers,
@@ -67,7 +67,22 @@ def test_every_table_names_its_source(doc: Path, line: int, source: str | None) 
     else:
         assert paths, f"{doc.name}:{line}: name the kept files (docs/results/…) or say 'lost'"
     for name in paths:
-        assert (ROOT / name.rstrip(".")).exists(), f"{doc.name}:{line}: {name} does not exist"
+        path = ROOT / name.rstrip(".")
+        assert path.exists(), f"{doc.name}:{line}: {name} does not exist"
+        if path.suffix in (".txt", ".md"):  # a printed table: the quoted rows, verbatim
+            kept = path.read_text().split("\n")
+            for row in _rows(doc, line):
+                assert row in kept, f"{doc.name}:{line}: {row!r} is not in {name}"
+
+
+def _rows(doc: Path, line: int) -> list[str]:
+    """The rows (header and separator included) of the table whose header is at ``line``."""
+    rows = []
+    for row in doc.read_text().split("\n")[line - 1 :]:
+        if not row.startswith("|"):
+            break
+        rows.append(row)
+    return rows
 
 
 def _table_after(doc: str, source_fragment: str) -> list[str]:
@@ -126,3 +141,18 @@ def test_connectivity_table_numbers_come_from_the_kept_reports() -> None:
         hops = "never" if report["hops"] is None else str(report["hops"])
         assert cells[4].split(" ")[0] == hops, (spec, cells[4], report["hops"])
         assert cells[6].strip("*") == ("yes" if report["satisfied"] else "no"), spec
+
+
+def test_the_checker_sees_a_missing_or_a_bare_lost_source(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Text.\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+        "Source: run lost.\n\n| c |\n|---|\n| 3 |\n\n"
+        "```\n| not | a table |\n|---|---|\n```\n"
+    )
+    found = tables(page)
+    assert [(line, source) for line, _, source in found] == [(3, None), (9, "run lost.")]
+    with pytest.raises(AssertionError, match="no 'Source:' line"):
+        test_every_table_names_its_source(page, 3, None)
+    with pytest.raises(AssertionError, match="regenerates"):
+        test_every_table_names_its_source(page, 9, "run lost.")
