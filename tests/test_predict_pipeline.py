@@ -31,24 +31,12 @@ def _layers(seed: int) -> list[LayerGraphs]:
 
 
 def _config() -> SparsefinderConfig:
-    return SparsefinderConfig(
-        r=2,
-        batch_pairs=64,
-        max_pairs=256,
-        windows=(1,),
-        window_grid=(0, 2),
-        thresholds=(1.0,),
-        bins=(2,),
-        clusters=(2,),
-        bigbird_blocks=(2,),
-        longformer_tokens=(2,),
-        strides=(3,),
-        lsh_buckets=(2,),
-        routing_clusters=(2,),
-        chunk_block=3,
-        chunk_top=(1,),
-        chunk_clusters=2,
-    )
+    """One knob per method (two window sizes), tiny fits."""
+    one = ("thresholds", "bins", "clusters", "bigbird_blocks", "longformer_tokens")
+    one += ("lsh_buckets", "routing_clusters", "chunk_top")
+    knobs = {name: (1.0,) if name == "thresholds" else (2,) for name in one}
+    small = {"r": 2, "batch_pairs": 64, "max_pairs": 256, "windows": (1,), "chunk_block": 3}
+    return SparsefinderConfig(**knobs, **small, window_grid=(0, 2), strides=(3,), chunk_clusters=2)
 
 
 def test_every_encoder_method_fits_and_sweeps() -> None:

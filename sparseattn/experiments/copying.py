@@ -73,6 +73,7 @@ from .runner import (
     COLUMNS,
     Dist,
     adamw,
+    check_sweep_fields,
     head_configuration,
     load_cells,
     pick_device,
@@ -191,15 +192,9 @@ class CopyConfig:
             raise ValueError("warmup, weight_decay and clip must be >= 0 and lr > 0")
         if self.random_sparsity is not None and not 0 <= self.random_sparsity < 1:
             raise ValueError(f"random_sparsity must lie in [0, 1), got {self.random_sparsity}")
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
         if not self.depths or min(self.depths) < 1:
             raise ValueError(f"depths must be a non-empty list of integers >= 1, got {self.depths}")
-        unknown = [c for c in self.columns if c not in COLUMNS]
-        if unknown or not self.columns:
-            raise ValueError(f"columns must be a non-empty subset of {COLUMNS}, got {unknown}")
-        if self.parallel not in ("cells", "data"):
-            raise ValueError(f"parallel must be 'cells' or 'data', got {self.parallel!r}")
+        check_sweep_fields(self)
         if self.causal_form not in ("child", "tril"):
             raise ValueError(f"causal_form must be 'child' or 'tril', got {self.causal_form!r}")
         if self.stop_accuracy is not None and not 0 < self.stop_accuracy <= 1:
@@ -675,25 +670,15 @@ def run(config: CopyConfig, dist: Dist | None = None) -> dict[str, Any]:
     group that this call started is destroyed before it returns.
     """
     config.validate()
-    folder = Path(config.out_dir) / config.run_name()
     todo = [cell_name(c, d) for d in sorted(config.depths) for c in config.columns]
     sweep = start_sweep(
-        folder,
-        config.identity(),
-        todo,
-        lambda key: (folder / "cells" / f"{key}.json").exists(),
-        config.parallel,
-        dist,
+        config, todo, lambda folder, key: (folder / f"cells/{key}.json").exists(), dist
     )
-    dist = sweep.dist
+    dist, folder = sweep.dist, sweep.folder
     with torch_threads(config.threads):
         machine = machine_facts()
         data = _datasets(config)
-        bar = tqdm(
-            sweep.mine,
-            desc="copying cells" + (f" [rank {dist.rank}]" if dist.world > 1 else ""),
-            disable=not config.progress,
-        )
+        bar = sweep.progress("copying", config.progress)
         for key in bar:
             column, _, depth = key.rpartition("-L")
             _, metrics = train(config, column, int(depth), sweep.worker, data)

@@ -162,17 +162,11 @@ class LMConfig:
             raise ValueError(f"causal_form must be 'child' or 'tril', got {self.causal_form!r}")
         if self.prob_map not in PROB_MAPS:
             raise ValueError(f"prob_map must be one of {PROB_MAPS}, got {self.prob_map!r}")
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
         if not self.widths or not all(1 <= w < self.n for w in self.widths):
             raise ValueError(f"widths must be a non-empty list of w in [1, n), got {self.widths}")
         if not self.seeds or min(self.seeds) < 0:
             raise ValueError(f"seeds must be a non-empty list of integers >= 0, got {self.seeds}")
-        unknown = [c for c in self.columns if c not in COLUMNS]
-        if unknown or not self.columns:
-            raise ValueError(f"columns must be a non-empty subset of {COLUMNS}, got {unknown}")
-        if self.parallel not in ("cells", "data"):
-            raise ValueError(f"parallel must be 'cells' or 'data', got {self.parallel!r}")
+        runner.check_sweep_fields(self)
         return self
 
 
@@ -615,25 +609,15 @@ def run(config: LMConfig, dist: Dist | None = None) -> dict[str, Any]:
     table, metrics and figure at the end; a process group this call started is destroyed.
     """
     config.validate()
-    folder = Path(config.out_dir) / config.run_name()
     todo = cell_keys(config)
     sweep = runner.start_sweep(
-        folder,
-        config.identity(),
-        todo,
-        lambda key: _cell_done(folder, cell_name(*key), config),
-        config.parallel,
-        dist,
+        config, todo, lambda folder, key: _cell_done(folder, cell_name(*key), config), dist
     )
-    dist = sweep.dist
+    dist, folder = sweep.dist, sweep.folder
     with torch_threads(config.threads):
         machine = machine_facts()
         data = datasets(config)
-        bar = tqdm(
-            sweep.mine,
-            desc="lm cells" + (f" [rank {dist.rank}]" if dist.world > 1 else ""),
-            disable=not config.progress,
-        )
+        bar = sweep.progress("lm", config.progress)
         for column, w, seed in bar:
             model, metrics = train(config, column, w, seed, sweep.worker, data)
             metrics.update(machine=machine, rank=dist.rank, config=config.identity())

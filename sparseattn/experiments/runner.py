@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 from torch import nn
+from tqdm import tqdm
 
 from ..patterns import (
     HeadSplit,
@@ -50,6 +51,7 @@ __all__ = [
     "Dist",
     "Sweep",
     "adamw",
+    "check_sweep_fields",
     "head_configuration",
     "init_distributed",
     "load_cells",
@@ -109,14 +111,20 @@ def pick_device(spec: str) -> torch.device:
 
 @dataclass(frozen=True)
 class Sweep:
-    """A started sweep: the workers (``dist``), whether this call created the process group
-    (``owns_group``), this worker's pending cells (``mine``) and the group that trains each of
-    them (``worker``: alone, or every worker under DDP)."""
+    """A started sweep: the run ``folder``, the workers (``dist``), whether this call created
+    the process group (``owns_group``), this worker's pending cells (``mine``) and the group
+    that trains each of them (``worker``: alone, or every worker under DDP)."""
 
+    folder: Path
     dist: Dist
     owns_group: bool
     mine: list
     worker: Dist
+
+    def progress(self, experiment: str, enabled: bool) -> tqdm:
+        """A progress bar over this worker's cells, tagged with its rank under torchrun."""
+        rank = f" [rank {self.dist.rank}]" if self.dist.world > 1 else ""
+        return tqdm(self.mine, desc=f"{experiment} cells{rank}", disable=not enabled)
 
     def finish(self) -> None:
         """Wait until every worker has written its cells."""
@@ -130,32 +138,43 @@ class Sweep:
 
 
 def start_sweep(
-    folder: Path,
-    identity: dict[str, Any],
-    todo: list,
-    done: Callable[[Any], bool],
-    parallel: str,
-    dist: Dist | None = None,
+    config: Any, todo: list, done: Callable[[Path, Any], bool], dist: Dist | None = None
 ) -> Sweep:
-    """Join the workers, pin ``folder`` to ``identity`` and share out the pending cells.
+    """Join the workers, pin the run folder to the config and share out the pending cells.
 
-    Rank 0 creates the run folder (refusing one with another identity) and lists the keys of
-    ``todo`` for which ``done(key)`` is False; the list is broadcast so every worker agrees.
+    ``config`` is an experiment's config: its run folder is ``<out_dir>/<run_name()>``, pinned
+    to ``identity()``, and ``parallel`` says how the workers split the work. Rank 0 creates the
+    folder (refusing one with another identity) and lists the keys of ``todo`` for which
+    ``done(folder, key)`` is False; the list is broadcast so every worker agrees.
     ``parallel="cells"``: pending cell j goes to worker j mod world, trained alone;
     ``"data"``: every worker takes every cell (DistributedDataParallel).
     """
     owns_group = dist is None and not (tdist.is_available() and tdist.is_initialized())
     dist = init_distributed() if dist is None else dist
+    folder = Path(config.out_dir) / config.run_name()
     if dist.rank == 0:
-        run_folder(folder, identity, ("cells",))
+        run_folder(folder, config.identity(), ("cells",))
     if dist.world > 1:
         tdist.barrier()  # the folder and config.json exist before anyone looks at them
-    pending = [[key for key in todo if not done(key)]]
+    pending = [[key for key in todo if not done(folder, key)]]
     if dist.world > 1:
         tdist.broadcast_object_list(pending, src=0)
-    if parallel == "cells":
-        return Sweep(dist, owns_group, pending[0][dist.rank :: dist.world], Dist())
-    return Sweep(dist, owns_group, pending[0], dist)
+    if config.parallel == "cells":
+        return Sweep(folder, dist, owns_group, pending[0][dist.rank :: dist.world], Dist())
+    return Sweep(folder, dist, owns_group, pending[0], dist)
+
+
+def check_sweep_fields(config: Any) -> None:
+    """The fields every sweep config shares: ``dtype`` float32 or float64, ``columns`` a
+    non-empty subset of :data:`COLUMNS`, ``parallel`` "cells" or "data"; ValueError naming the
+    field otherwise."""
+    if config.dtype not in ("float32", "float64"):
+        raise ValueError(f"dtype must be 'float32' or 'float64', got {config.dtype!r}")
+    unknown = [c for c in config.columns if c not in COLUMNS]
+    if unknown or not config.columns:
+        raise ValueError(f"columns must be a non-empty subset of {COLUMNS}, got {unknown}")
+    if config.parallel not in ("cells", "data"):
+        raise ValueError(f"parallel must be 'cells' or 'data', got {config.parallel!r}")
 
 
 # ---------------------------------------------------------------------------- training
