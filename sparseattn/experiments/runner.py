@@ -8,8 +8,9 @@ here, so that experiments import this module and :mod:`sparseattn.results`, neve
   :func:`load_cells` reads a sweep's finished ``cells/*.json``.
 - Sweeps under ``torchrun``: :class:`Dist`, :func:`init_distributed`, :func:`start_sweep`
   (rank 0 pins the run folder and lists the pending cells; ``parallel="cells"`` gives pending
-  cell j to worker j mod world, ``parallel="data"`` trains every cell with all workers),
-  :func:`pick_device`.
+  cell j to worker j mod world, ``parallel="data"`` trains every cell with all workers; the
+  returned :class:`Sweep` gives the progress bar and the final barrier),
+  :func:`check_sweep_fields` (dtype, columns, parallel), :func:`pick_device`.
 - Training: :func:`warmup_cosine` (linear warm-up, cosine decay to 0) and :func:`adamw` (weight
   decay on matrices only).
 - Yun et al. (2020) §5.1's columns, the same in the copying tables and the LM sweep:
