@@ -949,6 +949,7 @@ def mca(
     accounting_alphas: str = typer.Option(
         "0.1,0.2,0.5,1.0", help="α values of the accounting comparison ('' to skip it)"
     ),
+    seed: int = typer.Option(0, help="seed of MCA's draws (one run name per seed)"),
 ) -> None:
     """MCA sweep on MiniLM: error vs Theorem 2 bound, fidelity vs value-projection MACs kept;
     then the MCA reference code's cost accounting beside ours, on 8-word passages padded to 128
@@ -961,6 +962,7 @@ def mca(
         config = MCAConfig(
             values,
             16 if quick else max_passages,
+            seed=seed,
             run=run,
             sweep=sweep,
             accounting_alphas=_numbers(accounting_alphas, "accounting_alphas"),

@@ -22,6 +22,7 @@ from ._extras import require
 __all__ = [
     "atomic_write",
     "write_json",
+    "write_text",
     "read_json",
     "save_figure",
     "machine_facts",
@@ -55,6 +56,11 @@ def write_json(path: str | Path, obj: object) -> None:
             f.write("\n")
 
     atomic_write(path, dump)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Atomically write ``text`` (a table, a report) to ``path``."""
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def read_json(path: str | Path) -> object | None:

@@ -13,7 +13,7 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 from sparseattn.cli import main
-from sparseattn.experiments import lm
+from sparseattn.experiments import lm, runner
 from sparseattn.experiments.lm import COLUMNS, LMConfig, column_pattern, layer_patterns
 from sparseattn.patterns import HeadSplit
 
@@ -174,10 +174,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     try:
         torch.set_num_threads(1)
         config = lm.quick_config(**TINY, dtype="float64")
-        model, metrics = lm.train(config, "fixed-multihead", 4, 0, lm.Dist(rank, world))
+        model, metrics = lm.train(config, "fixed-multihead", 4, 0, runner.Dist(rank, world))
         torch.save({"state": model.state_dict(), "loss": metrics["loss"]}, f"{out}/{rank}.pt")
         sweep = lm.quick_config(**TINY, out_dir=f"{out}/sweep", columns=("dense",), seeds=(0, 1, 2))
-        lm.run(sweep, dist=lm.Dist(rank, world))
+        lm.run(sweep, dist=runner.Dist(rank, world))
     finally:
         tdist.destroy_process_group()
 

@@ -100,8 +100,25 @@ def test_padded_equals_unpadded_on_real_tokens(name):
         assert torch.equal(_real(padded, b), alone), (name, b)
     # padding keys are never predicted (only fixed parts may reach them)
     bare = predictor.predict(q, k, valid).to_dense().expand(len(LENGTHS), H, N, N)
-    if name not in ("window", "bigbird", "longformer", "strided", "chunked v1", "chunked v2"):
+    if name not in ("window", "bigbird", "longformer", "strided"):
         assert not bool(bare[~valid[:, None, None, :].expand_as(bare)].any()), name
+
+
+@pytest.mark.parametrize("name", ["chunked v1", "chunked v2"])
+def test_chunked_padding_joins_no_chunk(name):
+    """Lengths 5 and 9 with chunks of 3 leave a chunk of real tokens and padding: real queries
+    get no edge to its padding keys and padding queries no edges at all (as with the bucket
+    predictors), while a real query still takes every real key of a chunk it attends."""
+    predictor = _predictors()[name]
+    q, k, valid = _padded()
+    graph = predictor.predict(q, k, valid).to_dense().expand(len(LENGTHS), H, N, N)
+    assert not bool((graph & ~valid[:, None, None, :]).any()), name
+    assert not bool((graph & ~valid[:, None, :, None]).any()), name
+    block = predictor.block
+    for b, length in enumerate(LENGTHS):
+        for start in range(0, length, block):
+            keys = graph[b, :, :length, start : min(length, start + block)]
+            assert torch.equal(keys.all(-1), keys.any(-1)), (name, b, start)
 
 
 def test_last_global_token_is_the_last_real_one():

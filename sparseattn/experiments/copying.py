@@ -41,12 +41,8 @@ copying``, or ``run(CopyConfig())``.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
-import hashlib
-import json
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -65,38 +61,27 @@ from ..patterns import (
     PatternCycle,
     as_cycle,
     block_local,
-    causal_fixed,
-    causal_strided,
     cycle,
     dense,
-    fixed,
     random,
     split_heads,
     star,
-    strided,
     union,
 )
 from ..progress import tqdm
-from ..results import (
-    atomic_write,
-    machine_facts,
-    run_folder,
-    save_figure,
-    torch_threads,
-    write_json,
-)
-
-#: The columns of Tables 1 and 2 (plus dense attention as a reference), in table order.
-COLUMNS = (
-    "strided-union",
-    "strided-multihead",
-    "strided-sequential",
-    "fixed-union",
-    "fixed-multihead",
-    "fixed-sequential",
-    "star",
-    "random",
-    "dense",
+from ..results import machine_facts, save_figure, torch_threads, write_json, write_text
+from .runner import (
+    COLUMNS,
+    Dist,
+    adamw,
+    check_sweep_fields,
+    head_configuration,
+    load_cells,
+    pick_device,
+    run_name_digest,
+    sparsity,
+    start_sweep,
+    warmup_cosine,
 )
 
 #: The paper's Table 1 (bidirectional, n = 256, w = 16): accuracy in % per depth 1–4, and the
@@ -187,9 +172,8 @@ class CopyConfig:
     def run_name(self) -> str:
         if self.run:
             return self.run
-        digest = hashlib.sha1(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
         kind = "causal" if self.causal else "bidir"
-        return f"{kind}-n{self.n}-d{self.d}-w{self.segment}-{digest[:8]}"
+        return f"{kind}-n{self.n}-d{self.d}-w{self.segment}-{run_name_digest(self.identity())}"
 
     def validate(self) -> CopyConfig:
         if self.n < 4 or self.n % 2:
@@ -209,15 +193,9 @@ class CopyConfig:
             raise ValueError("warmup, weight_decay and clip must be >= 0 and lr > 0")
         if self.random_sparsity is not None and not 0 <= self.random_sparsity < 1:
             raise ValueError(f"random_sparsity must lie in [0, 1), got {self.random_sparsity}")
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
         if not self.depths or min(self.depths) < 1:
             raise ValueError(f"depths must be a non-empty list of integers >= 1, got {self.depths}")
-        unknown = [c for c in self.columns if c not in COLUMNS]
-        if unknown or not self.columns:
-            raise ValueError(f"columns must be a non-empty subset of {COLUMNS}, got {unknown}")
-        if self.parallel not in ("cells", "data"):
-            raise ValueError(f"parallel must be 'cells' or 'data', got {self.parallel!r}")
+        check_sweep_fields(self)
         if self.causal_form not in ("child", "tril"):
             raise ValueError(f"causal_form must be 'child' or 'tril', got {self.causal_form!r}")
         if self.stop_accuracy is not None and not 0 < self.stop_accuracy <= 1:
@@ -277,25 +255,6 @@ def task_tensors(seqs: Tensor, vocab: int, causal: bool) -> tuple[Tensor, Tensor
 
 
 # ---------------------------------------------------------------------------- patterns
-def head_configuration(
-    family: str, heads: str, w: int, causal_form: str | None = None
-) -> Pattern | PatternCycle:
-    """STRIDED or FIXED (eq. 4 / 5) in one of §5.1's head configurations: ``union`` (A¹ ∪ A²
-    in every head), ``multihead`` (half the heads A¹, half A²) or ``sequential`` (layer l uses
-    A^(l mod 2 + 1)). ``causal_form``: None (bidirectional), ``"child"`` (Child et al.'s
-    autoregressive originals) or ``"tril"`` (eq. 4 / 5 intersected with j ≤ i)."""
-    if causal_form == "child":
-        make = causal_strided if family == "strided" else causal_fixed
-    else:
-        base = strided if family == "strided" else fixed
-        make = (lambda *a: base(*a).causal()) if causal_form == "tril" else base
-    if heads == "union":
-        return make(w)
-    if heads == "multihead":
-        return split_heads(make(w, 1), make(w, 2))
-    return cycle(make(w, 1), make(w, 2))
-
-
 def column_pattern(column: str, config: CopyConfig) -> Pattern | PatternCycle:
     """The pattern (or SEQUENTIAL cycle) of one table column at the config's n, w, causality."""
     w, causal = config.segment, config.causal
@@ -342,16 +301,6 @@ def random_pattern(k: int, config: CopyConfig, layers: int | None = None) -> Pat
             for layer in range(layers)
         )
     )
-
-
-def sparsity(pattern: Pattern | PatternCycle, n: int, heads: int) -> float:
-    """Sparsity 1 − |G| / possible edges of ``pattern.graph(n)``; a MULTIHEAD split is averaged
-    over its heads and a SEQUENTIAL cycle over its patterns (the paper's table headers)."""
-    if isinstance(pattern, PatternCycle):
-        return sum(sparsity(p, n, heads) for p in pattern) / len(pattern)
-    if isinstance(pattern, HeadSplit):
-        return float(pattern.graph(n, num_heads=heads).sparsity.mean())
-    return float(pattern.graph(n).sparsity)
 
 
 @functools.lru_cache(maxsize=32)
@@ -448,39 +397,6 @@ class CopyModel(nn.Module):
         return [sparsity(a.pattern, n, heads) for a in self.attn]
 
 
-# ---------------------------------------------------------------------------- scale-out
-@dataclass(frozen=True)
-class Dist:
-    """This process's place among the workers that train one model together."""
-
-    rank: int = 0
-    world: int = 1
-
-
-def init_distributed() -> Dist:
-    """Join the torchrun process group when RANK / WORLD_SIZE say there are several workers.
-
-    Backend nccl when CUDA is available, gloo otherwise; the rendezvous comes from torchrun's
-    MASTER_ADDR / MASTER_PORT. Returns Dist(0, 1) outside torchrun.
-    """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return Dist()
-    if not tdist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        # cells may take hours on some workers while others wait at the final barrier
-        tdist.init_process_group(backend, timeout=datetime.timedelta(hours=72))
-    return Dist(tdist.get_rank(), tdist.get_world_size())
-
-
-def _device(config: CopyConfig) -> torch.device:
-    if config.device != "auto":
-        return torch.device(config.device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
 # ---------------------------------------------------------------------------- training
 def _datasets(config: CopyConfig) -> tuple[Tensor, Tensor]:
     train = copy_sequences(
@@ -492,16 +408,10 @@ def _datasets(config: CopyConfig) -> tuple[Tensor, Tensor]:
     return train, test
 
 
-def _lr_factor(config: CopyConfig, step: int) -> float:
-    if step < config.warmup:
-        return (step + 1) / config.warmup
-    t = (step - config.warmup) / max(1, config.steps - config.warmup)
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-
-
 @torch.no_grad()
-def evaluate(model: nn.Module, seqs: Tensor, config: CopyConfig, dist: Dist = Dist()) -> dict:
+def evaluate(model: nn.Module, seqs: Tensor, config: CopyConfig, dist: Dist | None = None) -> dict:
     """Token accuracy on the second s of ``seqs`` (LongTensor[N, n]); workers split the set."""
+    dist = dist or Dist()
     model.eval()
     device = next(model.parameters()).device
     correct = torch.zeros((), dtype=torch.long, device=device)
@@ -526,7 +436,7 @@ def train(
     config: CopyConfig,
     column: str,
     depth: int,
-    dist: Dist = Dist(),
+    dist: Dist | None = None,
     data: tuple[Tensor, Tensor] | None = None,
     evaluate_test: bool = True,
 ) -> tuple[nn.Module, dict[str, Any]]:
@@ -538,12 +448,13 @@ def train(
     whole batch. Returns the (unwrapped) model and the cell's metrics.
     """
     config.validate()
+    dist = dist or Dist()
     if config.batch_size % dist.world:
         raise ValueError(
             f"batch_size ({config.batch_size}) must be divisible by the workers ({dist.world})"
         )
     dtype = getattr(torch, config.dtype)
-    device = _device(config)
+    device = pick_device(config.device)
     train_set, test_set = data if data is not None else _datasets(config)
     pattern = column_pattern(column, config)
     torch.manual_seed(config.seed)
@@ -552,14 +463,10 @@ def train(
     if dist.world > 1:
         ids = [device.index] if device.type == "cuda" else None
         net = nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    decay = [p for name, p in model.named_parameters() if p.dim() >= 2 and name != "pos"]
-    rest = [p for name, p in model.named_parameters() if p.dim() < 2 or name == "pos"]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest}],
-        lr=config.lr,
-        weight_decay=0.0,
+    opt = adamw(model, config.lr, config.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: warmup_cosine(s, config.warmup, config.steps)
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(config, s))
     batches = torch.Generator().manual_seed(config.seed + 2)
     curve: list[dict[str, float]] = []
     every = max(1, config.steps // 20)
@@ -629,18 +536,6 @@ def train(
 # ---------------------------------------------------------------------------- sweep
 def cell_name(column: str, depth: int) -> str:
     return f"{column}-L{depth}"
-
-
-def _write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-
-
-def load_cells(folder: Path) -> dict[str, dict[str, Any]]:
-    """The finished cells of a run folder, by cell name."""
-    cells = {}
-    for path in sorted((folder / "cells").glob("*.json")):
-        cells[path.stem] = json.loads(path.read_text())
-    return cells
 
 
 def column_header(column: str, config: CopyConfig) -> str:
@@ -776,33 +671,18 @@ def run(config: CopyConfig, dist: Dist | None = None) -> dict[str, Any]:
     group that this call started is destroyed before it returns.
     """
     config.validate()
-    owns_group = dist is None and not (tdist.is_available() and tdist.is_initialized())
-    dist = init_distributed() if dist is None else dist
-    folder = Path(config.out_dir) / config.run_name()
-    if dist.rank == 0:
-        run_folder(folder, config.identity(), ("cells",))
-    if dist.world > 1:
-        tdist.barrier()  # the folder and config.json exist before anyone looks at them
     todo = [cell_name(c, d) for d in sorted(config.depths) for c in config.columns]
-    pending = [[k for k in todo if not (folder / "cells" / f"{k}.json").exists()]]
-    if dist.world > 1:
-        tdist.broadcast_object_list(pending, src=0)
-    pending = pending[0]
-    if config.parallel == "cells":
-        mine, worker = pending[dist.rank :: dist.world], Dist()
-    else:
-        mine, worker = pending, dist
+    sweep = start_sweep(
+        config, todo, lambda folder, key: (folder / f"cells/{key}.json").exists(), dist
+    )
+    dist, folder = sweep.dist, sweep.folder
     with torch_threads(config.threads):
         machine = machine_facts()
         data = _datasets(config)
-        bar = tqdm(
-            mine,
-            desc="copying cells" + (f" [rank {dist.rank}]" if dist.world > 1 else ""),
-            disable=not config.progress,
-        )
+        bar = sweep.progress("copying", config.progress)
         for key in bar:
             column, _, depth = key.rpartition("-L")
-            _, metrics = train(config, column, int(depth), worker, data)
+            _, metrics = train(config, column, int(depth), sweep.worker, data)
             metrics["machine"] = machine
             metrics["rank"] = dist.rank
             metrics["config"] = config.identity()
@@ -811,8 +691,7 @@ def run(config: CopyConfig, dist: Dist | None = None) -> dict[str, Any]:
                 bar.write(
                     f"{key}: accuracy {metrics['accuracy']:.2%} ({metrics['train_seconds']:.0f} s)"
                 )
-    if dist.world > 1:
-        tdist.barrier()
+    sweep.finish()
     cells = load_cells(folder)
     result = {
         "run": config.run_name(),
@@ -827,10 +706,9 @@ def run(config: CopyConfig, dist: Dist | None = None) -> dict[str, Any]:
     }
     result["table"] = table_markdown(config, cells)
     if dist.rank == 0:
-        _write_text(folder / "table.md", result["table"])
+        write_text(folder / "table.md", result["table"])
         write_json(folder / "metrics.json", result)
         if cells:
             seeds_figure([config], folder / "copying.png")
-    if owns_group and dist.world > 1:
-        tdist.destroy_process_group()
+    sweep.close()
     return result

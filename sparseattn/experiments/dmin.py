@@ -16,7 +16,6 @@ Run: ``sparseattn expressivity dmin`` (see ``--help``) or ``run(DminConfig())``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from ..analysis.expressivity import (
 from ..progress import tqdm
 from ..results import machine_facts, run_folder, torch_threads, write_json
 from ..validate import check_finite_float, check_int, check_positive
+from .runner import run_name_digest
 
 #: The paper's grid: n from 512 to 3072 in steps of 256, 5 matrices per n.
 PAPER_NS = tuple(range(512, 3073, 256))
@@ -77,9 +77,9 @@ class DminConfig:
     def run_name(self) -> str:
         if self.run:
             return self.run
-        digest = hashlib.sha1(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
         kind = "causal-" if self.causal else ""
-        return f"{kind}k{self.k}-g{self.gamma:g}-e{self.eps1:g}-{self.eps2:g}-{digest[:8]}"
+        digest = run_name_digest(self.identity())
+        return f"{kind}k{self.k}-g{self.gamma:g}-e{self.eps1:g}-{self.eps2:g}-{digest}"
 
     def validate(self) -> DminConfig:
         check_positive("k", self.k)

@@ -27,22 +27,19 @@ SEQUENTIAL give the mean over their two parts. The model is :class:`~sparseattn.
 (pre-LN blocks, tied read-out) run with causal patterns: every layer's graph keeps keys j ≤ i
 only, so position i predicts byte i + 1 from bytes ≤ i. AdamW, linear warm-up, cosine decay.
 
-Scale-out as in :mod:`sparseattn.experiments.copying`: under ``torchrun`` the pending cells are
-spread over the workers (``parallel="cells"``) or every cell is trained by all workers with
-DistributedDataParallel (``parallel="data"``). Writes ``<out_dir>/<run>/config.json``,
-``cells/<column>-w<w>-s<seed>.json`` (atomically; a re-run skips finished cells), ``table.md``,
-``metrics.json`` and ``lm.png``. Run: ``sparseattn lm`` (``--help``), ``torchrun
---nproc_per_node 2 -m sparseattn.cli lm``, or ``run(LMConfig())``.
+Scale-out as in every sweep (:mod:`sparseattn.experiments.runner`): under ``torchrun``
+the pending cells are spread over the workers (``parallel="cells"``) or every cell is trained
+by all workers with DistributedDataParallel (``parallel="data"``). Writes
+``<out_dir>/<run>/config.json``, ``cells/<column>-w<w>-s<seed>.json`` (atomically; a re-run
+skips finished cells), ``table.md``, ``metrics.json`` and ``lm.png``. Run: ``sparseattn lm``
+(``--help``), ``torchrun --nproc_per_node 2 -m sparseattn.cli lm``, or ``run(LMConfig())``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
 import math
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -71,15 +68,13 @@ from ..progress import tqdm
 from ..results import (
     atomic_write,
     machine_facts,
-    run_folder,
     save_figure,
     torch_threads,
     write_json,
+    write_text,
 )
-from .copying import COLUMNS, Dist, head_configuration, init_distributed, sparsity
-
-# COLUMNS: the curves of Fig. 1a are the columns of Tables 1–2 (plus dense attention as a
-# reference), in the same order.
+from . import runner
+from .runner import COLUMNS, Dist, head_configuration, sparsity
 
 #: What the paper reports from Fig. 1a (§5 "Language modeling" and "Discussion").
 PAPER_FINDINGS = (
@@ -142,9 +137,9 @@ class LMConfig:
     def run_name(self) -> str:
         if self.run:
             return self.run
-        digest = hashlib.sha1(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
         rho = "" if self.prob_map == "softmax" else f"-{self.prob_map}"
-        return f"n{self.n}-d{self.d}-L{self.layers}-{self.steps}steps{rho}-{digest[:8]}"
+        digest = runner.run_name_digest(self.identity())
+        return f"n{self.n}-d{self.d}-L{self.layers}-{self.steps}steps{rho}-{digest}"
 
     def validate(self) -> LMConfig:
         """Check every field; raises ValueError naming the field and what was expected."""
@@ -167,17 +162,11 @@ class LMConfig:
             raise ValueError(f"causal_form must be 'child' or 'tril', got {self.causal_form!r}")
         if self.prob_map not in PROB_MAPS:
             raise ValueError(f"prob_map must be one of {PROB_MAPS}, got {self.prob_map!r}")
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
         if not self.widths or not all(1 <= w < self.n for w in self.widths):
             raise ValueError(f"widths must be a non-empty list of w in [1, n), got {self.widths}")
         if not self.seeds or min(self.seeds) < 0:
             raise ValueError(f"seeds must be a non-empty list of integers >= 0, got {self.seeds}")
-        unknown = [c for c in self.columns if c not in COLUMNS]
-        if unknown or not self.columns:
-            raise ValueError(f"columns must be a non-empty subset of {COLUMNS}, got {unknown}")
-        if self.parallel not in ("cells", "data"):
-            raise ValueError(f"parallel must be 'cells' or 'data', got {self.parallel!r}")
+        runner.check_sweep_fields(self)
         return self
 
 
@@ -323,21 +312,6 @@ def next_byte_logits(net: nn.Module, windows: Tensor, pattern: Pattern | Pattern
     return model.mlm_logits(hidden)
 
 
-def _device(config: LMConfig) -> torch.device:
-    if config.device != "auto":
-        return torch.device(config.device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def _lr_factor(config: LMConfig, step: int) -> float:
-    if step < config.warmup:
-        return (step + 1) / config.warmup
-    t = (step - config.warmup) / max(1, config.steps - config.warmup)
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-
-
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -391,7 +365,7 @@ def train(
         raise ValueError(
             f"batch_size ({config.batch_size}) must be divisible by the workers ({dist.world})"
         )
-    device = _device(config)
+    device = runner.pick_device(config.device)
     train_stream, val_windows = data if data is not None else datasets(config)
     pattern = column_pattern(column, w or 1, config, seed)
     torch.manual_seed(seed)
@@ -400,8 +374,10 @@ def train(
     if dist.world > 1:
         ids = [device.index] if device.type == "cuda" else None
         net = nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    opt = _optimiser(model, config)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(config, s))
+    opt = runner.adamw(model, config.lr, config.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: runner.warmup_cosine(s, config.warmup, config.steps)
+    )
     batches = torch.Generator().manual_seed(seed + 1)
     curve: list[dict[str, float]] = []
     every = max(1, config.steps // 20)
@@ -450,14 +426,6 @@ def train(
     return model, metrics
 
 
-def _optimiser(model: nn.Module, config: LMConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on the matrices only (not on biases, norms, positions)."""
-    decay = [p for name, p in model.named_parameters() if p.dim() >= 2 and name != "pos"]
-    rest = [p for name, p in model.named_parameters() if p.dim() < 2 or name == "pos"]
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest}]
-    return torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
-
-
 def datasets(config: LMConfig) -> tuple[Tensor, Tensor]:
     """(training byte stream LongTensor[T], validation windows LongTensor[m, n + 1])."""
     return byte_stream("train"), eval_windows(byte_stream("validation"), config.n)
@@ -477,11 +445,6 @@ def cell_keys(config: LMConfig) -> list[tuple[str, int | None, int]]:
             widths = [None] if column == "dense" else sorted(config.widths)
             keys += [(column, w, seed) for w in widths]
     return keys
-
-
-def load_cells(folder: Path) -> dict[str, dict[str, Any]]:
-    """The finished cells of a run folder, by cell name."""
-    return {p.stem: json.loads(p.read_text()) for p in sorted((folder / "cells").glob("*.json"))}
 
 
 def summarise(cells: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -646,32 +609,17 @@ def run(config: LMConfig, dist: Dist | None = None) -> dict[str, Any]:
     table, metrics and figure at the end; a process group this call started is destroyed.
     """
     config.validate()
-    owns_group = dist is None and not (tdist.is_available() and tdist.is_initialized())
-    dist = init_distributed() if dist is None else dist
-    folder = Path(config.out_dir) / config.run_name()
-    if dist.rank == 0:
-        run_folder(folder, config.identity(), ("cells",))
-    if dist.world > 1:
-        tdist.barrier()  # the folder and config.json exist before anyone looks at them
     todo = cell_keys(config)
-    pending = [[k for k in todo if not _cell_done(folder, cell_name(*k), config)]]
-    if dist.world > 1:
-        tdist.broadcast_object_list(pending, src=0)
-    pending = pending[0]
-    if config.parallel == "cells":  # each worker trains its share alone
-        mine, worker = pending[dist.rank :: dist.world], Dist()
-    else:  # every worker takes part in every cell (DDP)
-        mine, worker = pending, dist
+    sweep = runner.start_sweep(
+        config, todo, lambda folder, key: _cell_done(folder, cell_name(*key), config), dist
+    )
+    dist, folder = sweep.dist, sweep.folder
     with torch_threads(config.threads):
         machine = machine_facts()
         data = datasets(config)
-        bar = tqdm(
-            mine,
-            desc="lm cells" + (f" [rank {dist.rank}]" if dist.world > 1 else ""),
-            disable=not config.progress,
-        )
+        bar = sweep.progress("lm", config.progress)
         for column, w, seed in bar:
-            model, metrics = train(config, column, w, seed, worker, data)
+            model, metrics = train(config, column, w, seed, sweep.worker, data)
             metrics.update(machine=machine, rank=dist.rank, config=config.identity())
             if dist.rank == 0 or config.parallel == "cells":  # one writer per cell
                 name = cell_name(column, w, seed)
@@ -683,11 +631,9 @@ def run(config: LMConfig, dist: Dist | None = None) -> dict[str, Any]:
                     f"{name}: perplexity {metrics['perplexity']:.3f} "
                     f"({metrics['train_cpu_seconds']:.0f} s CPU)"
                 )
-    if dist.world > 1:
-        tdist.barrier()
+    sweep.finish()
     result = _report(config, folder, todo, machine, dist)
-    if owns_group and dist.world > 1:
-        tdist.destroy_process_group()
+    sweep.close()
     return result
 
 
@@ -723,7 +669,7 @@ def ngram_levels(config: LMConfig) -> dict[str, float]:
 
 def _report(config: LMConfig, folder: Path, todo: list, machine: dict, dist: Dist) -> dict:
     """metrics.json / table.md / lm.png from the finished cells (written by rank 0)."""
-    cells = load_cells(folder)
+    cells = runner.load_cells(folder)
     summary = summarise(cells)
     ngram = ngram_levels(config)
     result = {
@@ -741,7 +687,7 @@ def _report(config: LMConfig, folder: Path, todo: list, machine: dict, dist: Dis
         "table": table_markdown(config, summary, ngram),
     }
     if dist.rank == 0:
-        atomic_write(folder / "table.md", lambda tmp: Path(tmp).write_text(result["table"]))
+        write_text(folder / "table.md", result["table"])
         write_json(folder / "metrics.json", result)
         plot(config, summary, ngram, folder / "lm.png")
     return result

@@ -28,7 +28,6 @@ Run: ``sparseattn sparsefinder`` (``--quick`` for a ~2 minute smoke version).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import statistics
@@ -44,36 +43,27 @@ from ..corpus import load_corpus
 from ..fastmaps import entmax15_rows
 from ..maps import entmax
 from ..patterns import dense
-from ..predict.baselines import (
-    BigBirdBaseline,
-    LongformerBaseline,
-    LSHBaseline,
-    RoutingBaseline,
-    StridedBaseline,
-    WindowBaseline,
-)
 from ..predict.evaluate import (
-    best_at_least,
-    dominance,
     downstream,
     embed,
-    frontier_value,
     gold_summary,
     pareto_frontier,
-    sweep,
 )
 from ..predict.extract import LayerGraphs, extract_graphs, token_batches
 from ..predict.pattern import PredictedPattern
-from ..predict.predictors import (
-    ChunkedPredictor,
-    DistancePredictor,
-    FixedParts,
-    GraphPredictor,
-    KMeansPredictor,
-    QuantizationPredictor,
-    chunk_layer,
+from ..predict.pipeline import (
+    COLORS,
+    KNOB_GRIDS,
+    METHODS,
+    FittedPredictors,
+    fit_layers,
+    plot_recall,
+    summarise_sweeps,
+    sweep_method,
 )
-from ..predict.projection import QKProjection
+from ..predict.predictors import (
+    FixedParts,
+)
 from ..predict.teacher import TeacherConfig, load_teacher, teacher_folder
 from ..progress import tqdm
 from ..results import (
@@ -86,46 +76,14 @@ from ..results import (
     torch_threads,
     write_json,
 )
+from .runner import run_name_digest
 
 __all__ = ["METHODS", "SparsefinderConfig", "quick_config", "run"]
 
-#: Method name → (label in plots and tables, knob name).
-METHODS: dict[str, tuple[str, str]] = {
-    "window": ("window", "window"),
-    "bigbird": ("BigBird", "random_blocks"),
-    "longformer": ("Longformer", "global_tokens"),
-    "strided": ("strided", "stride"),
-    "reformer": ("Reformer (LSH, shared QK)", "buckets"),
-    "reformer_separate": ("Reformer, q and k hashed apart", "buckets"),
-    "routing": ("Routing Transformer", "n_clusters"),
-    "sf_distance": ("Sparsefinder distance", "threshold"),
-    "sf_distance_all_edges": ("Sparsefinder distance, eq. 7 on all edges", "threshold"),
-    "sf_quantization": ("Sparsefinder quantization", "bins"),
-    "sf_kmeans": ("Sparsefinder k-means", "n_clusters"),
-    "sf_chunked_v1": ("Sparsefinder chunked v1", "top_blocks"),
-    "sf_chunked_v2": ("Sparsefinder chunked v2", "top_blocks"),
-}
 #: Config fields of the timing step (kept out of the run identity).
 TIMING_FIELDS = ("timing_lengths", "timing_layer", "timing_methods", "timing_repeats")
 #: Sparsity levels at which the table also reads every method's frontier.
 COMMON_SPARSITY = (0.9, 0.8)
-
-#: Plot colours: baselines (dashed lines) and Sparsefinder variants (solid lines).
-COLORS: dict[str, str] = {
-    "window": "black",
-    "bigbird": "tab:olive",
-    "longformer": "tab:pink",
-    "strided": "tab:gray",
-    "reformer": "tab:purple",
-    "reformer_separate": "plum",
-    "routing": "tab:brown",
-    "sf_distance": "tab:red",
-    "sf_distance_all_edges": "salmon",
-    "sf_quantization": "tab:green",
-    "sf_kmeans": "tab:blue",
-    "sf_chunked_v1": "tab:orange",
-    "sf_chunked_v2": "tab:cyan",
-}
 
 
 @dataclass(frozen=True)
@@ -208,25 +166,11 @@ class SparsefinderConfig:
     def run_name(self) -> str:
         if self.run:
             return self.run
-        digest = hashlib.sha1(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
-        return f"minilm-{digest[:8]}"
+        return f"minilm-{run_name_digest(self.identity())}"
 
     def grid(self, method: str) -> tuple[float, ...]:
-        return {
-            "window": self.window_grid,
-            "bigbird": self.bigbird_blocks,
-            "longformer": self.longformer_tokens,
-            "strided": self.strides,
-            "reformer": self.lsh_buckets,
-            "reformer_separate": self.lsh_buckets,
-            "routing": self.routing_clusters,
-            "sf_distance": self.thresholds,
-            "sf_distance_all_edges": self.thresholds,
-            "sf_quantization": self.bins,
-            "sf_kmeans": self.clusters,
-            "sf_chunked_v1": self.chunk_top,
-            "sf_chunked_v2": self.chunk_top,
-        }[method]
+        """The knob values the sweep tries for ``method``."""
+        return getattr(self, KNOB_GRIDS[method])
 
     def validate(self) -> SparsefinderConfig:
         if self.batch_size < 1 or self.r < 1 or self.threads < 1 or self.timing_repeats < 1:
@@ -308,171 +252,7 @@ def _extract(data: _Data, config: SparsefinderConfig, bar) -> None:
 
 
 # --------------------------------------------------------------------------- fitting
-def _fit(
-    train: list[LayerGraphs],
-    config: SparsefinderConfig,
-    bar,
-    causal: bool = False,
-    encoder_rows: bool = True,
-) -> dict:
-    """Fitted state per layer of the ``train`` graphs (plain tensors and dicts, for torch.save).
-
-    ``causal`` (decoder self-attention): keys after the query are left out of eq. 7's training
-    (never sampled as negatives). ``encoder_rows=False`` skips the fits that only the encoder
-    table uses: eq. 7 on all edges and the chunked (§6.1) predictors."""
-    fits: dict = {
-        "projection": [],
-        "projection_all_edges": [],
-        "kmeans": {},
-        "routing": {},
-        "chunk_projection": [],
-        "chunk_v2": [],
-        "seconds": {},
-    }
-    kwargs = dict(
-        r=config.r,
-        margin=config.margin,
-        lr=config.lr,
-        epochs=config.epochs,
-        batch_pairs=config.batch_pairs,
-        max_pairs=config.max_pairs,
-        seed=config.seed,
-    )
-    timer = {
-        "projection": 0.0,
-        "projection_all_edges": 0.0,
-        "kmeans": 0.0,
-        "routing": 0.0,
-        "chunked": 0.0,
-    }
-    excluded = FixedParts(config.train_window, True, config.last_token)
-
-    def future(batch):
-        return torch.ones(batch.n, batch.n, dtype=torch.bool).triu(1)
-
-    def exclude(batch):
-        fixed = excluded.graph(batch.n, batch.lengths).to_dense()
-        return fixed | future(batch) if causal else fixed
-
-    for layer in train:
-        bar.set_postfix_str(f"projections, layer {layer.layer}")
-        t = time.perf_counter()
-        proj = QKProjection(**kwargs).fit(layer, exclude=exclude)
-        timer["projection"] += time.perf_counter() - t
-        fits["projection"].append(proj.state_dict())
-        if encoder_rows:
-            t = time.perf_counter()
-            everything = QKProjection(**kwargs).fit(layer, exclude=future if causal else None)
-            fits["projection_all_edges"].append(everything.state_dict())
-            timer["projection_all_edges"] += time.perf_counter() - t
-        q, k = layer.tokens()
-        t = time.perf_counter()
-        for c in config.clusters:
-            km = KMeansPredictor(c, 1, proj, seed=config.seed).fit(q, k)
-            fits["kmeans"].setdefault(c, []).append(km.centroids_)
-        timer["kmeans"] += time.perf_counter() - t
-        t = time.perf_counter()
-        for c in config.routing_clusters:
-            rt = RoutingBaseline(c, proj, seed=config.seed).fit(q, k)
-            fits["routing"].setdefault(c, []).append(rt.centroids_)
-        timer["routing"] += time.perf_counter() - t
-        if not encoder_rows:
-            continue
-        t = time.perf_counter()
-        chunks = chunk_layer(layer, config.chunk_block)
-        cproj = QKProjection(**kwargs).fit(chunks)  # chunk-level: fixed parts not excluded
-        fits["chunk_projection"].append(cproj.state_dict())
-        v2 = ChunkedPredictor(
-            config.chunk_block, 1, cproj, "v2", config.chunk_clusters, config.seed
-        ).fit(chunks)
-        fits["chunk_v2"].append(v2.centroids_)
-        timer["chunked"] += time.perf_counter() - t
-    fits["seconds"] = timer
-    return fits
-
-
-class _Fitted:
-    """Predictor factories from the fitted state."""
-
-    def __init__(self, fits: dict, config: SparsefinderConfig) -> None:
-        self.config = config
-        self.proj = [QKProjection.from_state_dict(s) for s in fits["projection"]]
-        self.proj_all = [QKProjection.from_state_dict(s) for s in fits["projection_all_edges"]]
-        self.cproj = [QKProjection.from_state_dict(s) for s in fits["chunk_projection"]]
-        self.fits = fits
-
-    def make(self, method: str, knob: float) -> Callable[[int], GraphPredictor]:
-        c, seed = self.config, self.config.seed
-        if method == "window":
-            return lambda _l: WindowBaseline(int(knob))
-        if method == "bigbird":
-            return lambda _l: BigBirdBaseline(int(knob), 1, seed)
-        if method == "longformer":
-            return lambda _l: LongformerBaseline(int(knob), seed)
-        if method == "strided":
-            return lambda _l: StridedBaseline(int(knob))
-        if method in ("reformer", "reformer_separate"):
-            mode = "shared" if method == "reformer" else "separate"
-            return lambda l: LSHBaseline(int(knob), self.proj[l], seed, mode)
-        if method == "routing":
-
-            def routing(l: int) -> GraphPredictor:
-                out = RoutingBaseline(int(knob), self.proj[l], seed=seed)
-                out.centroids_ = self.fits["routing"][int(knob)][l]
-                return out
-
-            return routing
-        if method == "sf_distance":
-            return lambda l: DistancePredictor(float(knob), self.proj[l])
-        if method == "sf_distance_all_edges":
-            return lambda l: DistancePredictor(float(knob), self.proj_all[l])
-        if method == "sf_quantization":
-            return lambda l: QuantizationPredictor(int(knob), self.proj[l])
-        if method == "sf_kmeans":
-
-            def kmeans(l: int) -> GraphPredictor:
-                out = KMeansPredictor(int(knob), 1, self.proj[l], seed=seed)
-                out.centroids_ = self.fits["kmeans"][int(knob)][l]
-                return out
-
-            return kmeans
-        if method in ("sf_chunked_v1", "sf_chunked_v2"):
-            variant = method[-2:]
-
-            def chunked(l: int) -> GraphPredictor:
-                out = ChunkedPredictor(
-                    c.chunk_block, int(knob), self.cproj[l], variant, c.chunk_clusters, seed
-                )
-                if variant == "v2":
-                    out.centroids_ = self.fits["chunk_v2"][l]
-                return out
-
-            return chunked
-        raise ValueError(f"unknown method {method!r}")
-
-    def fixed_variants(self, method: str) -> list[tuple[int | None, FixedParts]]:
-        last = self.config.last_token
-        if method == "window":  # the baseline's own window is its knob
-            return [(None, FixedParts(None, True, last))]
-        return [(w, FixedParts(w, True, last)) for w in self.config.windows]
-
-
 # --------------------------------------------------------------------------- steps
-def _sweep_method(
-    fitted: _Fitted, method: str, test: list[LayerGraphs], causal: bool = False
-) -> list[dict]:
-    """Recall / sparsity of ``method`` at every knob × fixed window (pairs j ≤ i if causal)."""
-    variants = fitted.fixed_variants(method)
-    points = []
-    for knob in fitted.config.grid(method):
-        results = sweep(test, fitted.make(method, knob), [f for _, f in variants], causal)
-        for (w, _), res in zip(variants, results, strict=True):
-            if method == "window":
-                w = int(knob)
-            points.append({"knob": knob, "window": w, **res})
-    return points
-
-
 def _downstream_sets(data: _Data, config: SparsefinderConfig):
     _, test = _passages(config)
     size, length = config.batch_size, config.teacher.max_length
@@ -525,7 +305,7 @@ def _closest_knob(points: list[dict], window: int, target: float, grid) -> float
 @torch.no_grad()
 def _timing(
     data: _Data,
-    fitted: _Fitted,
+    fitted: FittedPredictors,
     config: SparsefinderConfig,
     sweep_points: dict,
     gold_sparsity: float,
@@ -667,7 +447,7 @@ def _padding_tally(pattern: PredictedPattern, batch, counts: dict) -> None:
 
 
 @torch.no_grad()
-def _padding_check(data: _Data, fitted: _Fitted, config: SparsefinderConfig, bar) -> dict:
+def _padding_check(data: _Data, fitted: FittedPredictors, config: SparsefinderConfig, bar) -> dict:
     """Issue 16 item 8 on the teacher: test passages in padded batches; for each (method, knob)
     of ``padding_knobs`` (window ``downstream_window`` + [CLS] + [SEP]) the real × real entries
     that differ from the unpadded sequence's graph, without and with the key padding mask, and
@@ -717,35 +497,6 @@ def _padding_check(data: _Data, fitted: _Fitted, config: SparsefinderConfig, bar
 
 
 # --------------------------------------------------------------------------- summary + plots
-def _points(rows: list[dict]) -> list[tuple[float, float]]:
-    return [(r["sparsity"], r["recall"]) for r in rows]
-
-
-def _summary(sweeps: dict, gold: dict, downstream_rows: dict) -> dict:
-    s_gold = gold["sparsity"]
-    table = {}
-    for method, rows in sweeps.items():
-        pts = _points(rows)
-        front = pareto_frontier(pts)
-        sparsest = max(rows, key=lambda r: (r["sparsity"], r["recall"]))
-        table[method] = {
-            "label": METHODS[method][0],
-            "recall_at_gold_sparsity": frontier_value(front, s_gold),
-            "best_recall_with_sparsity_at_least_gold": best_at_least(pts, s_gold),
-            "recall_at_sparsity": {str(s): frontier_value(front, s) for s in COMMON_SPARSITY},
-            "sparsest": {k: sparsest[k] for k in ("knob", "window", "sparsity", "recall")},
-            "frontier": front,
-        }
-        if method != "window" and "window" in sweeps:
-            table[method]["vs_window"] = dominance(pts, _points(sweeps["window"]))
-    return {
-        "gold_sparsity": s_gold,
-        "gold_sparsity_per_layer": gold["sparsity_per_layer"],
-        "methods": table,
-        "downstream_points": sum(len(v) for v in downstream_rows.values()),
-    }
-
-
 def _table_md(
     summary: dict, teacher: dict, timing: dict | None, padding: dict | None = None
 ) -> str:
@@ -821,44 +572,6 @@ def _table_md(
                 f"{r['recall_without_mask']:.4f} | {r['recall_with_mask']:.4f} |"
             )
     return "\n".join(lines) + "\n"
-
-
-def _plot_recall(
-    sweeps: dict,
-    gold: float,
-    path: Path,
-    title: str = "Sparsity–recall, 1.5-entmax MiniLM (test, mean of layers × heads)",
-) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.6))
-    for method, rows in sweeps.items():
-        color = COLORS[method]
-        style = "-" if method.startswith("sf_") else "--"
-        pts = _points(rows)
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=6, color=color, alpha=0.25)
-        front = pareto_frontier(pts)
-        ax.plot(
-            [p[0] for p in front],
-            [p[1] for p in front],
-            style,
-            color=color,
-            lw=1.4,
-            marker="o",
-            ms=2.5,
-            label=METHODS[method][0],
-        )
-    ax.axvline(gold, color="k", ls=":", lw=1, label=f"gold sparsity {gold:.3f}")
-    ax.set_xlabel("sparsity (eq. 5)")
-    ax.set_ylabel("recall (eq. 4)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6.5, loc="lower left", ncol=2)
-    fig.tight_layout()
-    save_figure(fig, path, dpi=80)
 
 
 def _plot_downstream(rows: dict, reference: dict, gold: float, path: Path) -> None:
@@ -980,7 +693,7 @@ def _run(config: SparsefinderConfig) -> dict:
             fits = torch.load(fits_path, weights_only=False)
         else:
             with step("fit"):
-                fits = _fit(data.train, config, bar)
+                fits = fit_layers(data.train, config, bar)
             atomic_write(fits_path, lambda tmp: torch.save(fits, tmp))
             write_json(
                 paths["fits"],
@@ -995,11 +708,11 @@ def _run(config: SparsefinderConfig) -> dict:
                     "projection_steps": [len(s["loss_curve"]) for s in fits["projection"]],
                 },
             )
-        fitted = _Fitted(fits, config)
+        fitted = FittedPredictors(fits, config)
         for method in sweep_todo:
             bar.set_postfix_str(f"sweep {method}")
             with step(f"sweep {method}"):
-                sweeps[method] = _sweep_method(fitted, method, data.test)
+                sweeps[method] = sweep_method(fitted, method, data.test)
             write_json(paths["sweep"], sweeps)
             bar.update(1)
         sweeps = {m: sweeps[m] for m in METHODS if m in sweeps}
@@ -1039,7 +752,7 @@ def _run(config: SparsefinderConfig) -> dict:
             write_json(paths["timing"], timing)
             bar.update(1)
     down_rows = {m: list(v.values()) for m, v in down["methods"].items()}
-    summary = _summary(sweeps, gold, down_rows)
+    summary = summarise_sweeps(sweeps, gold, down_rows, COMMON_SPARSITY)
     summary["teacher"] = {k: tmetrics[k] for k in ("before", "after", "distill_seconds")}
     summary["downstream_reference"] = down["reference"]
     summary["padding"] = padding
@@ -1048,7 +761,7 @@ def _run(config: SparsefinderConfig) -> dict:
     write_json(paths["summary"], summary)
     table = _table_md(summary, tmetrics, timing, padding)
     atomic_write(folder / "table.md", lambda tmp: Path(tmp).write_text(table))
-    _plot_recall(sweeps, gold["sparsity"], folder / "sparsity_recall.png")
+    plot_recall(sweeps, gold["sparsity"], folder / "sparsity_recall.png")
     if down_rows:
         _plot_downstream(
             down_rows, down["reference"], gold["sparsity"], folder / "sparsity_downstream.png"

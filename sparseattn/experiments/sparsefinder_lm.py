@@ -16,7 +16,7 @@ with 1.5-entmax attention (``LMConfig(prob_map="entmax15")``, dense causal), the
    scores), captured with hooks on each block's q/k projection; gold sparsity (causal pairs).
 3. ``fits.pt`` / ``fits.json`` — per layer the projections of eq. 7 (r = 4; keys after the query
    are never negatives), k-means centroids for every B, Routing centroids
-   (:func:`sparseattn.experiments.sparsefinder._fit`, shared with the encoder pipeline).
+   (:func:`sparseattn.predict.pipeline.fit_layers`, shared with the encoder pipeline).
 4. ``sweep.json`` — recall / sparsity / exact-query share of every method over its knob grid ×
    fixed windows, on the validation windows, pairs j ≤ i only, averaged over layers and heads.
 5. ``downstream.json`` — the teacher with the predicted graphs in every layer
@@ -32,7 +32,6 @@ methods and downstream points are skipped when the same config runs again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
@@ -43,6 +42,7 @@ from torch import Tensor, nn
 
 from ..attention import attention_weights
 from ..patterns import cycle, dense
+from ..predict import pipeline
 from ..predict.evaluate import frontier_value, gold_summary
 from ..predict.extract import GraphBatch, LayerGraphs
 from ..predict.pattern import PredictedPattern
@@ -59,15 +59,7 @@ from ..results import (
     write_json,
 )
 from . import lm
-from .sparsefinder import (
-    COLORS,
-    METHODS,
-    _fit,
-    _Fitted,
-    _plot_recall,
-    _summary,
-    _sweep_method,
-)
+from .runner import run_name_digest
 
 __all__ = [
     "DECODER_METHODS",
@@ -174,22 +166,11 @@ class DecoderSparsefinderConfig:
     def run_name(self) -> str:
         if self.run:
             return self.run
-        digest = hashlib.sha1(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
-        return f"decoder-{digest[:8]}"
+        return f"decoder-{run_name_digest(self.identity())}"
 
     def grid(self, method: str) -> tuple[float, ...]:
-        return {
-            "window": self.window_grid,
-            "bigbird": self.bigbird_blocks,
-            "longformer": self.longformer_tokens,
-            "strided": self.strides,
-            "reformer": self.lsh_buckets,
-            "reformer_separate": self.lsh_buckets,
-            "routing": self.routing_clusters,
-            "sf_distance": self.thresholds,
-            "sf_quantization": self.bins,
-            "sf_kmeans": self.clusters,
-        }[method]
+        """The knob values the sweep tries for ``method``."""
+        return getattr(self, pipeline.KNOB_GRIDS[method])
 
     def validate(self) -> DecoderSparsefinderConfig:
         """Check the fields; raises ValueError naming the field and what was expected."""
@@ -358,7 +339,7 @@ def check_causal(pattern: PredictedPattern, graphs: LayerGraphs, rho=None) -> di
 # --------------------------------------------------------------------------- steps
 def _downstream_point(
     model: nn.Module,
-    fitted: _Fitted,
+    fitted: pipeline.FittedPredictors,
     config: DecoderSparsefinderConfig,
     method: str,
     knob: float,
@@ -457,7 +438,7 @@ def table_markdown(summary: dict) -> str:
             later = " †" if method in USES_LATER_TOKENS else ""
             for p in points:
                 lines.append(
-                    f"| {METHODS[method][0]}{later} | {p['knob']} | {p['window']} | "
+                    f"| {pipeline.METHODS[method][0]}{later} | {p['knob']} | {p['window']} | "
                     f"{_fmt(p.get('sparsity'))} | {_fmt(p.get('recall'))} | "
                     f"{_fmt(p.get('exact'))} | {_fmt(p.get('attention_mass_kept'))} | "
                     f"{p['bits_per_byte']:.4f} | "
@@ -505,8 +486,8 @@ def _plot_downstream(summary: dict, path: Path) -> None:
                     marker="o" if g is None else markers[windows.index(g) % len(markers)],
                     ms=3.5,
                     lw=1.1,
-                    color=COLORS[method],
-                    label=METHODS[method][0] + ("" if g is None else f", window {g}"),
+                    color=pipeline.COLORS[method],
+                    label=pipeline.METHODS[method][0] + ("" if g is None else f", window {g}"),
                 )
         ax.plot([gold], [ref], "*", color="gold", mec="k", ms=12, label="full-entmax teacher")
         ax.axvline(gold, color="k", ls=":", lw=1)
@@ -585,7 +566,7 @@ def _run(config: DecoderSparsefinderConfig) -> dict:
             fits = torch.load(fits_path, weights_only=False)
         else:
             with step("fit"):
-                fits = _fit(train, config, bar, causal=True, encoder_rows=False)
+                fits = pipeline.fit_layers(train, config, bar, causal=True, encoder_rows=False)
             atomic_write(fits_path, lambda tmp: torch.save(fits, tmp))
             write_json(
                 paths["fits"],
@@ -600,11 +581,11 @@ def _run(config: DecoderSparsefinderConfig) -> dict:
                 },
             )
         bar.update(1)
-        fitted = _Fitted(fits, config)
+        fitted = pipeline.FittedPredictors(fits, config)
         for method in sweep_todo:
             bar.set_postfix_str(f"sweep {method}")
             with step(f"sweep {method}"):
-                sweeps[method] = _sweep_method(fitted, method, test, causal=True)
+                sweeps[method] = pipeline.sweep_method(fitted, method, test, causal=True)
             write_json(paths["sweep"], sweeps)
             bar.update(1)
         sweeps = {m: sweeps[m] for m in DECODER_METHODS if m in sweeps}
@@ -627,7 +608,7 @@ def _run(config: DecoderSparsefinderConfig) -> dict:
             at = _sweep_at(sweeps.get(method, []), p["knob"], p["window"])
             if at is not None:
                 p.update({k: at[k] for k in ("sparsity", "recall", "exact")})
-    summary = _summary(sweeps, gold, down_rows)
+    summary = pipeline.summarise_sweeps(sweeps, gold, down_rows)
     for row in summary["methods"].values():  # the decoder's reading levels
         row["recall_at_sparsity"] = {
             str(s): frontier_value(row["frontier"], s) for s in DECODER_SPARSITY
@@ -645,7 +626,7 @@ def _run(config: DecoderSparsefinderConfig) -> dict:
     write_json(paths["summary"], summary)
     table = table_markdown(summary)
     atomic_write(folder / "table.md", lambda tmp: Path(tmp).write_text(table))
-    _plot_recall(
+    pipeline.plot_recall(
         sweeps,
         gold["sparsity"],
         folder / "sparsity_recall.png",

@@ -633,13 +633,26 @@ def chunk_layer(graphs: LayerGraphs, block: int) -> LayerGraphs:
     return LayerGraphs(graphs.layer, out)
 
 
-def expand_blocks(chunks: AttentionGraph, block: int, n: int) -> AttentionGraph:
-    """Token graph of a chunk graph: query i attends every key of each chunk its chunk attends."""
-    index, valid = chunks.to_neighbours()  # (..., n_c, K)
+def expand_blocks(
+    chunks: AttentionGraph, block: int, n: int, valid: Tensor | None = None
+) -> AttentionGraph:
+    """Token graph of a chunk graph: query i attends every key of each chunk its chunk attends.
+
+    ``valid`` (B, n) bool, True for real tokens: a chunk that holds the last real tokens and
+    some padding gives no edge to its padding keys, and padding queries get no edges, so
+    padding joins no chunk (as it joins no bucket of the other predictors).
+    """
+    index, ok = chunks.to_neighbours()  # (..., n_c, K)
     tokens = (index[..., :, :, None] * block + torch.arange(block)).flatten(-2)  # (..., n_c, Kz)
-    ok = valid.repeat_interleave(block, -1) & (tokens < n)
+    ok = ok.repeat_interleave(block, -1) & (tokens < n)
     rows = torch.arange(n) // block
-    return AttentionGraph.from_neighbours(tokens[..., rows, :], ok[..., rows, :], n)
+    tokens, ok = tokens[..., rows, :], ok[..., rows, :]  # (..., n, Kz)
+    if valid is not None:
+        real = valid.to(ok.device).view(valid.shape[0], *([1] * (ok.dim() - 3)), n)
+        real = real.expand(*ok.shape[:-2], n)
+        ok = ok & torch.gather(real, -1, tokens.clamp_max(n - 1).flatten(-2)).view_as(ok)
+        ok = ok & real[..., :, None]
+    return AttentionGraph.from_neighbours(tokens, ok, n)
 
 
 class ChunkedPredictor(GraphPredictor):
@@ -724,4 +737,4 @@ class ChunkedPredictor(GraphPredictor):
             qb = centroid_topk_buckets(qp, self.centroids_, self.top_blocks, cvalid)
             kb = centroid_topk_buckets(kp, self.centroids_, self.top_blocks, cvalid)
             chunks = bucket_graph(qb.cpu(), kb.cpu(), self.centroids_.shape[1])
-        return expand_blocks(chunks, self.block, n)
+        return expand_blocks(chunks, self.block, n, valid)

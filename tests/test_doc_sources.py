@@ -1,0 +1,160 @@
+"""Every table in docs/*.md says where its numbers come from (issue 27 item 4).
+
+Above each table, between it and the text before it, stands one source line:
+
+- ``Source: docs/results/<experiment>/<run>/…`` — the result files kept in the repository
+  (config + metrics JSON, no weights), with the command that regenerates them; every path named
+  must exist, and a kept printed table (.txt, .md) must hold the quoted rows verbatim;
+- ``Source: … run lost …; regenerate with `<command>``` — the run folder was not kept (``results/``
+  is not committed) and is too long to redo here; the line says so and names the command;
+- ``<!-- source: none, <why> -->`` — not a measurement (definitions, a paper's printed numbers,
+  a summary of tables above).
+
+Where it is cheap, the test also reads quoted numbers back from the kept files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+SOURCE = re.compile(r"^(?:<!-- )?[Ss]ource: (?P<text>.*?)(?: -->)?\s*$")
+PATH = re.compile(r"docs/results/[\w./+-]+")
+
+
+def tables(path: Path) -> list[tuple[int, list[str], str | None]]:
+    """(line of the header, the lines above back to the previous table, the source line)."""
+    lines = path.read_text().split("\n")
+    out, fence, start = [], False, 0
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            fence = not fence
+        header = not fence and lines[i].startswith("|") and i + 1 < len(lines)
+        if header and re.match(r"^\|[\s:|-]+\|$", lines[i + 1].strip()):  # header + separator
+            above = lines[start:i]
+            found = [m.group("text") for m in map(SOURCE.match, above) if m]
+            out.append((i + 1, above, found[-1] if found else None))
+            while i < len(lines) and lines[i].startswith("|"):
+                i += 1
+            start = i
+            continue
+        i += 1
+    return out
+
+
+ALL = [(p, line, src) for p in DOCS for line, _, src in tables(p)]
+
+
+@pytest.mark.parametrize(
+    ("doc", "line", "source"), ALL, ids=[f"{p.name}:{line}" for p, line, _ in ALL]
+)
+def test_every_table_names_its_source(doc: Path, line: int, source: str | None) -> None:
+    assert source is not None, f"{doc.name}:{line}: the table has no 'Source:' line above it"
+    if source.startswith("none"):
+        assert len(source) > len("none, "), f"{doc.name}:{line}: say why there is no source"
+        return
+    paths = PATH.findall(source)
+    if "lost" in source:
+        assert "regenerate with `" in source, (
+            f"{doc.name}:{line}: a lost source must name the command that regenerates it"
+        )
+    else:
+        assert paths, f"{doc.name}:{line}: name the kept files (docs/results/…) or say 'lost'"
+    for name in paths:
+        path = ROOT / name.rstrip(".")
+        assert path.exists(), f"{doc.name}:{line}: {name} does not exist"
+        if path.suffix in (".txt", ".md"):  # a printed table: the quoted rows, verbatim
+            kept = path.read_text().split("\n")
+            for row in _rows(doc, line):
+                assert row in kept, f"{doc.name}:{line}: {row!r} is not in {name}"
+
+
+def _rows(doc: Path, line: int) -> list[str]:
+    """The rows (header and separator included) of the table whose header is at ``line``."""
+    rows = []
+    for row in doc.read_text().split("\n")[line - 1 :]:
+        if not row.startswith("|"):
+            break
+        rows.append(row)
+    return rows
+
+
+def _table_after(doc: str, source_fragment: str) -> list[str]:
+    """The rows of the table whose source line contains ``source_fragment``."""
+    path = ROOT / "docs" / doc
+    lines = path.read_text().split("\n")
+    for line, _, source in tables(path):
+        if source and source_fragment in source:
+            rows = []
+            for row in lines[line + 1 :]:
+                if not row.startswith("|"):
+                    return rows
+                rows.append(row)
+    raise AssertionError(f"no table sourced from {source_fragment} in {doc}")
+
+
+def test_mca_accounting_numbers_come_from_the_kept_runs() -> None:
+    """docs/mca.md's accounting table quotes seed 0's file; the seed-spread table its seeds."""
+    folder = ROOT / "docs/results/mca"
+    seed0 = json.loads((folder / "accounting-s0/accounting.json").read_text())
+    rows = _table_after("mca.md", "accounting-s0/accounting.json")
+    assert len(rows) == len(seed0["rows"])
+    for row, got in zip(rows, seed0["rows"], strict=True):
+        cells = [c.strip().strip("*") for c in row.strip("|").split("|")]
+        assert float(cells[0]) == got["alpha"]
+        keys = ("reference_padded", "reference_real_tokens", "ours_padded", "ours_unpadded")
+        for cell, key in zip(cells[1:], keys, strict=True):
+            assert cell == f"{100 * got[key]:.1f}%", (key, cell, got[key])
+    rows = _table_after("mca.md", "accounting-s<seed>")
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        alpha = float(cells[0])
+        gaps = []
+        names = [p.name for p in folder.iterdir() if re.fullmatch(r"accounting-s\d+", p.name)]
+        for name in sorted(names, key=lambda x: int(x.removeprefix("accounting-s"))):
+            path = folder / name / "accounting.json"
+            got = {r["alpha"]: r for r in json.loads(path.read_text())["rows"]}
+            if alpha in got:
+                gaps.append(100 * (got[alpha]["ours_padded"] - got[alpha]["ours_unpadded"]))
+        assert cells[1] == str(len(gaps))
+        assert cells[2] == " / ".join(f"{g:+.2f}" for g in gaps)
+
+
+@pytest.mark.parametrize("n", [256, 4096])
+def test_connectivity_table_numbers_come_from_the_kept_reports(n: int) -> None:
+    """docs/analysis.md's Assumption 1 tables: each row's sparsity per layer, hops and verdict
+    are the kept `sparseattn analyze … --json` report's (the n = 4096 times are not kept)."""
+    folder = ROOT / f"docs/results/analysis/connectivity-n{n}"
+    rows = _table_after("analysis.md", f"connectivity-n{n}/")
+    assert len(rows) == len(list(folder.glob("*.json")))
+    for row in rows:
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
+        spec = cells[0].strip("`").replace(" --config ", "-")
+        report = json.loads((folder / f"{spec}.json").read_text())
+        assert report["n"] == n
+        sparsity = " \\| ".join(f"{100 * s:.2f}%" for s in report["sparsity"])
+        assert cells[5] == sparsity, (spec, cells[5], sparsity)
+        hops = "never" if report["hops"] is None else str(report["hops"])
+        assert cells[4].split(" ")[0] == hops, (spec, cells[4], report["hops"])
+        assert cells[6].strip("*") == ("yes" if report["satisfied"] else "no"), spec
+
+
+def test_the_checker_sees_a_missing_or_a_bare_lost_source(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Text.\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+        "Source: run lost.\n\n| c |\n|---|\n| 3 |\n\n"
+        "```\n| not | a table |\n|---|---|\n```\n"
+    )
+    found = tables(page)
+    assert [(line, source) for line, _, source in found] == [(3, None), (9, "run lost.")]
+    with pytest.raises(AssertionError, match="no 'Source:' line"):
+        test_every_table_names_its_source(page, 3, None)
+    with pytest.raises(AssertionError, match="regenerates"):
+        test_every_table_names_its_source(page, 9, "run lost.")
