@@ -13,12 +13,14 @@ changes nothing: CPU CI runs exactly as before.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
 
 import pytest
 import torch
+from device_guard import CUDA, DeviceGuard
 from torch.overrides import TorchFunctionMode
 
 #: Test modules that run on ``--device cuda``.
@@ -63,17 +65,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--device",
         default="cpu",
-        help="device for the device-aware test modules (cpu, cuda, cuda:1); see tests/conftest.py",
+        help="device for the device-aware test modules (cpu, cuda, cuda:1, or guard: a GPU "
+        "simulated on the CPU, tests/device_guard.py); see tests/conftest.py",
     )
 
 
+def _guarded(config: pytest.Config) -> bool:
+    return config.getoption("--device") == "guard"
+
+
 def _device(config: pytest.Config) -> torch.device:
-    return torch.device(config.getoption("--device"))
+    return CUDA if _guarded(config) else torch.device(config.getoption("--device"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
     dev = _device(config)
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type == "cuda" and not _guarded(config) and not torch.cuda.is_available():
         raise pytest.UsageError("--device cuda: torch sees no CUDA device here")
 
 
@@ -141,11 +148,20 @@ class _TestTensorsOn(TorchFunctionMode):
         return out.requires_grad_() if grad else out
 
 
+@pytest.fixture
+def device_guard(request: pytest.FixtureRequest) -> DeviceGuard | None:
+    """The active :class:`~device_guard.DeviceGuard` under ``--device guard``, else None."""
+    return request.node.__dict__.get("_device_guard")
+
+
 @pytest.fixture(autouse=True)
 def _tensors_on_device(request: pytest.FixtureRequest):
     dev = _device(request.config)
     if dev.type == "cpu" or request.module.__name__.rpartition(".")[2] not in DEVICE_MODULES:
         yield
         return
-    with _TestTensorsOn(dev):
+    with contextlib.ExitStack() as stack:
+        if _guarded(request.config):
+            request.node._device_guard = stack.enter_context(DeviceGuard())
+        stack.enter_context(_TestTensorsOn(dev))
         yield

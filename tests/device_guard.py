@@ -1,0 +1,329 @@
+"""A second device simulated on the CPU: catches library paths that leave their inputs' device.
+
+``pytest --device guard`` (tests/conftest.py) runs the device-aware test modules under
+:class:`DeviceGuard`, a ``TorchFunctionMode`` that sees every torch call made from Python
+(functions, methods, property reads) and keeps, per tensor, where it "lives":
+
+* **on the device** ("cuda:0"): the tests' inputs (moved with ``.to(device)`` by the
+  conftest's factory mode), results of ``.to("cuda")`` / ``.cuda()``, factory calls with a
+  CUDA ``device=`` (``torch.arange``, ``zeros``, ``tensor``, …), and every output of an op with
+  an input on the device (``new_*``, ``*_like`` and views included);
+* **on the host**: results of factory calls without a device (or with ``device="cpu"``),
+  ``.cpu()`` and ``.to("cpu")``, and outputs of ops whose tensor inputs are all on the host;
+* **unknown**: tensors made outside Python-level torch calls (autograd's gradients, a
+  ``Parameter`` before ``module.to``); they never raise and take no side.
+
+Everything really runs on the CPU. What the library *sees* is a GPU: ``t.device`` is
+``cuda:0`` and ``t.is_cuda`` is True for tensors on the device, so its CUDA branches run. An op
+that mixes a tensor on the device with a host tensor of one or more dims raises
+``RuntimeError("Expected all tensors to be on the same device … (device guard)")`` as CUDA
+does (host 0-dim tensors are allowed, as CUDA's CPU scalars are; cross-device ``copy_`` too),
+and so does ``.numpy()`` of a device tensor. Host→device copies (``.to``, ``.cuda``,
+``copy_``, ``torch.tensor(…, device="cuda")``) are counted in :attr:`DeviceGuard.copies`.
+
+CUDA-only APIs that the library calls are replaced while the guard is active: the CUDA RNG
+state (the CPU one stands in), ``torch.Generator(device="cuda")`` (a CPU generator that
+remembers its device), the memory, event and synchronisation calls of ``torch.cuda``
+(no-ops and host timers), and compiled ``flex_attention`` (eager ``flex_attention``, which
+checks that q, k, v and the BlockMask share a device through ``.device`` like the kernel).
+
+What it cannot see: the kernels themselves (a Triton or CUDA kernel's behaviour, TF32, memory
+and speed), device-side asserts, ops run from C++ without a Python call, and tensors made by
+code that runs with torch-function modes disabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["CUDA", "DeviceGuard", "on_device"]
+
+#: The device the guard simulates.
+CUDA = torch.device("cuda", 0)
+_TAG = "_device_guard_on"  # True: on the device; False: on the host; absent: unknown
+
+_FACTORIES = {
+    torch.arange,
+    torch.empty,
+    torch.empty_strided,
+    torch.eye,
+    torch.full,
+    torch.linspace,
+    torch.logspace,
+    torch.ones,
+    torch.rand,
+    torch.randint,
+    torch.randn,
+    torch.randperm,
+    torch.tensor,
+    torch.as_tensor,
+    torch.zeros,
+    torch.scalar_tensor,
+    torch.tril_indices,
+    torch.triu_indices,
+}
+#: Factories whose data comes from the host (a copy when made on the device).
+_FROM_HOST = {torch.tensor, torch.as_tensor}
+#: Calls that take tensors of different devices by design.
+_CROSS = {torch.Tensor.copy_, torch.Tensor.__setitem__}
+_REAL_GENERATOR = torch.Generator
+
+
+def on_device(t: torch.Tensor) -> bool | None:
+    """True if the guard holds ``t`` on the device, False on the host, None if unknown."""
+    tag = t.__dict__.get(_TAG)
+    if tag is None and torch._C._functorch.is_batchedtensor(t):
+        return on_device(torch._C._functorch.get_unwrapped(t))
+    return tag
+
+
+def _set(t: torch.Tensor, where: bool | None) -> torch.Tensor:
+    if where is not None:
+        t.__dict__[_TAG] = where
+    return t
+
+
+def _is_cuda(device) -> bool | None:
+    """True for a CUDA device spec, False for CPU, None for anything else (or none)."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return True
+    device = torch.device(device)
+    return {"cuda": True, "cpu": False}.get(device.type)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _name(func) -> str:
+    owner = getattr(func, "__self__", None)
+    if owner is not None and hasattr(owner, "__name__"):
+        return f"{owner.__name__}.{getattr(func, '__name__', func)}"
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+
+
+class DeviceGuard(TorchFunctionMode):
+    """The simulated device (see the module docstring). Use as a context manager.
+
+    Attributes:
+        copies: list of (function name, numel) for every host→device copy seen.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[str, int]] = []
+        self._patches = contextlib.ExitStack()
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self):
+        self._patch_cuda_apis()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._patches.close()
+
+    @contextlib.contextmanager
+    def no_copies(self, what: str = "this call") -> Iterator[None]:
+        """Assert that the block copies nothing from the host to the device."""
+        before = len(self.copies)
+        yield
+        new = self.copies[before:]
+        if new:
+            raise AssertionError(f"{what} copied {len(new)} tensor(s) host → device: {new[:8]}")
+
+    def _patch_cuda_apis(self) -> None:
+        import sparseattn.engines.flex as flex
+
+        stack = self._patches
+        cuda = torch.cuda
+
+        def patch(obj, name, value):
+            stack.callback(setattr, obj, name, getattr(obj, name))
+            setattr(obj, name, value)
+
+        patch(cuda, "is_available", lambda: True)
+        patch(cuda, "device_count", lambda: 1)
+        patch(cuda, "current_device", lambda: 0)
+        patch(cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+        patch(cuda, "set_rng_state", lambda state, device="cuda": torch.set_rng_state(state))
+        patch(cuda, "manual_seed", lambda seed: None)
+        patch(cuda, "synchronize", lambda device=None: None)
+        patch(cuda, "empty_cache", lambda: None)
+        patch(cuda, "reset_peak_memory_stats", lambda device=None: None)
+        patch(cuda, "memory_allocated", lambda device=None: 0)
+        patch(cuda, "max_memory_allocated", lambda device=None: 0)
+        patch(cuda, "get_device_name", lambda device=None: "device guard (CPU)")
+        patch(cuda, "get_device_properties", lambda device=None: _Props())
+        patch(cuda, "Event", _Event)
+        patch(torch, "Generator", _generator_class())
+        # compiled FlexAttention on a CPU that poses as a GPU: the eager implementation
+        patch(flex, "_compiled", lambda: _eager_flex)
+
+    # ------------------------------------------------------------------ the mode
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = getattr(func, "__self__", None)
+        if owner is torch.Tensor.device:  # property read: where the library thinks t is
+            return CUDA if on_device(args[0]) else func(*args, **kwargs)
+        if owner is torch.Tensor.is_cuda:
+            return bool(on_device(args[0]))
+        if owner is torch.Tensor.data and func.__name__ == "__set__":
+            func(*args, **kwargs)
+            _set(args[0], on_device(args[1]))
+            return None
+        if func is torch.Tensor.get_device:
+            return 0 if on_device(args[0]) else func(*args, **kwargs)
+        if func is torch.Tensor.to:
+            return self._to(args[0], args[1:], kwargs)
+        if func is torch.Tensor.cuda:
+            return self._move(args[0], True, kwargs.get("non_blocking", False), "cuda")
+        if func is torch.Tensor.cpu:
+            return self._move(args[0], False, False, "cpu")
+        if func is torch.Tensor.numpy and on_device(args[0]):
+            raise TypeError(
+                "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy "
+                "the tensor to host memory first. (device guard)"
+            )
+        target = None
+        if kwargs.get("device") is not None:
+            target = _is_cuda(kwargs["device"])
+            if target:
+                kwargs = {**kwargs, "device": "cpu"}
+                self._check_generator(func, kwargs)
+        inputs = _tensors((args, kwargs))
+        where = [on_device(t) for t in inputs]
+        if func in _CROSS:
+            self._cross(func, args, inputs, where)
+        elif True in where:
+            for t, w in zip(inputs, where, strict=True):
+                if w is False and t.dim() > 0:
+                    raise RuntimeError(
+                        f"Expected all tensors to be on the same device, but found at least "
+                        f"two devices, cuda:0 and cpu! (device guard: {_name(func)} got a "
+                        f"host tensor of shape {tuple(t.shape)})"
+                    )
+        out = func(*args, **kwargs)
+        if target is None:
+            target = True if True in where else (False if (False in where or not inputs) else None)
+        if target and func in _FROM_HOST:
+            data = args[0] if args else kwargs.get("data")
+            if not (isinstance(data, torch.Tensor) and on_device(data)):
+                self.copies.append((_name(func), out.numel()))
+        if target is not None:
+            seen = {id(t) for t in inputs}
+            for t in _tensors(out):
+                if id(t) not in seen:
+                    _set(t, target)
+        return out
+
+    # ------------------------------------------------------------------ helpers
+    def _cross(self, func, args, inputs, where) -> None:
+        """copy_ and __setitem__: any devices, but a host→device transfer is a copy."""
+        dst, dst_on = args[0], on_device(args[0])
+        if func is torch.Tensor.__setitem__:
+            index = _tensors(args[1])
+            if dst_on and any(on_device(i) is False and i.dim() > 0 for i in index):
+                raise RuntimeError(
+                    "Expected all tensors to be on the same device (device guard: "
+                    "__setitem__ on a device tensor with a host index tensor)"
+                )
+            src = args[2] if isinstance(args[2], torch.Tensor) else None
+        else:
+            src = args[1]
+        if dst_on and src is not None and not on_device(src) and src.dim() > 0:
+            self.copies.append((_name(func), src.numel()))
+        del dst, inputs, where
+
+    def _to(self, t: torch.Tensor, rest: tuple, kwargs: dict) -> torch.Tensor:
+        other = next((a for a in rest if isinstance(a, torch.Tensor)), kwargs.get("other"))
+        if other is not None:
+            where, dtype = on_device(other), other.dtype
+            non_blocking = bool(kwargs.get("non_blocking", rest[1] if len(rest) > 1 else False))
+        else:
+            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*rest, **kwargs)
+            where = _is_cuda(device)
+        copy = bool(kwargs.get("copy", False))
+        out = t.to(dtype=dtype or t.dtype, copy=copy, memory_format=torch.preserve_format)
+        if where is None:  # no device named: stays where it is
+            return _set(out, on_device(t)) if out is not t else out
+        return self._move(out if out is not t else t, where, non_blocking, "to", force_copy=copy)
+
+    def _move(self, t, where: bool, non_blocking: bool, name: str, force_copy: bool = False):
+        del non_blocking
+        now = on_device(t)
+        if bool(now) == where and not force_copy:
+            return _set(t, where) if now is None else t
+        if where and not now:
+            self.copies.append((f"Tensor.{name}", t.numel()))
+        out = t.clone() if not force_copy else t
+        return _set(out, where)
+
+    @staticmethod
+    def _check_generator(func, kwargs) -> None:
+        gen = kwargs.get("generator")
+        if gen is not None and getattr(gen, "_guard_device", "cpu") != "cuda":
+            raise RuntimeError(
+                f"Expected a 'cuda' device type for generator but found 'cpu' (device guard: "
+                f"{_name(func)})"
+            )
+
+
+class _Props:
+    name = "device guard (CPU)"
+    total_memory = 1 << 30
+    multi_processor_count = 1
+    major, minor = 9, 0
+
+
+class _Event:
+    """``torch.cuda.Event`` on the host clock."""
+
+    def __init__(self, enable_timing: bool = False, **_: object) -> None:
+        self.t = 0.0
+
+    def record(self, stream=None) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _Event) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _generator_class():
+    class Generator(_REAL_GENERATOR):
+        """A CPU generator that remembers the device it was asked for."""
+
+        def __init__(self, device="cpu") -> None:
+            super().__init__("cpu")
+            self._guard_device = torch.device(device).type
+
+    return Generator
+
+
+def _eager_flex(q, k, v, block_mask=None, scale=None, **kwargs):
+    """Eager ``flex_attention`` in place of the compiled kernel: the same device checks
+    (q, k, v and the BlockMask's tensors through ``.device``) and the same result."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    tensors = [block_mask.kv_num_blocks, block_mask.kv_indices]
+    tensors += [t for t in (block_mask.full_kv_num_blocks, block_mask.full_kv_indices) if t is not None]
+    for t in (q, k, v, *tensors):
+        if not on_device(t):
+            raise ValueError(
+                "Expect q/k/v and block_mask to be on the same device but got cuda:0 and cpu "
+                "(device guard)"
+            )
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, **kwargs)
