@@ -105,6 +105,8 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 def _name(func) -> str:
     owner = getattr(func, "__self__", None)
+    if type(owner).__name__ == "_VariableFunctionsClass" or owner is torch:
+        return f"torch.{getattr(func, '__name__', func)}"
     if owner is not None and hasattr(owner, "__name__"):
         return f"{owner.__name__}.{getattr(func, '__name__', func)}"
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
@@ -251,10 +253,13 @@ class DeviceGuard(TorchFunctionMode):
             where, dtype = on_device(other), other.dtype
             non_blocking = bool(kwargs.get("non_blocking", rest[1] if len(rest) > 1 else False))
         else:
-            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*rest, **kwargs)
+            parse = {k: w for k, w in kwargs.items() if k != "copy"}
+            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*rest[:3], **parse)
             where = _is_cuda(device)
         copy = bool(kwargs.get("copy", False))
-        out = t.to(dtype=dtype or t.dtype, copy=copy, memory_format=torch.preserve_format)
+        out = t.to(dtype) if dtype is not None and dtype != t.dtype else t
+        if copy and out is t:
+            out = t.clone()
         if where is None:  # no device named: stays where it is
             return _set(out, on_device(t)) if out is not t else out
         return self._move(out if out is not t else t, where, non_blocking, "to", force_copy=copy)
@@ -306,9 +311,10 @@ def _generator_class():
     class Generator(_REAL_GENERATOR):
         """A CPU generator that remembers the device it was asked for."""
 
-        def __init__(self, device="cpu") -> None:
-            super().__init__("cpu")
-            self._guard_device = torch.device(device).type
+        def __new__(cls, device="cpu"):
+            gen = super().__new__(cls, "cpu")
+            gen._guard_device = torch.device(device).type
+            return gen
 
     return Generator
 
