@@ -104,9 +104,8 @@ def resolve_graph(pattern: Pattern | AttentionGraph, q: Tensor, k: Tensor) -> At
             f"graph batch_shape {graph.batch_shape} does not broadcast to (batch, heads) "
             f"= {(bsz, heads)}"
         )
-    empty = graph.__dict__.get("_empty_rows")
-    if empty is None:  # graphs are cached by their patterns: checked once
-        empty = graph.__dict__["_empty_rows"] = (graph.degrees == 0).nonzero()
+    # graphs are cached by their patterns: checked once
+    empty = graph.cached(("empty_rows",), lambda: (graph.degrees == 0).nonzero())
     if empty.numel():
         raise ValueError(
             f"pattern {pattern!r} leaves {empty.shape[0]} query row(s) with no allowed key "
@@ -143,7 +142,7 @@ def choose_engine(
         return _choose_on_gpu(graph, q, k, prob_map, dropout_p)
     if bsz * heads * n_q * n_k <= DENSE_LIMIT:
         return "dense"
-    cache = graph.__dict__.setdefault("_auto", {})
+    cache = graph.cached(("auto",), dict)
     if "block_work" not in cache:
         b = choose_block(graph)
         cache["block_work"] = count_pairs(graph, b) * b * b * ENTRY_COST[b]
@@ -175,7 +174,7 @@ def _choose_on_gpu(
         return "dense"
     if prob_map is not None and flex_unsupported(q, k, k, prob_map, dropout_p) is None:
         return "flex"
-    cache = graph.__dict__.setdefault("_auto", {})
+    cache = graph.cached(("auto",), dict)
     if "fill" not in cache:
         b = choose_block(graph)
         cache["fill"] = graph.col.numel() / (count_pairs(graph, b) * b * b)
@@ -273,7 +272,7 @@ def attention_weights(
     if _empty_output(q, k, pattern):
         return _empty_result(q, k, k, k.shape[-2])
     graph = resolve_graph(pattern, q, k)
-    mask = graph.to_dense().to(q.device)
+    mask = graph.to(q.device).to_dense()
     if key_padding_mask is not None:
         mask = mask & key_padding_mask[:, None, None, :]
     scores = _check_overflow((q @ k.transpose(-1, -2)) * scale, scale)

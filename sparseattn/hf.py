@@ -549,17 +549,16 @@ def _group_queries(
     groups = heads // kv_heads
     # cached on the graph (itself cached by its pattern), so that the block plan built for
     # the grouped graph is reused by every later call of the same length
-    cache = graph.__dict__.setdefault("_grouped", {})
-    if (groups, kv_heads) not in cache:
+    def make() -> AttentionGraph:
         g_b, g_h = (1,) * (2 - len(graph.batch_shape)) + graph.batch_shape
         if g_h == 1:
             rows, shape = graph.expand((g_b, groups)), (g_b, 1)
         else:
             rows, shape = graph, (g_b, kv_heads)
-        cache[(groups, kv_heads)] = AttentionGraph(
-            rows.crow, rows.col, groups * n_q, rows.n_k, shape, causal=False
-        )
-    return q.reshape(bsz, kv_heads, groups * n_q, d), cache[(groups, kv_heads)]
+        return AttentionGraph(rows.crow, rows.col, groups * n_q, rows.n_k, shape, causal=False)
+
+    grouped = graph.cached(("grouped", groups, kv_heads), make)
+    return q.reshape(bsz, kv_heads, groups * n_q, d), grouped
 
 
 def _shifted_graph(pattern: Pattern, q: Tensor, k: Tensor, pads: Tensor) -> AttentionGraph:

@@ -184,6 +184,11 @@ class DeviceGuard(TorchFunctionMode):
             func(*args, **kwargs)
             _set(args[0], on_device(args[1]))
             return None
+        if owner is torch.Tensor.grad and func.__name__ == "__get__":
+            grad = func(*args, **kwargs)  # made by autograd in C++: on its tensor's device
+            if grad is not None and on_device(grad) is None:
+                _set(grad, on_device(args[0]))
+            return grad
         if func is torch.Tensor.get_device:
             return 0 if on_device(args[0]) else func(*args, **kwargs)
         if func is torch.Tensor.to:
@@ -319,17 +324,32 @@ def _generator_class():
     return Generator
 
 
-def _eager_flex(q, k, v, block_mask=None, scale=None, **kwargs):
-    """Eager ``flex_attention`` in place of the compiled kernel: the same device checks
-    (q, k, v and the BlockMask's tensors through ``.device``) and the same result."""
-    from torch.nn.attention.flex_attention import flex_attention
+def _eager_flex(q, k, v, block_mask=None, scale=None):
+    """``flex_attention`` as the guard runs it: the kernel's device check (q, k, v and the
+    BlockMask's tensors on one device, read through ``.device``), then the same softmax
+    attention computed densely (the block lists and the ``mask_mod`` make the element mask;
+    rows without a key give zeros), differentiable on the CPU where FlexAttention is not."""
+    import math
+
+    from torch.nn.attention.flex_attention import create_mask
 
     tensors = [block_mask.kv_num_blocks, block_mask.kv_indices]
     tensors += [t for t in (block_mask.full_kv_num_blocks, block_mask.full_kv_indices) if t is not None]
     for t in (q, k, v, *tensors):
-        if not on_device(t):
+        if t.device != q.device:
             raise ValueError(
-                "Expect q/k/v and block_mask to be on the same device but got cuda:0 and cpu "
-                "(device guard)"
+                f"Expect q/k/v and block_mask to be on the same device but got {q.device} and "
+                f"{t.device} (device guard)"
             )
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, **kwargs)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    with torch._C.DisableTorchFunction():
+        bq, bk = block_mask.BLOCK_SIZE
+        listed = block_mask.to_dense().bool()  # (B, H, q blocks, k blocks), full and partial
+        listed = listed.repeat_interleave(bq, -2).repeat_interleave(bk, -1)[..., :n_q, :n_k]
+        b, h = block_mask.kv_num_blocks.shape[:2]
+        mask = listed & create_mask(block_mask.mask_mod, b, h, n_q, n_k, device="cpu")
+        scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+        s = (q @ k.transpose(-1, -2)).float() * scale
+        p = s.masked_fill(~mask, -math.inf).softmax(-1).nan_to_num(0.0)
+        out = (p.to(v.dtype) @ v).to(q.dtype)
+    return _set(out, True)

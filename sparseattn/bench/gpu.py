@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..attention import choose_engine
 from ..results import ResumableRows, machine_facts, save_figure, write_json
 
 __all__ = ["GPU_SUITES", "GpuSuite", "run_gpu_suite"]
@@ -183,7 +184,7 @@ def _fwd_bwd(fn, inputs, grad_out):
 
 def _main(suite: GpuSuite, rows: ResumableRows, log, n: int, dtype: torch.dtype) -> None:
     import sparseattn as sa
-    from sparseattn.engines.flex import _compiled
+    from sparseattn.engines.flex import FLEX_BLOCK, _compiled, cached_block_mask
 
     pattern = sa.longformer(suite.window, suite.sinks)
     (q, k, v), g = _inputs(suite, n, dtype, grad=True)
@@ -210,14 +211,14 @@ def _main(suite: GpuSuite, rows: ResumableRows, log, n: int, dtype: torch.dtype)
     with torch.no_grad():  # the flex engine's BlockMask, cached on the graph: reused below
         sa.sparse_attention(q, k, v, pattern, engine="flex")
     graph = pattern.graph(n)
-    block_mask = graph.__dict__["_flex_masks"][(128, str(q.device))]
+    block_mask = cached_block_mask(graph, FLEX_BLOCK, q.device)
     scale = 1 / math.sqrt(suite.head_dim)
 
     def flex_direct():
         return _compiled()(q, k, v, block_mask=block_mask, scale=scale)
 
     with torch.no_grad():
-        chosen = sa.choose_engine(graph, q, k, sa.maps.softmax())
+        chosen = choose_engine(graph, q, k, sa.maps.softmax())
     timed = {
         "sdpa dense": sdpa(False),
         "sdpa causal": sdpa(True),
@@ -269,7 +270,7 @@ def _calibrate(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     for name, pattern in patterns.items():
         graph = pattern.graph(n)
         auto = {
-            rho: sa.choose_engine(graph, q, k, sa.maps.resolve_prob_map(rho))
+            rho: choose_engine(graph, q, k, sa.maps.resolve_prob_map(rho))
             for rho in ("softmax", "entmax15")
         }
         for rho, engines in (

@@ -31,7 +31,13 @@ from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from .block import block_pairs
 
-__all__ = ["flex_attention_engine", "flex_available", "flex_unsupported", "graph_block_mask"]
+__all__ = [
+    "cached_block_mask",
+    "flex_attention_engine",
+    "flex_available",
+    "flex_unsupported",
+    "graph_block_mask",
+]
 
 #: FlexAttention's default (and on CPU, fastest) block size.
 FLEX_BLOCK = 128
@@ -165,6 +171,16 @@ def graph_block_mask(
     )
 
 
+def cached_block_mask(graph: AttentionGraph, block: int, device: torch.device):
+    """The BlockMask of ``graph`` (its own leading shape, no key padding) on ``device``, built
+    once per (block, device) and cached on the graph: later calls copy nothing to the device."""
+    g_batch, g_heads = (1, 1, *graph.batch_shape)[-2:]
+    return graph.cached(
+        ("flex_mask", block, torch.device(device)),
+        lambda: graph_block_mask(graph, g_batch, g_heads, block, None, device),
+    )
+
+
 def _table_mask_mod(pair_index: Tensor, table: Tensor, key_ok: Tensor, block: int):
     """mask_mod(b, h, q, kv): the element mask of the (q, kv) block, looked up in ``table``.
 
@@ -214,11 +230,7 @@ def flex_attention_engine(
     # the BlockMask keeps the graph's own leading shape; its size-1 dims broadcast over q's
     g_batch, g_heads = (1, 1, *graph.batch_shape)[-2:]
     if key_padding_mask is None:
-        cache = graph.__dict__.setdefault("_flex_masks", {})
-        key = (block, str(q.device))
-        if key not in cache:
-            cache[key] = graph_block_mask(graph, g_batch, g_heads, block, None, q.device)
-        block_mask = cache[key]
+        block_mask = cached_block_mask(graph, block, q.device)
     else:
         block_mask = graph_block_mask(graph, q.shape[0], g_heads, block, key_padding_mask, q.device)
     # one kernel per (shape, table bucket): allow more than dynamo's default 8 recompiles of

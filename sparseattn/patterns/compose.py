@@ -165,13 +165,16 @@ class HeadSplit(Pattern):
 
     def allows_head(self, head: Tensor, q_idx: Tensor, kv_idx: Tensor, n: int, num_heads: int):
         """FlexAttention-shaped predicate (h, q_idx, kv_idx) for the given number of heads."""
-        bounds = torch.tensor(self.head_sizes(num_heads)).cumsum(0)
-        group = torch.bucketize(torch.as_tensor(head), bounds, right=True)
+        head = torch.as_tensor(head)
+        sizes = self.head_sizes(num_heads)
+        bounds = self._on(("bounds", num_heads), head.device, lambda: torch.tensor(sizes).cumsum(0))
+        group = torch.bucketize(head, bounds, right=True)
         out = torch.zeros(
             torch.broadcast_shapes(
                 group.shape, torch.as_tensor(q_idx).shape, torch.as_tensor(kv_idx).shape
             ),
             dtype=torch.bool,
+            device=head.device,
         )
         for g, p in enumerate(self.patterns):
             out |= (group == g) & p.allows(q_idx, kv_idx, n)
