@@ -10,8 +10,11 @@
   an input on the device (``new_*``, ``*_like`` and views included);
 * **on the host**: results of factory calls without a device (or with ``device="cpu"``),
   ``.cpu()`` and ``.to("cpu")``, and outputs of ops whose tensor inputs are all on the host;
-* **unknown**: tensors made outside Python-level torch calls (autograd's gradients, a
-  ``Parameter`` before ``module.to``); they never raise and take no side.
+* **unknown**: tensors made outside Python-level torch calls (a ``Parameter``, a tensor
+  made before the guard was entered or with torch-function modes disabled, autograd's
+  gradients and saved tensors): counted as host tensors, except inside a backward pass,
+  where autograd hands custom functions gradients it made itself (they take no side there;
+  ``.grad`` is read as on its tensor's device).
 
 Everything really runs on the CPU. What the library *sees* is a GPU: ``t.device`` is
 ``cuda:0`` and ``t.is_cuda`` is True for tensors on the device, so its CUDA branches run. An op
@@ -72,6 +75,8 @@ _FACTORIES = {
 _FROM_HOST = {torch.tensor, torch.as_tensor}
 #: Calls that take tensors of different devices by design.
 _CROSS = {torch.Tensor.copy_, torch.Tensor.__setitem__}
+#: Calls that only compare metadata (``module.to`` asks this of a parameter and its copy).
+_METADATA = {torch._has_compatible_shallow_copy_type}
 _REAL_GENERATOR = torch.Generator
 
 
@@ -210,9 +215,11 @@ class DeviceGuard(TorchFunctionMode):
                 self._check_generator(func, kwargs)
         inputs = _tensors((args, kwargs))
         where = [on_device(t) for t in inputs]
+        if torch._C._current_graph_task_id() == -1:  # outside backward: unknown is the host's
+            where = [False if w is None else w for w in where]
         if func in _CROSS:
             self._cross(func, args, inputs, where)
-        elif True in where:
+        elif True in where and func not in _METADATA:
             for t, w in zip(inputs, where, strict=True):
                 if w is False and t.dim() > 0:
                     raise RuntimeError(
