@@ -10,11 +10,11 @@
   an input on the device (``new_*``, ``*_like`` and views included);
 * **on the host**: results of factory calls without a device (or with ``device="cpu"``),
   ``.cpu()`` and ``.to("cpu")``, and outputs of ops whose tensor inputs are all on the host;
-* **unknown**: tensors made outside Python-level torch calls (a ``Parameter``, a tensor
-  made before the guard was entered or with torch-function modes disabled, autograd's
-  gradients and saved tensors): counted as host tensors, except inside a backward pass,
-  where autograd hands custom functions gradients it made itself (they take no side there;
-  ``.grad`` is read as on its tensor's device).
+* **unknown**: tensors made outside Python-level torch calls (autograd's gradients and saved
+  tensors, tensors made before the guard was entered or with torch-function modes disabled);
+  they never raise and take no side. ``.grad`` is read as on its tensor's device, and an
+  ``nn.Parameter`` takes the side of its data (so a model never moved to the device is on the
+  host, and ``module.to("cuda")`` moves it).
 
 Everything really runs on the CPU. What the library *sees* is a GPU: ``t.device`` is
 ``cuda:0`` and ``t.is_cuda`` is True for tensors on the device, so its CUDA branches run. An op
@@ -38,6 +38,7 @@ code that runs with torch-function modes disabled.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Iterator
 
@@ -156,7 +157,7 @@ class DeviceGuard(TorchFunctionMode):
         cuda = torch.cuda
 
         def patch(obj, name, value):
-            stack.callback(setattr, obj, name, getattr(obj, name))
+            stack.callback(setattr, obj, name, inspect.getattr_static(obj, name))
             setattr(obj, name, value)
 
         patch(cuda, "is_available", lambda: True)
@@ -174,6 +175,15 @@ class DeviceGuard(TorchFunctionMode):
         patch(cuda, "get_device_properties", lambda device=None: _Props())
         patch(cuda, "Event", _Event)
         patch(torch, "Generator", _generator_class())
+        parameter = torch.nn.Parameter
+        new = parameter.__new__
+
+        def tagged_parameter(cls, data=None, requires_grad=True):
+            param = new(cls, data, requires_grad)
+            where = None if data is None else on_device(data)
+            return _set(param, False if where is None else where)
+
+        patch(parameter, "__new__", staticmethod(tagged_parameter))
         # compiled FlexAttention on a CPU that poses as a GPU: the eager implementation
         patch(flex, "_compiled", lambda: _eager_flex)
 
@@ -215,8 +225,6 @@ class DeviceGuard(TorchFunctionMode):
                 self._check_generator(func, kwargs)
         inputs = _tensors((args, kwargs))
         where = [on_device(t) for t in inputs]
-        if torch._C._current_graph_task_id() == -1:  # outside backward: unknown is the host's
-            where = [False if w is None else w for w in where]
         if func in _CROSS:
             self._cross(func, args, inputs, where)
         elif True in where and func not in _METADATA:

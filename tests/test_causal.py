@@ -46,7 +46,7 @@ def check_against(pattern, pred, n):
     want = brute(pred, n)
     graph = pattern.graph(n)
     assert graph.causal
-    assert torch.equal(graph.to_dense(), want), (pattern, n)
+    assert torch.equal(graph.to(want.device).to_dense(), want), (pattern, n)
     i, j = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
     assert torch.equal(pattern.allows(i, j, n), want), (pattern, n)  # the mask_mod
     assert graph.possible_edges == n * (n + 1) // 2
@@ -312,7 +312,7 @@ def test_offset_block_mask_equals_the_last_rows(name):
     want = sa.sparse_attention(q, k, v, pattern, engine="dense")
     for m in (1, 17):
         graph = pattern.graph(40, m)
-        mask = graph_block_mask(graph, 1, 1, 16)
+        mask = graph_block_mask(graph, 1, 1, 16, device=q.device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = flex_attention(q[..., -m:, :], k, v, block_mask=mask)

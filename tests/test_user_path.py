@@ -267,6 +267,8 @@ def test_module_float32_strided_path_matches_contiguous_block_engine():
 # ---------------------------------------------------------------------- the bench command
 def test_bench_help_works_outside_the_checkout(tmp_path):
     exe = os.path.join(os.path.dirname(sys.executable), "sparseattn")
+    if not os.path.exists(exe):  # e.g. the GPU machine: the package on PYTHONPATH only
+        pytest.skip("the sparseattn console script is not installed beside this Python")
     res = subprocess.run(
         [exe, "bench", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )

@@ -175,8 +175,11 @@ def cached_block_mask(graph: AttentionGraph, block: int, device: torch.device):
     """The BlockMask of ``graph`` (its own leading shape, no key padding) on ``device``, built
     once per (block, device) and cached on the graph: later calls copy nothing to the device."""
     g_batch, g_heads = (1, 1, *graph.batch_shape)[-2:]
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # the key of q.device: cuda:<index>
+        device = torch.device("cuda", torch.cuda.current_device())
     return graph.cached(
-        ("flex_mask", block, torch.device(device)),
+        ("flex_mask", block, device),
         lambda: graph_block_mask(graph, g_batch, g_heads, block, None, device),
     )
 

@@ -167,20 +167,21 @@ class Pattern(abc.ABC):
         """Causal variant: the same pattern restricted to keys j <= query i."""
         return Causal(self)
 
-    def to_block_mask(self, n: int, block: int = 128, **graph_kwargs):
+    def to_block_mask(
+        self, n: int, block: int = 128, device: torch.device | str = "cpu", **graph_kwargs
+    ):
         """This pattern at length n as a FlexAttention ``BlockMask`` of leading shape (1, 1)
         (or (1, H) for a head split), built from the graph's block layout in O(E); size-1
         dims broadcast over any batch and heads of q, in the block lists and in the
-        ``mask_mod``, which is exactly :meth:`allows`. ``graph_kwargs`` go to :meth:`graph`
-        (e.g. ``num_heads`` for a head split). Pass it to
+        ``mask_mod``, which is exactly :meth:`allows`. ``device``: where its tensors live (q's
+        device; built once per (n, block, device) and cached with the graph). ``graph_kwargs``
+        go to :meth:`graph` (e.g. ``num_heads`` for a head split). Pass it to
         ``torch.nn.attention.flex_attention.flex_attention``.
         """
-        from ..engines.flex import graph_block_mask
+        from ..engines.flex import cached_block_mask
 
         check_positive("block", block)
-        graph = self.graph(n, **graph_kwargs)
-        heads = graph.batch_shape[-1] if graph.batch_shape else 1
-        return graph_block_mask(graph, 1, heads, block)
+        return cached_block_mask(self.graph(n, **graph_kwargs), block, device)
 
     def __or__(self, other: Pattern) -> Pattern:
         from .compose import union
