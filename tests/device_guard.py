@@ -109,6 +109,13 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def _traced(func) -> bool:
+    """A higher-order op (compiled FlexAttention's HOP): its captured buffers were traced while
+    this mode let dynamo see plain calls, so their sides are not known; the Python-level
+    checks before it (flex_attention's own device check) ran under the mode."""
+    return isinstance(func, torch._ops.HigherOrderOperator)
+
+
 def _name(func) -> str:
     owner = getattr(func, "__self__", None)
     if type(owner).__name__ == "_VariableFunctionsClass" or owner is torch:
@@ -175,6 +182,8 @@ class DeviceGuard(TorchFunctionMode):
         patch(cuda, "get_device_properties", lambda device=None: _Props())
         patch(cuda, "Event", _Event)
         patch(torch, "Generator", _generator_class())
+        patch(torch, "vmap", _guarded_vmap(torch.vmap))
+        patch(torch.func, "vmap", _guarded_vmap(torch.func.vmap))
         parameter = torch.nn.Parameter
         new = parameter.__new__
 
@@ -190,6 +199,8 @@ class DeviceGuard(TorchFunctionMode):
     # ------------------------------------------------------------------ the mode
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # dynamo traces this mode: let it see plain calls
+            return func(*args, **kwargs)
         owner = getattr(func, "__self__", None)
         if owner is torch.Tensor.device:  # property read: where the library thinks t is
             return CUDA if on_device(args[0]) else func(*args, **kwargs)
@@ -227,7 +238,7 @@ class DeviceGuard(TorchFunctionMode):
         where = [on_device(t) for t in inputs]
         if func in _CROSS:
             self._cross(func, args, inputs, where)
-        elif True in where and func not in _METADATA:
+        elif True in where and func not in _METADATA and not _traced(func):
             for t, w in zip(inputs, where, strict=True):
                 if w is False and t.dim() > 0:
                     raise RuntimeError(
@@ -325,6 +336,27 @@ class _Event:
 
     def elapsed_time(self, end: _Event) -> float:
         return (end.t - self.t) * 1e3
+
+
+def _guarded_vmap(vmap):
+    """``torch.vmap`` whose outputs (unwrapped in C++, unseen by the mode) are on the device
+    of its inputs (``create_block_mask`` vmaps the ``mask_mod``)."""
+
+    def guarded(func, *vmap_args, **vmap_kwargs):
+        inner = vmap(func, *vmap_args, **vmap_kwargs)
+
+        def call(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            where = [on_device(t) for t in _tensors((args, kwargs))]
+            side = True if True in where else (False if False in where else None)
+            for t in _tensors(out):
+                if on_device(t) is None:
+                    _set(t, side)
+            return out
+
+        return call
+
+    return guarded
 
 
 def _generator_class():

@@ -139,7 +139,7 @@ def test_tril_reading_keeps_half_the_window():
 
 def reach(masks, n):
     """Boolean reachability through the layers, with the skip connection (i reaches i)."""
-    r = torch.eye(n, dtype=torch.bool)
+    r = torch.eye(n, dtype=torch.bool, device=masks[0].device)
     for m in masks:
         r = (m.to(torch.int32) @ r.to(torch.int32)) > 0
     return r
@@ -222,7 +222,7 @@ def test_offset_graph_does_not_build_the_full_graph():
     ):
         graph = pattern.graph(n, 1)
         row = pattern.allows(n - 1, torch.arange(n), n)
-        assert graph.n_q == 1 and torch.equal(graph.col, row.nonzero().squeeze(1))
+        assert graph.n_q == 1 and torch.equal(graph.to(row.device).col, row.nonzero().squeeze(1))
         cache = pattern.__dict__.get("_cache", {})
         assert n not in cache and list(cache) == [(n, 1)]
 

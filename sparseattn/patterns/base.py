@@ -112,20 +112,25 @@ class Pattern(abc.ABC):
     def _on(self, key: Hashable, device: torch.device, make: Callable[[], Tensor]) -> Tensor:
         """A tensor this pattern's predicate holds (global positions, a drawn table): ``make()``
         on the host, and its copy on ``device`` made once and cached on the pattern (the last
-        ``4 · GRAPH_CACHE_SIZE`` (key, device) pairs), so that :meth:`allows` on device
+        ``4 · GRAPH_CACHE_SIZE`` (key, device) pairs made), so that :meth:`allows` on device
         indices (a ``mask_mod``) runs on their device and copies nothing after its first call.
+        A hit only reads (no reordering): compiled FlexAttention traces the ``mask_mod`` and
+        refuses mutations of outside state.
         """
-        cache = self.__dict__.setdefault("_tensors", OrderedDict())
+        cache = self.__dict__.get("_tensors")
+        if cache is None:
+            cache = self.__dict__.setdefault("_tensors", OrderedDict())
         device = torch.device(device)
-        if (key, device) not in cache:
-            host = cache.get((key, torch.device("cpu")))
+        tensor = cache.get((key, device))
+        if tensor is None:
+            cpu = torch.device("cpu")
+            host = cache.get((key, cpu))
             if host is None:
-                host = make()
-            cache[(key, device)] = host.to(device)
+                host = cache[(key, cpu)] = make()
+            tensor = cache[(key, device)] = host.to(device)
             while len(cache) > 4 * GRAPH_CACHE_SIZE:
                 cache.popitem(last=False)
-        cache.move_to_end((key, device))
-        return cache[(key, device)]
+        return tensor
 
     def allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         """Vectorised predicate: may query ``q_idx`` attend to key ``kv_idx`` at length n?
