@@ -126,7 +126,7 @@ class Pattern(abc.ABC):
             cpu = torch.device("cpu")
             host = cache.get((key, cpu))
             if host is None:
-                host = cache[(key, cpu)] = make()
+                host = cache[(key, cpu)] = make().to(cpu)
             tensor = cache[(key, device)] = host.to(device)
             while len(cache) > 4 * GRAPH_CACHE_SIZE:
                 cache.popitem(last=False)
