@@ -547,6 +547,7 @@ def _group_queries(
     output (batch, kv_heads, g·n_q, d) reshapes to (batch, heads, n_q, d)."""
     bsz, heads, n_q, d = q.shape
     groups = heads // kv_heads
+
     # cached on the graph (itself cached by its pattern), so that the block plan built for
     # the grouped graph is reused by every later call of the same length
     def make() -> AttentionGraph:

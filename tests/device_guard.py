@@ -381,7 +381,9 @@ def _eager_flex(q, k, v, block_mask=None, scale=None):
     from torch.nn.attention.flex_attention import create_mask
 
     tensors = [block_mask.kv_num_blocks, block_mask.kv_indices]
-    tensors += [t for t in (block_mask.full_kv_num_blocks, block_mask.full_kv_indices) if t is not None]
+    tensors += [
+        t for t in (block_mask.full_kv_num_blocks, block_mask.full_kv_indices) if t is not None
+    ]
     for t in (q, k, v, *tensors):
         if t.device != q.device:
             raise ValueError(

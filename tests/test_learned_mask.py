@@ -121,7 +121,9 @@ def _with_empty_rows(dam):
 @pytest.mark.parametrize("rho", MAPS)
 @pytest.mark.parametrize("structured,symmetric", [(False, False), (False, True), (True, True)])
 @pytest.mark.parametrize("engine", ["dense", "gather"])
-def test_extracted_pattern_reproduces_the_dam_attention(rho, structured, symmetric, engine, modules_on_device):
+def test_extracted_pattern_reproduces_the_dam_attention(
+    rho, structured, symmetric, engine, modules_on_device
+):
     n = 12
     dam = _with_empty_rows(
         DifferentiableAttentionMask(n, 3, structured=structured, symmetric=symmetric)

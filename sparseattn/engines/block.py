@@ -463,7 +463,9 @@ def _build_plan(graph: AttentionGraph, block: int) -> BlockPlan:
     grp_size = torch.bincount(grp_of_rb, minlength=uniq.numel())
     grp_first = torch.cumsum(grp_size, 0) - grp_size
     pos_in_grp = torch.empty_like(rb_order)
-    pos_in_grp[rb_order] = torch.arange(rb_order.numel(), device=dev) - grp_first[grp_of_rb[rb_order]]
+    pos_in_grp[rb_order] = (
+        torch.arange(rb_order.numel(), device=dev) - grp_first[grp_of_rb[rb_order]]
+    )
     e_grp = grp_of_rb[e_rb]
     flat = (pos_in_grp[e_rb] * block + e_q) * (uniq % (nbk + 1))[e_grp] + e_slot
     flat = flat * block + e_k

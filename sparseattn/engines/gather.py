@@ -97,7 +97,9 @@ def _chunks(graph, static, n_q, n_k, rows_budget, device) -> list[tuple[Tensor, 
             chunks.append((rows.to(device), idx.to(device), valid.to(device)))
         return chunks
 
-    return graph.cached(("gather_chunks", static, n_q, n_k, rows_budget, torch.device(device)), make)
+    return graph.cached(
+        ("gather_chunks", static, n_q, n_k, rows_budget, torch.device(device)), make
+    )
 
 
 class _Run:
