@@ -287,6 +287,8 @@ class DeviceGuard(TorchFunctionMode):
             parse = {k: w for k, w in kwargs.items() if k != "copy"}
             device, dtype, non_blocking, _ = torch._C._nn._parse_to(*rest[:3], **parse)
             where = _is_cuda(device)
+            if device is not None and where is None:  # meta and other devices: real
+                return t.to(*rest, **kwargs)
         copy = bool(kwargs.get("copy", False))
         out = t.to(dtype) if dtype is not None and dtype != t.dtype else t
         if copy and out is t:

@@ -122,7 +122,12 @@ def graph_block_mask(
     if len(shape) > 2 or tuple(torch.broadcast_shapes(shape, (batch, heads))) != (batch, heads):
         raise ValueError(f"graph batch_shape {shape} does not broadcast to {(batch, heads)}")
     n_graphs = max(1, math.prod(shape))
-    graph_of = torch.arange(n_graphs).view((1,) * (2 - len(shape)) + shape).expand(batch, heads)
+    gdev = graph.device  # built where the graph lives, then moved to ``device`` once
+    graph_of = (
+        torch.arange(n_graphs, device=gdev)
+        .view((1,) * (2 - len(shape)) + shape)
+        .expand(batch, heads)
+    )
     n_q, n_k = graph.n_q, graph.n_k
     nbq, nbk = -(-n_q // block), -(-n_k // block)
     pairs = block_pairs(graph, block, partial=True)
@@ -133,13 +138,13 @@ def graph_block_mask(
         full = torch.zeros_like(full)
     # element masks: table[0] all False, table[1] all True, then one per partial block pair
     partial = (~full).nonzero().squeeze(1)
-    table = torch.zeros(_bucket(partial.numel() + 2), block, block, dtype=torch.bool)
+    table = torch.zeros(_bucket(partial.numel() + 2), block, block, dtype=torch.bool, device=gdev)
     table[1] = True
     slot = torch.ones_like(pair_keys)
-    slot[partial] = torch.arange(partial.numel()) + 2
+    slot[partial] = torch.arange(partial.numel(), device=gdev) + 2
     table[slot[pairs.e_pair], pairs.e_q, pairs.e_k] = True
     table[slot[pairs.full]] = True  # whole pairs treated as partial (key padding): all edges
-    pair_index = torch.zeros(n_graphs * nbq * nbk, dtype=torch.int32)
+    pair_index = torch.zeros(n_graphs * nbq * nbk, dtype=torch.int32, device=gdev)
     pair_index[pair_keys] = slot.to(torch.int32)
     pair_index = pair_index.view(n_graphs, nbq, nbk)[graph_of]
 
@@ -147,17 +152,17 @@ def graph_block_mask(
         """Per (b, h, row block): how many key blocks, and which (padded with 0)."""
         sel_rb = rb[select]
         num = torch.bincount(sel_rb, minlength=n_graphs * nbq)
-        pos = torch.arange(sel_rb.numel()) - (torch.cumsum(num, 0) - num)[sel_rb]
-        idx = torch.zeros(n_graphs * nbq, nbk, dtype=torch.int32)
+        pos = torch.arange(sel_rb.numel(), device=gdev) - (torch.cumsum(num, 0) - num)[sel_rb]
+        idx = torch.zeros(n_graphs * nbq, nbk, dtype=torch.int32, device=gdev)
         idx[sel_rb, pos] = kb[select].to(torch.int32)
         num = num.to(torch.int32).view(n_graphs, nbq)[graph_of]
         return num, idx.view(n_graphs, nbq, nbk)[graph_of]
 
     kv_num, kv_idx = lists(~full)
     full_num, full_idx = lists(full)
-    key_ok = torch.ones(batch, n_k, dtype=torch.bool)
+    key_ok = torch.ones(batch, n_k, dtype=torch.bool, device=gdev)
     if key_padding_mask is not None:
-        key_ok &= key_padding_mask.cpu().expand(batch, n_k)
+        key_ok &= key_padding_mask.to(gdev).expand(batch, n_k)
     dev = torch.device(device)
     mask_mod = _table_mask_mod(pair_index.to(dev), table.to(dev), key_ok.to(dev), block)
     return BlockMask.from_kv_blocks(

@@ -47,7 +47,8 @@ class Union(Pattern):
         if not self.data_dependent:
             return super().build(q, k)  # the cached graph of this length
         self._lengths(q, k)  # offset queries only when every part is causal
-        return functools.reduce(AttentionGraph.union, (p.build(q, k) for p in self.parts))
+        graphs = (p.build(q, k).to(q.device) for p in self.parts)  # static parts: cached copy
+        return functools.reduce(AttentionGraph.union, graphs)
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(p) for p in self.parts)
