@@ -9,6 +9,10 @@ references live there; the library's own allocations are not touched (they must 
 inputs' device themselves, which is what the run checks). Modules a test builds from the
 library take the ``device`` fixture (``module.to(device)``). The default, ``--device cpu``,
 changes nothing: CPU CI runs exactly as before.
+
+``--device guard`` runs the same modules on a GPU simulated on the CPU (tests/device_guard.py):
+the device is ``cuda:0`` as the library sees it, and a library path that makes a tensor on the
+host for device inputs fails as it would on CUDA. ``make test`` runs it over a chosen set.
 """
 
 from __future__ import annotations
