@@ -244,7 +244,8 @@ def test_strided_and_contiguous_inputs_agree_forward_and_backward(engine, map_na
 
 @pytest.mark.skipif(flex_available() is not None, reason=str(flex_available()))
 def test_flex_engine_on_strided_inputs():
-    for views in _layouts(64, dtype=torch.float32):
+    # d = 16: compiled FlexAttention on CUDA needs a head dim of at least 16 (inductor NYI)
+    for views in _layouts(64, d=16, dtype=torch.float32):
         with torch.no_grad():
             out = sa.sparse_attention(*views, sa.longformer(16, 2), engine="flex")
             ref = sa.sparse_attention(
