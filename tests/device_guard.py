@@ -52,26 +52,6 @@ __all__ = ["CUDA", "DeviceGuard", "on_device"]
 CUDA = torch.device("cuda", 0)
 _TAG = "_device_guard_on"  # True: on the device; False: on the host; absent: unknown
 
-_FACTORIES = {
-    torch.arange,
-    torch.empty,
-    torch.empty_strided,
-    torch.eye,
-    torch.full,
-    torch.linspace,
-    torch.logspace,
-    torch.ones,
-    torch.rand,
-    torch.randint,
-    torch.randn,
-    torch.randperm,
-    torch.tensor,
-    torch.as_tensor,
-    torch.zeros,
-    torch.scalar_tensor,
-    torch.tril_indices,
-    torch.triu_indices,
-}
 #: Factories whose data comes from the host (a copy when made on the device).
 _FROM_HOST = {torch.tensor, torch.as_tensor}
 #: Calls that take tensors of different devices by design.
@@ -118,7 +98,7 @@ def _traced(func) -> bool:
 
 def _name(func) -> str:
     owner = getattr(func, "__self__", None)
-    if type(owner).__name__ == "_VariableFunctionsClass" or owner is torch:
+    if getattr(owner, "__name__", "") == "_VariableFunctionsClass" or owner is torch:
         return f"torch.{getattr(func, '__name__', func)}"
     if owner is not None and hasattr(owner, "__name__"):
         return f"{owner.__name__}.{getattr(func, '__name__', func)}"
@@ -220,9 +200,9 @@ class DeviceGuard(TorchFunctionMode):
         if func is torch.Tensor.to:
             return self._to(args[0], args[1:], kwargs)
         if func is torch.Tensor.cuda:
-            return self._move(args[0], True, kwargs.get("non_blocking", False), "cuda")
+            return self._move(args[0], True, "cuda")
         if func is torch.Tensor.cpu:
-            return self._move(args[0], False, False, "cpu")
+            return self._move(args[0], False, "cpu")
         if func is torch.Tensor.numpy and on_device(args[0]):
             raise TypeError(
                 "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy "
@@ -237,7 +217,7 @@ class DeviceGuard(TorchFunctionMode):
         inputs = _tensors((args, kwargs))
         where = [on_device(t) for t in inputs]
         if func in _CROSS:
-            self._cross(func, args, inputs, where)
+            self._cross(func, args)
         elif True in where and func not in _METADATA and not _traced(func):
             for t, w in zip(inputs, where, strict=True):
                 if w is False and t.dim() > 0:
@@ -261,9 +241,9 @@ class DeviceGuard(TorchFunctionMode):
         return out
 
     # ------------------------------------------------------------------ helpers
-    def _cross(self, func, args, inputs, where) -> None:
+    def _cross(self, func, args) -> None:
         """copy_ and __setitem__: any devices, but a host→device transfer is a copy."""
-        dst, dst_on = args[0], on_device(args[0])
+        dst_on = on_device(args[0])
         if func is torch.Tensor.__setitem__:
             index = _tensors(args[1])
             if dst_on and any(on_device(i) is False and i.dim() > 0 for i in index):
@@ -276,36 +256,34 @@ class DeviceGuard(TorchFunctionMode):
             src = args[1]
         if dst_on and src is not None and not on_device(src) and src.dim() > 0:
             self.copies.append((_name(func), src.numel()))
-        del dst, inputs, where
 
     def _to(self, t: torch.Tensor, rest: tuple, kwargs: dict) -> torch.Tensor:
         other = next((a for a in rest if isinstance(a, torch.Tensor)), kwargs.get("other"))
         if other is not None:
             where, dtype = on_device(other), other.dtype
-            non_blocking = bool(kwargs.get("non_blocking", rest[1] if len(rest) > 1 else False))
         else:
             parse = {k: w for k, w in kwargs.items() if k != "copy"}
-            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*rest[:3], **parse)
+            device, dtype, _, _ = torch._C._nn._parse_to(*rest[:3], **parse)
             where = _is_cuda(device)
             if device is not None and where is None:  # meta and other devices: real
                 return t.to(*rest, **kwargs)
-        copy = bool(kwargs.get("copy", False))
         out = t.to(dtype) if dtype is not None and dtype != t.dtype else t
-        if copy and out is t:
+        if kwargs.get("copy", False) and out is t:
             out = t.clone()
         if where is None:  # no device named: stays where it is
-            return _set(out, on_device(t)) if out is not t else out
-        return self._move(out if out is not t else t, where, non_blocking, "to", force_copy=copy)
+            return out if out is t else _set(out, on_device(t))
+        return self._move(out, where, "to", fresh=out is not t)
 
-    def _move(self, t, where: bool, non_blocking: bool, name: str, force_copy: bool = False):
-        del non_blocking
+    def _move(self, t: torch.Tensor, where: bool, name: str, fresh: bool = False):
+        """``t`` on the device (``where``) or the host: ``t`` itself when it is there already
+        (or ``fresh``, a new tensor made by the call), else a copy; host → device counted."""
         now = on_device(t)
-        if bool(now) == where and not force_copy:
-            return _set(t, where) if now is None else t
-        if where and not now:
-            self.copies.append((f"Tensor.{name}", t.numel()))
-        out = t.clone() if not force_copy else t
-        return _set(out, where)
+        if bool(now) != where:
+            if where:
+                self.copies.append((f"Tensor.{name}", t.numel()))
+            if not fresh:
+                t = t.clone()
+        return _set(t, where)
 
     @staticmethod
     def _check_generator(func, kwargs) -> None:
