@@ -17,9 +17,20 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/sparseattn tour
 
+# The device guard (tests/device_guard.py) then re-runs a chosen set on a GPU simulated on the
+# CPU (~1.5 minutes on 2 cores): every engine x map x pattern forward and backward and the
+# module (test_attention), half precision, flex, training and hf.sparsify (test_gpu), encoders
+# (test_hf), MCA in a BERT (test_montecarlo), DAM (test_learned_mask), decoders with generate
+# and GQA (a slice of test_hf_decoders). tests/test_device_guard.py is in the plain run.
+GUARDED := tests/test_attention.py tests/test_gpu.py tests/test_hf.py tests/test_montecarlo.py \
+	tests/test_learned_mask.py \
+	"tests/test_hf_decoders.py::test_sparse_generation_equals_full_recompute_at_every_step" \
+	"tests/test_hf_decoders.py::test_head_split_with_grouped_query_heads_equals_full_recompute"
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check sparseattn tests
 	$(PY) -m pytest
+	$(PY) -m pytest --device guard -p no:cacheprovider $(GUARDED)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sparseattn tests

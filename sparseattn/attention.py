@@ -122,9 +122,8 @@ def resolve_graph(pattern: Pattern | AttentionGraph, q: Tensor, k: Tensor) -> At
             f"graph batch_shape {graph.batch_shape} does not broadcast to (batch, heads) "
             f"= {(bsz, heads)}"
         )
-    empty = graph.__dict__.get("_empty_rows")
-    if empty is None:  # graphs are cached by their patterns: checked once
-        empty = graph.__dict__["_empty_rows"] = (graph.degrees == 0).nonzero()
+    # graphs are cached by their patterns: checked once
+    empty = graph.cached(("empty_rows",), lambda: (graph.degrees == 0).nonzero())
     if empty.numel():
         raise ValueError(
             f"pattern {pattern!r} leaves {empty.shape[0]} query row(s) with no allowed key "
@@ -172,7 +171,7 @@ def choose_engine(
         return "flex"
     if gpu and "triton" in ok:
         return "triton"
-    cache = graph.__dict__.setdefault("_auto", {})
+    cache = graph.cached(("auto",), dict)
     if "block_work" not in cache:
         b = choose_block(graph)
         cache["block_work"] = count_pairs(graph, b) * b * b * ENTRY_COST[b]
@@ -350,19 +349,19 @@ def group_queries(q: Tensor, graph: AttentionGraph, kv_heads: int) -> tuple[Tens
     output (batch, kv_heads, g·n_q, d_v) reshapes to (batch, heads, n_q, d_v)."""
     bsz, heads, n_q, d = q.shape
     groups = heads // kv_heads
+
     # cached on the graph (itself cached by its pattern), so that the block plan built for
     # the grouped graph is reused by every later call of the same length
-    cache = graph.__dict__.setdefault("_grouped", {})
-    if (groups, kv_heads) not in cache:
+    def make() -> AttentionGraph:
         g_b, g_h = (1,) * (2 - len(graph.batch_shape)) + graph.batch_shape
         if g_h == 1:
             rows, shape = graph.expand((g_b, groups)), (g_b, 1)
         else:
             rows, shape = graph, (g_b, kv_heads)
-        cache[(groups, kv_heads)] = AttentionGraph(
-            rows.crow, rows.col, groups * n_q, rows.n_k, shape, causal=False
-        )
-    return q.reshape(bsz, kv_heads, groups * n_q, d), cache[(groups, kv_heads)]
+        return AttentionGraph(rows.crow, rows.col, groups * n_q, rows.n_k, shape, causal=False)
+
+    grouped = graph.cached(("grouped", groups, kv_heads), make)
+    return q.reshape(bsz, kv_heads, groups * n_q, d), grouped
 
 
 def _full_rows(pattern: object, q: Tensor, k: Tensor) -> bool | None:
@@ -399,7 +398,7 @@ def attention_weights(
     if _empty_output(q, k, pattern):
         return _empty_result(q, k, k, k.shape[-2])
     graph = resolve_graph(pattern, q, k)
-    mask = graph.to_dense().to(q.device)
+    mask = graph.to(q.device).to_dense()
     if valid is not None:
         mask = mask & valid[:, None, None, :]
     scores = _check_overflow((q @ k.transpose(-1, -2)) * scale, scale)

@@ -115,7 +115,8 @@ def retrieve(queries: Tensor, keys: Tensor) -> Tensor:
 
 def retrieval_accuracy(queries: Tensor, keys: Tensor) -> float:
     """Share of rows i whose most cosine-similar key among all N keys is key i. (N, D) each."""
-    return float((retrieve(queries, keys) == torch.arange(len(queries))).double().mean())
+    hits = retrieve(queries, keys) == torch.arange(len(queries), device=queries.device)
+    return float(hits.double().mean())
 
 
 # --------------------------------------------------------------------------- running

@@ -18,7 +18,8 @@ from __future__ import annotations
 import bisect
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -26,6 +27,8 @@ from torch import Tensor
 from .validate import check_int, check_positive
 
 __all__ = ["PIECE_EDGES", "AttentionGraph"]
+
+T = TypeVar("T")
 
 #: Edges per piece of the O(E) passes over a graph (union, block planning). Temporaries of a
 #: few MiB are re-used by the C allocator, while larger ones come as fresh pages every time
@@ -44,6 +47,15 @@ def _check_index_tensor(name: str, t: object) -> None:
         raise TypeError(f"{name} must be an integer tensor, got {type(t).__name__}")
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+
+
+def _device(device: torch.device | str) -> torch.device:
+    """``device`` with an index for CUDA (``"cuda"`` → ``cuda:<current>``), so that cache keys
+    and comparisons with a tensor's ``.device`` agree."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def broadcast_or_none(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -98,6 +110,56 @@ class AttentionGraph:
         #: ``mask_mod`` on ``device`` (or None), set by the static pattern that built it
         #: (:meth:`Pattern.mask_mod`); None for graphs made any other way.
         self.predicate: Callable[[torch.device], Callable | None] | None = None
+        self._cache: dict[Hashable, object] = {}
+
+    # ------------------------------------------------------------------ cache and device
+    @property
+    def device(self) -> torch.device:
+        """Where ``crow`` and ``col`` live."""
+        return self.col.device
+
+    def cached(self, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()``, computed once per ``key`` and kept on this graph.
+
+        What engines derive from a graph (block plans, gather chunks, FlexAttention block
+        masks, device copies) lives and dies with it; since patterns cache their graphs, a
+        call at a seen length reuses all of it. Keys are tuples whose first item names the
+        owner, e.g. ``("block_plan", 64)``; anything device-specific has the device in its key.
+        """
+        cache = self._cache
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+    def uncache(self, owner: str | None = None) -> None:
+        """Drop the cached entries of ``owner`` (the first item of their keys), or all; the
+        benchmarks time planning from a cold graph this way."""
+        if owner is None:
+            self._cache.clear()
+            return
+        for key in [k for k in self._cache if (k[0] if isinstance(k, tuple) else k) == owner]:
+            del self._cache[key]
+
+    def to(self, device: torch.device | str) -> AttentionGraph:
+        """This graph with ``crow`` and ``col`` on ``device``: ``self`` when they are there,
+        else a copy made once per device and cached on this graph (its own cache then holds
+        what engines derive on that device). O(E) the first time, free afterwards."""
+        device = _device(device)
+        if self.col.device == device:
+            return self
+        return self.cached(("to", device), lambda: self._copy_to(device))
+
+    def _copy_to(self, device: torch.device) -> AttentionGraph:
+        copy = AttentionGraph(
+            self.crow.to(device),
+            self.col.to(device),
+            self.n_q,
+            self.n_k,
+            self.batch_shape,
+            self.causal,
+        )
+        copy.predicate = self.predicate  # the same edge set
+        return copy
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -139,7 +201,7 @@ class AttentionGraph:
                 f"row indices must lie in [0, {n_rows}), got [{int(rows[0])}, {int(rows[-1])}]"
             )
         counts = torch.bincount(rows, minlength=n_rows)
-        crow = torch.zeros(n_rows + 1, dtype=torch.long)
+        crow = torch.zeros(n_rows + 1, dtype=torch.long, device=rows.device)
         torch.cumsum(counts, 0, out=crow[1:])
         return cls(crow, cols, n_q, n_k, batch_shape, causal)
 
@@ -154,11 +216,11 @@ class AttentionGraph:
         """
         start = start.clamp(0, n_k)
         degrees = (stop.clamp(max=n_k) - start).clamp_min(0)
-        crow = torch.zeros(start.numel() + 1, dtype=torch.long)
+        dev = start.device
+        crow = torch.zeros(start.numel() + 1, dtype=torch.long, device=dev)
         torch.cumsum(degrees, 0, out=crow[1:])
-        graph = cls(
-            crow, torch.empty(int(crow[-1]), dtype=torch.long), start.numel(), n_k, (), causal
-        )
+        col = torch.empty(int(crow[-1]), dtype=torch.long, device=dev)
+        graph = cls(crow, col, start.numel(), n_k, (), causal)
         shift = start - crow[:-1]  # col[e] = e + shift[row of e]
         for lo, hi in graph.row_pieces():
             e0, e1 = int(crow[lo]), int(crow[hi])
@@ -194,10 +256,11 @@ class AttentionGraph:
                 raise ValueError(
                     f"key indices must lie in [0, {n_k}), got [{cols.min()}, {cols.max()}]"
                 )
-            crow = torch.zeros(_prod(batch_shape) * n_q + 1, dtype=torch.long)
+            crow = torch.zeros(_prod(batch_shape) * n_q + 1, dtype=torch.long, device=index.device)
             torch.cumsum(valid.sum(-1).reshape(-1), 0, out=crow[1:])
             return cls(crow, cols, n_q, n_k, batch_shape, causal)
-        rows = torch.arange(_prod(batch_shape) * n_q).view(*batch_shape, n_q, 1).expand_as(index)
+        rows = torch.arange(_prod(batch_shape) * n_q, device=index.device)
+        rows = rows.view(*batch_shape, n_q, 1).expand_as(index)
         return cls.from_edges(rows[valid], index[valid], n_q, n_k, batch_shape, causal)
 
     @classmethod
@@ -216,7 +279,7 @@ class AttentionGraph:
         flat = mask.reshape(-1, n_k)
         rows, cols = flat.nonzero(as_tuple=True)
         counts = flat.sum(-1)
-        crow = torch.zeros(flat.shape[0] + 1, dtype=torch.long)
+        crow = torch.zeros(flat.shape[0] + 1, dtype=torch.long, device=mask.device)
         torch.cumsum(counts, 0, out=crow[1:])
         return cls(crow, cols, n_q, n_k, batch_shape, causal)
 
@@ -264,7 +327,7 @@ class AttentionGraph:
     def row_indices(self) -> Tensor:
         """LongTensor[E]: the flattened row of every stored edge (CSR expanded to COO)."""
         return torch.repeat_interleave(
-            torch.arange(self.num_rows),
+            torch.arange(self.num_rows, device=self.device),
             self.crow[1:] - self.crow[:-1],
             output_size=self.col.numel(),
         )
@@ -300,11 +363,11 @@ class AttentionGraph:
             valid: BoolTensor[m, K].
         """
         if rows is None:
-            rows = torch.arange(self.num_rows)
+            rows = torch.arange(self.num_rows, device=self.device)
         start = self.crow[rows]
         count = self.crow[rows + 1] - start
         k = int(count.max()) if rows.numel() else 0
-        slot = torch.arange(k)
+        slot = torch.arange(k, device=self.device)
         valid = slot < count[:, None]
         pos = (start[:, None] + slot).masked_fill_(~valid, 0)
         index = self.col[pos] if self.col.numel() else torch.zeros_like(pos)
@@ -324,7 +387,8 @@ class AttentionGraph:
         if self.batch_shape:
             raise ValueError(f"allows needs an unbatched graph, got batch_shape {self.batch_shape}")
         q_idx, kv_idx = torch.broadcast_tensors(torch.as_tensor(q_idx), torch.as_tensor(kv_idx))
-        keys = self._edge_keys()
+        graph = self.to(q_idx.device)  # the indices' device (a mask_mod runs on the inputs')
+        keys = graph.cached(("edge_keys",), graph._edge_keys)
         query = (q_idx.long() * self.n_k + kv_idx.long()).reshape(-1)
         pos = torch.searchsorted(keys, query).clamp_(max=max(keys.numel() - 1, 0))
         hit = keys[pos] == query if keys.numel() else torch.zeros_like(query, dtype=torch.bool)
@@ -332,7 +396,7 @@ class AttentionGraph:
 
     def to_dense(self) -> Tensor:
         """BoolTensor[*batch_shape, n_q, n_k] (True where query i may attend to key j)."""
-        mask = torch.zeros(self.num_rows, self.n_k, dtype=torch.bool)
+        mask = torch.zeros(self.num_rows, self.n_k, dtype=torch.bool, device=self.device)
         mask[self.row_indices(), self.col] = True
         return mask.view(*self.batch_shape, self.n_q, self.n_k)
 
@@ -343,7 +407,7 @@ class AttentionGraph:
                 f"to_csr needs an unbatched graph; this one has batch_shape {self.batch_shape}: "
                 "select one first, e.g. graph[b, h]"
             )
-        values = torch.ones(self.col.numel())
+        values = torch.ones(self.col.numel(), device=self.device)
         with warnings.catch_warnings():  # "CSR support is in beta"
             warnings.simplefilter("ignore")
             return torch.sparse_csr_tensor(
@@ -356,7 +420,9 @@ class AttentionGraph:
         nb_q, nb_k = -(-self.n_q // block), -(-self.n_k // block)
         rows = self.row_indices()
         brow = (rows // self.n_q) * nb_q + (rows % self.n_q) // block
-        layout = torch.zeros(_prod(self.batch_shape) * nb_q, nb_k, dtype=torch.bool)
+        layout = torch.zeros(
+            _prod(self.batch_shape) * nb_q, nb_k, dtype=torch.bool, device=self.device
+        )
         layout[brow, self.col // block] = True
         return layout.view(*self.batch_shape, nb_q, nb_k)
 
@@ -385,15 +451,17 @@ class AttentionGraph:
             return self
         if broadcast_or_none(self.batch_shape, batch_shape) != batch_shape:
             raise ValueError(f"cannot expand batch_shape {self.batch_shape} to {batch_shape}")
-        ids = torch.arange(_prod(self.batch_shape)).view(self.batch_shape)
+        dev = self.device
+        ids = torch.arange(_prod(self.batch_shape), device=dev).view(self.batch_shape)
         ids = ids.expand(batch_shape).reshape(-1)
-        src = (ids[:, None] * self.n_q + torch.arange(self.n_q)).reshape(-1)
+        src = (ids[:, None] * self.n_q + torch.arange(self.n_q, device=dev)).reshape(-1)
         counts = self.crow[src + 1] - self.crow[src]
-        crow = torch.zeros(src.numel() + 1, dtype=torch.long)
+        crow = torch.zeros(src.numel() + 1, dtype=torch.long, device=dev)
         torch.cumsum(counts, 0, out=crow[1:])
         total = int(crow[-1])
-        new_row = torch.repeat_interleave(torch.arange(src.numel()), counts, output_size=total)
-        pos = self.crow[src][new_row] + torch.arange(total) - crow[new_row]
+        rows = torch.arange(src.numel(), device=dev)
+        new_row = torch.repeat_interleave(rows, counts, output_size=total)
+        pos = self.crow[src][new_row] + torch.arange(total, device=dev) - crow[new_row]
         return AttentionGraph(crow, self.col[pos], self.n_q, self.n_k, batch_shape, self.causal)
 
     def _edge_keys(self) -> Tensor:
@@ -431,10 +499,10 @@ class AttentionGraph:
                 seen = keys[pos.clamp(max=keys.numel() - 1)] == new
                 pos, new = pos[~seen], new[~seen]
             # the i-th fresh key (sorted) lands after pos[i] keys of the big side and i fresh
-            at = pos + torch.arange(pos.numel())
-            from_small = torch.zeros(keys.numel() + at.numel(), dtype=torch.bool)
+            at = pos + torch.arange(pos.numel(), device=a.device)
+            from_small = torch.zeros(keys.numel() + at.numel(), dtype=torch.bool, device=a.device)
             from_small[at] = True
-            piece = torch.empty(from_small.numel(), dtype=torch.long)
+            piece = torch.empty(from_small.numel(), dtype=torch.long, device=a.device)
             piece[at] = new % a.n_k
             piece[~from_small] = big.col[big.crow[lo] : big.crow[hi]]
             cols.append(piece)
@@ -453,7 +521,8 @@ class AttentionGraph:
         """Sorted keys (row − lo)·n_k + col of the edges of flattened rows lo … hi − 1."""
         e0, e1 = int(self.crow[lo]), int(self.crow[hi])
         deg = self.crow[lo + 1 : hi + 1] - self.crow[lo:hi]
-        rows = torch.repeat_interleave(torch.arange(hi - lo), deg, output_size=e1 - e0)
+        rows = torch.arange(hi - lo, device=self.device)
+        rows = torch.repeat_interleave(rows, deg, output_size=e1 - e0)
         return rows * self.n_k + self.col[e0:e1]
 
     def intersection(self, other: AttentionGraph) -> AttentionGraph:

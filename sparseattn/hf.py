@@ -590,9 +590,11 @@ def _shifted_graph(pattern: Pattern, q: Tensor, k: Tensor, pads: Tensor) -> Atte
         items.append((pad, skip, graph))
     per_head = any(g is not None and g.batch_shape[-1:] == (heads,) for _, _, g in items)
     g_h = heads if per_head and heads > 1 else 1
+    # static patterns' graphs live on the host, data-dependent ones on q's device
+    dev = next((g.device for _, _, g in items if g is not None), torch.device("cpu"))
     rows, cols = [], []
     for b, (pad, skip, graph) in enumerate(items):
-        own = torch.arange(skip)
+        own = torch.arange(skip, device=dev)
         for h in range(g_h):
             rows.append((b * g_h + h) * n_q + own)
             cols.append(start + own)

@@ -98,7 +98,8 @@ def keep_best_offset(hard: Tensor, logits: Tensor) -> Tensor:
 
 def toeplitz(x: Tensor, n: int) -> Tensor:
     """(..., N) per-offset values → (..., n, n) with entry (i, j) = x[..., |i − j|]; n ≤ N."""
-    offset = (torch.arange(n)[:, None] - torch.arange(n)).abs().to(x.device)
+    offset = torch.arange(n, device=x.device)
+    offset = (offset[:, None] - offset).abs()
     return x[..., :n][..., offset]
 
 
@@ -418,7 +419,7 @@ class LearnedMaskPattern(Pattern):
         return AttentionGraph.from_dense(self.mask(n))
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
-        mask = self.mask(n)
+        mask = self._on(("mask", n), q_idx.device, lambda: self.mask(n))
         return mask[:, q_idx.clamp(0, n - 1), kv_idx.clamp(0, n - 1)]
 
     def allows_head(self, head: Tensor, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
@@ -427,7 +428,7 @@ class LearnedMaskPattern(Pattern):
             torch.as_tensor(head), torch.as_tensor(q_idx), torch.as_tensor(kv_idx)
         )
         inside = (q_idx >= 0) & (q_idx < n) & (kv_idx >= 0) & (kv_idx < n)
-        mask = self.mask(n)
+        mask = self._on(("mask", n), q_idx.device, lambda: self.mask(n))
         return inside & mask[head.long(), q_idx.clamp(0, n - 1), kv_idx.clamp(0, n - 1)]
 
     def params(self) -> dict:

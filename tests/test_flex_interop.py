@@ -59,8 +59,8 @@ CASES = [
 @pytest.mark.parametrize("name,make,graph_kwargs,heads", CASES, ids=[c[0] for c in CASES])
 def test_to_block_mask_broadcasts_over_batch_and_heads(name, make, graph_kwargs, heads):
     q, k, v = qkv(2, heads)
-    block_mask = make().to_block_mask(N, block=64, **graph_kwargs)
-    mask = make().graph(N, **graph_kwargs).to_dense()
+    block_mask = make().to_block_mask(N, block=64, device=q.device, **graph_kwargs)
+    mask = make().graph(N, **graph_kwargs).to(q.device).to_dense()
     torch.testing.assert_close(
         eager_flex(q, k, v, block_mask), sdpa(q, k, v, mask), atol=2e-6, rtol=2e-6
     )
@@ -68,7 +68,7 @@ def test_to_block_mask_broadcasts_over_batch_and_heads(name, make, graph_kwargs,
 
 @pytest.mark.parametrize("name", sorted(STATIC))
 @pytest.mark.parametrize("causal", [False, True], ids=["", "causal"])
-def test_allows_is_a_mask_mod_for_every_named_pattern(name, causal):
+def test_allows_is_a_mask_mod_for_every_named_pattern(name, causal, device):
     pattern = fresh(name).causal() if causal else fresh(name)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -76,10 +76,10 @@ def test_allows_is_a_mask_mod_for_every_named_pattern(name, causal):
 
     # the first use of a random pattern is inside create_block_mask's vmap: it must draw
     # the same seeded table as an independent instance drawing outside
-    block_mask = create_block_mask(mask_mod, None, None, N, N, device="cpu", BLOCK_SIZE=64)
+    block_mask = create_block_mask(mask_mod, None, None, N, N, device=device, BLOCK_SIZE=64)
     reference = fresh(name).causal() if causal else fresh(name)
-    want = reference.graph(N).to_dense()
-    assert torch.equal(create_mask(mask_mod, 1, 1, N, N, device="cpu")[0, 0], want)
+    want = reference.graph(N).to(device).to_dense()
+    assert torch.equal(create_mask(mask_mod, 1, 1, N, N, device=device)[0, 0], want)
     q, k, v = qkv(2, 2)
     torch.testing.assert_close(
         eager_flex(q, k, v, block_mask), sdpa(q, k, v, want), atol=2e-6, rtol=2e-6
@@ -93,7 +93,7 @@ def test_random_allows_is_deterministic_and_its_cache_bounded(name):
     first = pattern.allows(i[:, None], i[None, :], N)
     torch.manual_seed(123)  # the global RNG plays no part
     assert torch.equal(pattern.allows(i[:, None], i[None, :], N), first)
-    assert torch.equal(first, fresh(name).graph(N).to_dense())
+    assert torch.equal(first, fresh(name).graph(N).to(i.device).to_dense())
     for n in range(1, 3 * DRAWS_PER_PATTERN):
         pattern.allows(i[:, None], i[None, :], n)
     parts = getattr(pattern, "parts", (pattern,))  # bigbird is a union

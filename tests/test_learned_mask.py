@@ -24,6 +24,26 @@ from sparseattn.patterns import PatternCycle
 MAPS = ["softmax", "sparsemax", "entmax15"]
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, compared on the host (graphs live there; the tests' tensors may not)."""
+    return torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.fixture
+def modules_on_device(device, monkeypatch):
+    """The DAMs and encoders the test builds live on the run's device (``--device``), as the
+    tensors it makes do (tests/conftest.py)."""
+    if device.type == "cpu":
+        return
+    for cls in (DifferentiableAttentionMask, Encoder):
+
+        def init(self, *args, _init=cls.__init__, **kwargs):
+            _init(self, *args, **kwargs)
+            self.to(device)
+
+        monkeypatch.setattr(cls, "__init__", init)
+
+
 def qkv(b=2, h=3, n=12, d=8, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(b, h, n, d, generator=g, dtype=dtype) for _ in range(3))
@@ -45,7 +65,7 @@ def randomised(dam: DifferentiableAttentionMask, seed: int = 1, scale: float = 2
 
 # --------------------------------------------------------------------------- straight-through
 @pytest.mark.parametrize("structured", [False, True])
-def test_straight_through_gradient_reaches_the_logits(structured):
+def test_straight_through_gradient_reaches_the_logits(structured, modules_on_device):
     torch.manual_seed(0)
     q, k, v = qkv(dtype=torch.float32)
     dam = DifferentiableAttentionMask(12, 3, structured=structured, lam=0.0)
@@ -59,7 +79,7 @@ def test_straight_through_gradient_reaches_the_logits(structured):
     assert grad.abs().sum() > 0
 
 
-def test_penalty_is_lambda_times_the_count_of_kept_entries():
+def test_penalty_is_lambda_times_the_count_of_kept_entries(modules_on_device):
     dam = randomised(DifferentiableAttentionMask(10, 2, lam=0.3))
     dam.train()
     mask = dam.sample(7, generator=torch.Generator().manual_seed(3))
@@ -72,7 +92,7 @@ def test_penalty_is_lambda_times_the_count_of_kept_entries():
 
 
 @pytest.mark.parametrize("structured", [False, True])
-def test_relaxed_mask_equals_hard_mask_as_tau_goes_to_zero(structured):
+def test_relaxed_mask_equals_hard_mask_as_tau_goes_to_zero(structured, modules_on_device):
     dam = randomised(DifferentiableAttentionMask(9, 2, structured=structured))
     errors = []
     for tau in (1.0, 1e-2, 1e-4, 1e-7):
@@ -101,7 +121,9 @@ def _with_empty_rows(dam):
 @pytest.mark.parametrize("rho", MAPS)
 @pytest.mark.parametrize("structured,symmetric", [(False, False), (False, True), (True, True)])
 @pytest.mark.parametrize("engine", ["dense", "gather"])
-def test_extracted_pattern_reproduces_the_dam_attention(rho, structured, symmetric, engine):
+def test_extracted_pattern_reproduces_the_dam_attention(
+    rho, structured, symmetric, engine, modules_on_device
+):
     n = 12
     dam = _with_empty_rows(
         DifferentiableAttentionMask(n, 3, structured=structured, symmetric=symmetric)
@@ -116,7 +138,7 @@ def test_extracted_pattern_reproduces_the_dam_attention(rho, structured, symmetr
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
     reference = brute_force_learned(dam, n)
     for h in range(3):
-        assert torch.equal(pattern.graph(n)[h].to_dense(), reference[h])
+        assert same(pattern.graph(n)[h].to_dense(), reference[h])
 
 
 def brute_force_learned(dam, n):
@@ -152,7 +174,7 @@ def brute_force_learned(dam, n):
 
 
 @pytest.mark.parametrize("rho", MAPS)
-def test_dropped_entries_get_exactly_zero_weight(rho):
+def test_dropped_entries_get_exactly_zero_weight(rho, modules_on_device):
     n = 10
     dam = randomised(DifferentiableAttentionMask(n, 2))
     dam.eval()
@@ -164,7 +186,7 @@ def test_dropped_entries_get_exactly_zero_weight(rho):
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_encoder_with_extracted_pattern_equals_encoder_with_dam_bias(shared):
+def test_encoder_with_extracted_pattern_equals_encoder_with_dam_bias(shared, modules_on_device):
     torch.manual_seed(0)
     n, layers = 16, 2
     model = Encoder(EncoderConfig(vocab_size=50, max_len=n, dim=16, heads=2, layers=layers))
@@ -186,23 +208,23 @@ def test_encoder_with_extracted_pattern_equals_encoder_with_dam_bias(shared):
         assert layer.pattern is pattern[1]
 
 
-def test_learned_pattern_predicate_and_shorter_lengths():
+def test_learned_pattern_predicate_and_shorter_lengths(modules_on_device):
     dam = randomised(DifferentiableAttentionMask(12, 2))
     pattern = dam.extract()
     for n in (5, 12):
         graph = pattern.graph(n)
         assert graph.batch_shape == (2,)
         i, j = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
-        assert torch.equal(pattern.allows(i, j, n), graph.to_dense())
+        assert same(pattern.allows(i, j, n), graph.to_dense())
         heads = torch.arange(2)[:, None, None]
-        assert torch.equal(pattern.allows_head(heads, i, j, n), graph.to_dense())
+        assert same(pattern.allows_head(heads, i, j, n), graph.to_dense())
         hard = dam.hard_mask(n)[0]  # the DAM at length n agrees with the pattern at length n
-        assert torch.equal(hard, graph.to_dense())
+        assert same(hard, graph.to_dense())
     assert 0 < float(pattern.graph(12).sparsity.mean()) < 1
 
 
 # --------------------------------------------------------------------------- structure
-def test_structured_mask_is_toeplitz_and_symmetric():
+def test_structured_mask_is_toeplitz_and_symmetric(modules_on_device):
     n = 11
     dam = randomised(DifferentiableAttentionMask(16, 3, structured=True))
     dam.train()
@@ -214,18 +236,18 @@ def test_structured_mask_is_toeplitz_and_symmetric():
             for j in range(n):
                 assert full[h, i, j] == m[h, abs(i - j)]
                 assert sample[h, i, j] == sample[h, 0, abs(i - j)]  # one draw per offset
-    assert torch.equal(sample, sample.transpose(-1, -2))
+    assert same(sample, sample.transpose(-1, -2))
 
 
-def test_symmetric_unstructured_mask_is_symmetric():
+def test_symmetric_unstructured_mask_is_symmetric(modules_on_device):
     dam = randomised(DifferentiableAttentionMask(10, 2, symmetric=True))
     dam.train()
     for seed in range(3):
         s = dam.sample(10, generator=torch.Generator().manual_seed(seed)).detach()
-        assert torch.equal(s, s.transpose(-1, -2))
-    assert torch.equal(dam.hard_mask(), dam.hard_mask().transpose(-1, -2))
+        assert same(s, s.transpose(-1, -2))
+    assert same(dam.hard_mask(), dam.hard_mask().transpose(-1, -2))
     free = randomised(DifferentiableAttentionMask(10, 2, symmetric=False))
-    assert not torch.equal(free.hard_mask(), free.hard_mask().transpose(-1, -2))
+    assert not same(free.hard_mask(), free.hard_mask().transpose(-1, -2))
 
 
 def test_kept_by_offset_brute_force():
@@ -245,7 +267,7 @@ def test_kept_by_offset_brute_force():
 
 
 # --------------------------------------------------------------------------- validation
-def test_bad_configurations_give_clear_errors():
+def test_bad_configurations_give_clear_errors(modules_on_device):
     dam = DifferentiableAttentionMask(8, 2)
     with pytest.raises(ValueError, match="exceeds max_len=8"):
         dam.sample(9)
@@ -303,26 +325,26 @@ def longformer_rule(w, g):
 def test_no_diagonal_edges_equal_brute_force_minus_diagonal(n, pattern, rule):
     expected = brute_force(n, lambda i, j: rule(i, j) and i != j)
     nd = no_diagonal(pattern)
-    assert torch.equal(nd.graph(n).to_dense(), expected)
+    assert same(nd.graph(n).to_dense(), expected)
     i, j = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
-    assert torch.equal(nd.allows(i, j, n), expected)
+    assert same(nd.allows(i, j, n), expected)
 
 
-def test_no_diagonal_of_per_head_and_data_dependent_patterns():
+def test_no_diagonal_of_per_head_and_data_dependent_patterns(modules_on_device):
     dam = randomised(DifferentiableAttentionMask(10, 2))
     learned = dam.extract()
     nd = no_diagonal(learned)
     hard = dam.hard_mask()[0]
     expected = hard & ~torch.eye(10, dtype=torch.bool)
     if (expected.sum(-1) > 0).all():
-        assert torch.equal(nd.graph(10).to_dense(), expected)
+        assert same(nd.graph(10).to_dense(), expected)
     q, k, v = qkv(h=2, n=10)
     topk = no_diagonal(sa.topk(4))
     graph = topk.build(q, k)
     scores = q @ k.transpose(-1, -2)
     top = scores.topk(4, dim=-1).indices
     ref = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True)
-    assert torch.equal(graph.to_dense(), ref & ~torch.eye(10, dtype=torch.bool))
+    assert same(graph.to_dense(), ref & ~torch.eye(10, dtype=torch.bool))
 
 
 def test_no_diagonal_empty_rows_are_an_error_at_use():

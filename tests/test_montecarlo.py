@@ -214,8 +214,8 @@ def test_mca_hook_reports_both_accountings(tiny_bert):
     assert 0 < hook.macs_kept <= 1 and 0 < hook.macs_kept_reference_real <= 1
 
 
-def test_head_weights_and_bad_input():
-    lin = torch.nn.Linear(20, 12)
+def test_head_weights_and_bad_input(device):
+    lin = torch.nn.Linear(20, 12).to(device)
     w = head_weights(lin.weight, 3)
     x = torch.randn(2, 5, 20)
     torch.testing.assert_close(

@@ -47,10 +47,10 @@ def test_same_pattern_object_same_graph_and_plan(name):
     g1, g2 = pattern.build(q, k), pattern.build(q, k)
     assert g1 is g2 and g1 is pattern.graph(40)
     out1 = sa.sparse_attention(q, k, v, pattern, engine="block")
-    plans = dict(g1.__dict__["_block_plans"])
+    plans = dict(g1._cache)  # block choice, pairs, plans (and device copies) of this graph
     out2 = sa.sparse_attention(q, k, v, pattern, engine="block")
-    assert g1.__dict__["_block_plans"].keys() == plans.keys()
-    assert all(g1.__dict__["_block_plans"][key] is plan for key, plan in plans.items())
+    assert g1._cache.keys() == plans.keys()
+    assert all(g1._cache[key] is plan for key, plan in plans.items())
     assert torch.equal(out1, out2)  # first call (builds) and cached call agree exactly
 
 
@@ -77,7 +77,7 @@ def test_graph_cache_is_bounded_lru():
     assert pattern.graph(16) == first
 
 
-def test_a_sparsified_gqa_decoder_plans_once_per_length(monkeypatch):
+def test_a_sparsified_gqa_decoder_plans_once_per_length(monkeypatch, device):
     """Through hf.sparsify on a grouped-query decoder the block plan is built once per length,
     not per call and layer: the stacked-query graph and its size-1-squeezed form are cached
     on the pattern's graph (they were rebuilt on every call, with the plan)."""
@@ -96,7 +96,7 @@ def test_a_sparsified_gqa_decoder_plans_once_per_length(monkeypatch):
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    model = transformers.LlamaModel(config).eval()
+    model = transformers.LlamaModel(config).eval().to(device)
     hf.sparsify(model, sa.sliding_window(16, 2), engine="block")
     built = []
     real = block_module._build_plan
@@ -244,7 +244,8 @@ def test_strided_and_contiguous_inputs_agree_forward_and_backward(engine, map_na
 
 @pytest.mark.skipif(flex_available() is not None, reason=str(flex_available()))
 def test_flex_engine_on_strided_inputs():
-    for views in _layouts(64, dtype=torch.float32):
+    # d = 16: compiled FlexAttention on CUDA needs a head dim of at least 16 (inductor NYI)
+    for views in _layouts(64, d=16, dtype=torch.float32):
         with torch.no_grad():
             out = sa.sparse_attention(*views, sa.longformer(16, 2), engine="flex")
             ref = sa.sparse_attention(
@@ -253,8 +254,8 @@ def test_flex_engine_on_strided_inputs():
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 
-def test_module_float32_strided_path_matches_contiguous_block_engine():
-    layer = sa.SparseAttention(32, 4, pattern=sa.longformer(16, 2), engine="block")
+def test_module_float32_strided_path_matches_contiguous_block_engine(device):
+    layer = sa.SparseAttention(32, 4, pattern=sa.longformer(16, 2), engine="block").to(device)
     x = torch.randn(2, 300, 32)
     q, k, v = layer.qkv(x).view(2, 300, 3, 4, 8).permute(2, 0, 3, 1, 4)
     ref = sa.sparse_attention(
@@ -267,6 +268,8 @@ def test_module_float32_strided_path_matches_contiguous_block_engine():
 # ---------------------------------------------------------------------- the bench command
 def test_bench_help_works_outside_the_checkout(tmp_path):
     exe = os.path.join(os.path.dirname(sys.executable), "sparseattn")
+    if not os.path.exists(exe):  # e.g. the GPU machine: the package on PYTHONPATH only
+        pytest.skip("the sparseattn console script is not installed beside this Python")
     res = subprocess.run(
         [exe, "bench", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )

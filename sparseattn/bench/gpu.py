@@ -6,9 +6,15 @@ baselines measured in the same run:
 * **main** — the Longformer pattern (window ±256 + 16 sink tokens, ``longformer(512, 16)``):
   ``sparse_attention(q, k, v, pattern)`` with ``engine="flex"``, ``"auto"`` and ``"block"``
   (softmax) and with ρ = 1.5-entmax (block engine), against SDPA dense and causal (the
-  FlashAttention backend for bf16), compiled ``flex_attention`` called directly with the very
-  BlockMask the flex engine uses, and ``entmax.entmax15`` over the full masked n×n scores
-  where it fits (else "out of memory"); forward and forward+backward.
+  FlashAttention backend for bf16), compiled ``flex_attention`` called directly ("flex
+  direct", below), and ``entmax.entmax15`` over the full masked n×n scores where it fits
+  (else "out of memory"); forward and forward+backward.
+  "flex direct" is what a user writes without the library: compiled ``flex_attention`` with a
+  hand-written mask_mod and ``create_block_mask``.
+* **entmax** — sparse maps against their anchors (bf16, n = 4096 … 131072): 1.5-entmax by the
+  Triton kernels on the Longformer pattern beside softmax (flex) on the same pattern; causal and
+  dense 1.5-entmax over all keys beside SDPA and AdaSplash (when its wheel is installed); the
+  entmax package on the full causal scores where they fit.
 * **calibrate** — the ``auto`` rule's evidence: dense (masked SDPA), block, gather and flex for
   softmax and dense/block/gather for 1.5-entmax on Longformer, BigBird and random graphs at
   short n, forward+backward.
@@ -31,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..attention import choose_engine
 from ..results import ResumableRows, machine_facts, save_figure, write_json
 
 __all__ = ["GPU_SUITES", "GpuSuite", "run_gpu_suite"]
@@ -49,6 +56,7 @@ class GpuSuite:
     sinks: int = 16
     package_max_n: int = 32768
     calibrate_ns: tuple[int, ...] = (1024, 4096, 16384)
+    entmax_ns: tuple[int, ...] = (4096, 8192, 16384, 32768, 65536, 131072)
     samples: int = 5
     min_sample_s: float = 0.02
 
@@ -56,7 +64,13 @@ class GpuSuite:
 GPU_SUITES = {
     "gpu": GpuSuite("gpu"),
     "gpu-quick": GpuSuite(
-        "gpu-quick", ns=(8192,), fp32_ns=(), package_max_n=8192, calibrate_ns=(2048,), samples=3
+        "gpu-quick",
+        ns=(8192,),
+        fp32_ns=(),
+        package_max_n=8192,
+        calibrate_ns=(2048,),
+        entmax_ns=(8192, 32768),
+        samples=3,
     ),
 }
 
@@ -128,6 +142,8 @@ def run_gpu_suite(
     for dtype in (torch.bfloat16, torch.float32):
         for n in suite.ns if dtype == torch.bfloat16 else suite.fp32_ns:
             _main(suite, rows, log, n, dtype)
+    for n in suite.entmax_ns:
+        _entmax(suite, rows, log, n)
     for n in suite.calibrate_ns:
         _calibrate(suite, rows, log, n)
     rows.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -183,7 +199,6 @@ def _fwd_bwd(fn, inputs, grad_out):
 
 def _main(suite: GpuSuite, rows: ResumableRows, log, n: int, dtype: torch.dtype) -> None:
     import sparseattn as sa
-    from sparseattn.engines.flex import _compiled
 
     pattern = sa.longformer(suite.window, suite.sinks)
     (q, k, v), g = _inputs(suite, n, dtype, grad=True)
@@ -207,17 +222,12 @@ def _main(suite: GpuSuite, rows: ResumableRows, log, n: int, dtype: torch.dtype)
     def ours(engine: str, rho: str = "softmax"):
         return lambda: sa.sparse_attention(q, k, v, pattern, prob_map=rho, engine=engine)
 
-    with torch.no_grad():  # the flex engine's BlockMask, cached on the graph: reused below
-        sa.sparse_attention(q, k, v, pattern, engine="flex")
     graph = pattern.graph(n)
-    block_mask = graph.__dict__["_flex_masks"][(128, str(q.device))]
     scale = 1 / math.sqrt(suite.head_dim)
-
-    def flex_direct():
-        return _compiled()(q, k, v, block_mask=block_mask, scale=scale)
+    flex_direct = _flex_by_hand(suite, q, k, v, scale)
 
     with torch.no_grad():
-        chosen = sa.choose_engine(graph, q, k, sa.maps.softmax())
+        chosen = choose_engine(graph, q, k, sa.maps.softmax())
     timed = {
         "sdpa dense": sdpa(False),
         "sdpa causal": sdpa(True),
@@ -234,6 +244,32 @@ def _main(suite: GpuSuite, rows: ResumableRows, log, n: int, dtype: torch.dtype)
         )
     if dtype == torch.float32:
         _package(suite, rows, log, base, graph, q, k, v, scale)
+
+
+def _flex_by_hand(suite: GpuSuite, q, k, v, scale: float) -> Callable[[], object]:
+    """What a user writes without this library: compiled ``flex_attention`` with a hand-written
+    mask_mod of the Longformer pattern (|i − j| ≤ w/2, or a sink row or column) and
+    ``create_block_mask`` — the baseline of the flex engine's ≤ 1.10 target."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    half, sinks, n = suite.window // 2, suite.sinks, q.shape[-2]
+
+    def longformer(b, h, i, j):
+        return ((i - j).abs() <= half) | (i < sinks) | (j < sinks)
+
+    block_mask = create_block_mask(longformer, None, None, n, n, device=q.device)
+    compiled = _user_compiled_flex(flex_attention)
+    return lambda: compiled(q, k, v, block_mask=block_mask, scale=scale)
+
+
+_USER_FLEX: list = []
+
+
+def _user_compiled_flex(flex_attention):
+    """``torch.compile(flex_attention)`` once per run, as a user would hold it."""
+    if not _USER_FLEX:
+        _USER_FLEX.append(torch.compile(flex_attention))
+    return _USER_FLEX[0]
 
 
 def _package(suite, rows, log, base, graph, q, k, v, scale) -> None:
@@ -257,6 +293,69 @@ def _package(suite, rows, log, base, graph, q, k, v, scale) -> None:
     _record(suite, rows, log, key, _fwd(full))
 
 
+def _entmax(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
+    """Sparse maps against their anchors, bf16: 1.5-entmax by the Triton kernels on the
+    Longformer pattern beside softmax (flex engine) on the same pattern; causal 1.5-entmax over
+    all keys (``dense().causal()``, no graph) beside SDPA causal and AdaSplash (its wheel, when
+    installed); dense 1.5-entmax beside SDPA dense and AdaSplash; the entmax package on the
+    full scores where they fit."""
+    import sparseattn as sa
+
+    (q, k, v), g = _inputs(suite, n, torch.bfloat16, grad=True)
+    longformer = sa.longformer(suite.window, suite.sinks)
+    base = {"section": "entmax", "dtype": "bfloat16", "n": n}
+    flash = [torch.nn.attention.SDPBackend.FLASH_ATTENTION]
+
+    def sdpa(causal: bool):
+        def call():
+            with torch.nn.attention.sdpa_kernel(flash):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        return call
+
+    def ours(pattern, rho: str, engine: str = "auto"):
+        return lambda: sa.sparse_attention(q, k, v, pattern, prob_map=rho, engine=engine)
+
+    timed = {
+        "longformer entmax15 (triton)": ours(longformer, "entmax15", "triton"),
+        "longformer softmax (flex)": ours(longformer, "softmax", "flex"),
+        "causal entmax15 (ours)": ours(sa.dense().causal(), "entmax15"),
+        "causal sdpa": sdpa(True),
+        "dense entmax15 (ours)": ours(sa.dense(), "entmax15"),
+        "dense sdpa": sdpa(False),
+    }
+    try:
+        from adasplash import adasplash
+
+        timed["causal adasplash"] = lambda: adasplash(q, k, v, alpha=1.5, is_causal=True)
+        timed["dense adasplash"] = lambda: adasplash(q, k, v, alpha=1.5, is_causal=False)
+    except ImportError:
+        for who in ("causal adasplash", "dense adasplash"):
+            if not rows.find(**base, who=who, mode="fwd"):
+                rows.add({**base, "who": who, "mode": "fwd", "skipped": "adasplash missing"})
+    if n <= suite.package_max_n:
+        try:
+            import entmax as package
+
+            scale = 1 / math.sqrt(suite.head_dim)
+            timed["causal entmax package (full)"] = lambda: (
+                package.entmax15(
+                    ((q @ k.transpose(-1, -2)) * scale).masked_fill_(
+                        torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), -math.inf
+                    ),
+                    dim=-1,
+                )
+                @ v
+            )
+        except ImportError:
+            pass
+    for who, fn in timed.items():
+        _record(suite, rows, log, {**base, "who": who, "mode": "fwd"}, _fwd(fn))
+        _record(
+            suite, rows, log, {**base, "who": who, "mode": "fwd+bwd"}, _fwd_bwd(fn, (q, k, v), g)
+        )
+
+
 def _calibrate(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     import sparseattn as sa
 
@@ -269,7 +368,7 @@ def _calibrate(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     for name, pattern in patterns.items():
         graph = pattern.graph(n)
         auto = {
-            rho: sa.choose_engine(graph, q, k, sa.maps.resolve_prob_map(rho))
+            rho: choose_engine(graph, q, k, sa.maps.resolve_prob_map(rho))
             for rho in ("softmax", "entmax15")
         }
         for rho, engines in (
@@ -342,6 +441,35 @@ def markdown(data: dict) -> str:
             f"{ratio('sparseattn entmax15', 'sparseattn flex')} | "
             f"{ratio('entmax package', 'sparseattn entmax15')} |"
         )
+    ent = [r for r in data["rows"] if r["section"] == "entmax"]
+    if ent:
+        lines += [
+            "",
+            "## Sparse maps (bf16, (1, 8, n, 64), ms; targets at n = 32768, fwd+bwd)",
+            "",
+            "| n | mode | longformer entmax15 (triton) | / softmax flex (≤ 2) | causal entmax15 | "
+            "/ SDPA causal (≤ 1.2) | / AdaSplash causal (< 1) | dense entmax15 | / SDPA dense | "
+            "/ AdaSplash dense |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for n, mode in sorted({(r["n"], r["mode"]) for r in ent}):
+            t = {r["who"]: r.get("time_s") for r in ent if (r["n"], r["mode"]) == (n, mode)}
+
+            def ms(a, t=t):
+                return f"{t[a] * 1e3:.2f}" if t.get(a) else "–"
+
+            def ratio(a, b, t=t):
+                return f"{t[a] / t[b]:.2f}" if t.get(a) and t.get(b) else "–"
+
+            lines.append(
+                f"| {n} | {mode} | {ms('longformer entmax15 (triton)')} | "
+                f"{ratio('longformer entmax15 (triton)', 'longformer softmax (flex)')} | "
+                f"{ms('causal entmax15 (ours)')} | "
+                f"{ratio('causal entmax15 (ours)', 'causal sdpa')} | "
+                f"{ratio('causal entmax15 (ours)', 'causal adasplash')} | "
+                f"{ms('dense entmax15 (ours)')} | {ratio('dense entmax15 (ours)', 'dense sdpa')} | "
+                f"{ratio('dense entmax15 (ours)', 'dense adasplash')} |"
+            )
     cal = [r for r in data["rows"] if r["section"] == "calibrate"]
     if cal:
         lines += [

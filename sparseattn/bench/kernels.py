@@ -243,8 +243,7 @@ def _pattern_section(suite: Suite, name: str, rec: _Recorder, log) -> None:
         setup = time.perf_counter() - start
         log(f"{name} n={n}: K={graph.col.numel() / n:.0f}, graph built in {setup:.1f} s")
         _one_length(suite, name, n, graph, rec, log, stopped)
-        graph.__dict__.pop("_block_plans", None)
-        graph.__dict__.pop("_flex_masks", None)
+        graph.uncache()  # its plans and block masks: the next length's memory
 
 
 def _one_length(suite, name, n, graph, rec, log, stopped) -> None:

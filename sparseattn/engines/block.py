@@ -124,7 +124,7 @@ def _segments(full: Tensor, keep: Tensor | None = None):
     m, cf = full.shape
     if cf == 0 or m == 0:
         return [(0, m, None)]
-    contig = (full[:, 1:] - full[:, :-1] == 1).all(1) if cf > 1 else torch.ones(m, dtype=bool)
+    contig = (full[:, 1:] - full[:, :-1] == 1).all(1) if cf > 1 else full.new_ones(m, dtype=bool)
     first = full[:, 0]
     delta = first[1:] - first[:-1]
     cut = ~(contig[1:] & contig[:-1])
@@ -164,8 +164,8 @@ def _longest_run(full: Tensor) -> tuple[Tensor, Tensor | None]:
     m, cf = full.shape
     if cf < 2 or m == 0:
         return full, None
-    cur = torch.ones(m, dtype=torch.long)
-    best, end = cur.clone(), torch.zeros(m, dtype=torch.long)
+    cur = full.new_ones(m)
+    best, end = cur.clone(), full.new_zeros(m)
     for j in range(1, cf):
         cur = torch.where(full[:, j] == full[:, j - 1] + 1, cur + 1, 1)
         better = cur > best
@@ -173,9 +173,9 @@ def _longest_run(full: Tensor) -> tuple[Tensor, Tensor | None]:
     length = int(best.min())
     if length == cf:
         return full, None
-    idx = (end - best + 1)[:, None] + torch.arange(length)
-    off = torch.ones(m, cf, dtype=torch.bool)
-    off[torch.arange(m)[:, None], idx] = False
+    idx = (end - best + 1)[:, None] + torch.arange(length, device=full.device)
+    off = full.new_ones(m, cf, dtype=torch.bool)
+    off[torch.arange(m, device=full.device)[:, None], idx] = False
     return full.gather(1, idx), full[off].view(m, cf - length)
 
 
@@ -207,10 +207,10 @@ def _band(full: Tensor, part: Tensor, keep: Tensor, run: tuple[int, int], b: int
     if not left and not right:
         return full, part, keep, None, run
     ids = torch.cat([part[:, left], full, part[:, right]], 1)
-    inner = torch.ones(b, full.shape[1] * b, dtype=keep.dtype)
+    inner = keep.new_ones(b, full.shape[1] * b)
     band = torch.cat([kv[0, :, left].reshape(b, -1), inner, kv[0, :, right].reshape(b, -1)], 1)
-    bias = torch.zeros(band.shape).masked_fill_(band == 0, float("-inf"))
-    rest = torch.tensor(slots, dtype=torch.long)
+    bias = torch.zeros(band.shape, device=band.device).masked_fill_(band == 0, float("-inf"))
+    rest = torch.tensor(slots, dtype=torch.long, device=part.device)
     keep = kv[:, :, rest].reshape(m, b, -1) if slots else None
     return ids.contiguous(), part[:, rest].contiguous(), keep, bias, (run[0] - len(left), run[1])
 
@@ -358,7 +358,7 @@ def block_pairs(graph: AttentionGraph, block: int, partial: bool = False) -> Blo
     shift = block.bit_length() - 1 if block & (block - 1) == 0 else None  # b = 2^shift
     max_rows = max(block, PIECE_EDGES // max(1, nbk) * block)
     for lo, hi in graph.row_pieces(align=block, max_rows=max_rows):
-        rows = torch.arange(lo, hi)
+        rows = torch.arange(lo, hi, device=graph.device)
         local = rows % n_q
         rb = (rows // n_q) * nbq + local // block
         base, span = int(rb[0]), int(rb[-1] - rb[0]) + 1
@@ -375,7 +375,7 @@ def block_pairs(graph: AttentionGraph, block: int, partial: bool = False) -> Blo
         counts.append(cnt[nz])
         full.append(whole)
         if partial and not bool(whole.all()):
-            index = torch.full((span * nbk,), -1, dtype=torch.long)
+            index = torch.full((span * nbk,), -1, dtype=torch.long, device=graph.device)
             index[nz[~whole]] = (~whole).nonzero().squeeze(1) + found
             pair = index[key]
             at = (pair >= 0).nonzero().squeeze(1)  # the edges of partial pairs (few)
@@ -384,14 +384,15 @@ def block_pairs(graph: AttentionGraph, block: int, partial: bool = False) -> Blo
             e_q.append(local[row] % block)
             e_k.append(col[at] % block)
         found += nz.numel()
-    out = BlockPairs(_cat(keys), _cat(counts), _cat(full, torch.bool))
+    dev = graph.device
+    out = BlockPairs(_cat(keys, dev), _cat(counts, dev), _cat(full, dev, torch.bool))
     if partial:
-        out.e_pair, out.e_q, out.e_k = _cat(e_pair), _cat(e_q), _cat(e_k)
+        out.e_pair, out.e_q, out.e_k = _cat(e_pair, dev), _cat(e_q, dev), _cat(e_k, dev)
     return out
 
 
-def _cat(parts: list[Tensor], dtype: torch.dtype = torch.long) -> Tensor:
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+def _cat(parts: list[Tensor], device: torch.device, dtype: torch.dtype = torch.long) -> Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
 
 
 def count_pairs(graph: AttentionGraph, block: int) -> int:
@@ -403,10 +404,7 @@ def count_pairs(graph: AttentionGraph, block: int) -> int:
     base = BLOCK_SIZES[0]
     if block % base:
         return int(block_pairs(graph, block).keys.numel())
-    cache = graph.__dict__.setdefault("_block_plans", {})
-    if "pairs" not in cache:
-        cache["pairs"] = block_pairs(graph, base).keys
-    keys = cache["pairs"]
+    keys = graph.cached(("block_pairs", base), lambda: block_pairs(graph, base).keys)
     nbq0, nbk0 = -(-graph.n_q // base), -(-graph.n_k // base)
     nbq, nbk = -(-graph.n_q // block), -(-graph.n_k // block)
     rb, kb = keys // nbk0, keys % nbk0
@@ -420,30 +418,29 @@ def choose_block(graph: AttentionGraph, train: bool = False) -> int:
 
     Block sizes above half the sequence length are not considered. Cached on the graph.
     """
-    cache = graph.__dict__.setdefault("_block_plans", {})
-    if ("choice", train) not in cache:
+
+    def choose() -> int:
         n = max(graph.n_q, graph.n_k)
         sizes = [b for b in BLOCK_SIZES if b == BLOCK_SIZES[0] or 2 * b <= n]
         table = ENTRY_COST_TRAIN if train else ENTRY_COST
         cost = {b: count_pairs(graph, b) * b * b * table[b] for b in sizes}
-        cache[("choice", train)] = min(cost, key=cost.get)
-    return cache[("choice", train)]
+        return min(cost, key=cost.get)
+
+    return graph.cached(("block_choice", train), choose)
 
 
 def block_plan(graph: AttentionGraph, block: int) -> BlockPlan:
     """The block plan of ``graph`` at ``block`` (built once, cached on the graph)."""
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
-    cache = graph.__dict__.setdefault("_block_plans", {})
-    if block not in cache:
-        cache[block] = _build_plan(graph, block)
-    return cache[block]
+    return graph.cached(("block_plan", block), lambda: _build_plan(graph, block))
 
 
 def _build_plan(graph: AttentionGraph, block: int) -> BlockPlan:
     n_q, n_k = graph.n_q, graph.n_k
     nbq, nbk = -(-n_q // block), -(-n_k // block)
     g_count = max(1, math.prod(graph.batch_shape))
+    dev = graph.device
     pairs = block_pairs(graph, block, partial=True)
     pair_rb, pair_kb, full = pairs.keys // nbk, pairs.keys % nbk, pairs.full
     # order pairs by row block, full ones first, then by key block (stable)
@@ -453,7 +450,7 @@ def _build_plan(graph: AttentionGraph, block: int) -> BlockPlan:
     first = torch.cumsum(per_rb, 0) - per_rb
     key_ids = ((pair_rb // nbq) * nbk + pair_kb)[order]
     slot_of_pair = torch.empty_like(order)
-    slot_of_pair[order] = torch.arange(order.numel()) - first[pair_rb[order]]
+    slot_of_pair[order] = torch.arange(order.numel(), device=dev) - first[pair_rb[order]]
 
     e_rb = pair_rb[pairs.e_pair]
     e_q, e_k = pairs.e_q, pairs.e_k
@@ -467,7 +464,9 @@ def _build_plan(graph: AttentionGraph, block: int) -> BlockPlan:
     grp_size = torch.bincount(grp_of_rb, minlength=uniq.numel())
     grp_first = torch.cumsum(grp_size, 0) - grp_size
     pos_in_grp = torch.empty_like(rb_order)
-    pos_in_grp[rb_order] = torch.arange(rb_order.numel()) - grp_first[grp_of_rb[rb_order]]
+    pos_in_grp[rb_order] = (
+        torch.arange(rb_order.numel(), device=dev) - grp_first[grp_of_rb[rb_order]]
+    )
     e_grp = grp_of_rb[e_rb]
     flat = (pos_in_grp[e_rb] * block + e_q) * (uniq % (nbk + 1))[e_grp] + e_slot
     flat = flat * block + e_k
@@ -480,11 +479,11 @@ def _build_plan(graph: AttentionGraph, block: int) -> BlockPlan:
         cf, cp = divmod(key, nbk + 1)
         lo = int(grp_first[gi])
         rbs = rb_order[lo : lo + int(grp_size[gi])]
-        ids = key_ids[first[rbs][:, None] + torch.arange(cf + cp)]
+        ids = key_ids[first[rbs][:, None] + torch.arange(cf + cp, device=dev)]
         keep = None
         if cp:
             m = rbs.numel()
-            allowed = torch.zeros(m * block * cp * block, dtype=torch.bool)
+            allowed = torch.zeros(m * block * cp * block, dtype=torch.bool, device=dev)
             allowed[flat[gi]] = True
             allowed = allowed.view(m, block, cp * block)
             short = ((rbs % nbq) == nbq - 1).nonzero().squeeze(1)
@@ -886,10 +885,7 @@ def _squeezed(graph: AttentionGraph, dims: int) -> AttentionGraph:
     (cached on the graph), so that its block plan is built once."""
     if not dims:
         return graph
-    cache = graph.__dict__.setdefault("_squeezed", {})
-    if dims not in cache:
-        cache[dims] = graph[(0,) * dims]
-    return cache[dims]
+    return graph.cached(("squeezed", dims), lambda: graph[(0,) * dims])
 
 
 def block_attention(

@@ -27,7 +27,7 @@ def dense_attention(
     Shapes: q (B, H, n_q, d), k (B, H, n_k, d), v (B, H, n_k, d_v) → (B, H, n_q, d_v);
     ``key_padding_mask`` (B, n_k), True for real keys.
     """
-    mask = graph.to_dense().to(q.device)
+    mask = graph.to(q.device).to_dense()  # the device copy is cached: no host → device copy
     if mask.dim() < q.dim():  # SDPA on CPU runs a 3-D (H, n_q, n_k) mask ~3x slower than
         mask = mask.reshape((1,) * (q.dim() - mask.dim()) + mask.shape)  # (1, H, n_q, n_k)
     if key_padding_mask is None and prob_map.is_softmax:

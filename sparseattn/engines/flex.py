@@ -31,7 +31,7 @@ from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from .block import block_pairs
 
-__all__ = ["flex_attention_engine", "flex_available", "graph_block_mask"]
+__all__ = ["cached_block_mask", "flex_attention_engine", "flex_available", "graph_block_mask"]
 
 #: FlexAttention's default (and on CPU, fastest) block size.
 FLEX_BLOCK = 128
@@ -96,7 +96,12 @@ def _block_mask(graph, batch, heads, block, key_padding_mask, device):
     if len(shape) > 2 or tuple(torch.broadcast_shapes(shape, (batch, heads))) != (batch, heads):
         raise ValueError(f"graph batch_shape {shape} does not broadcast to {(batch, heads)}")
     n_graphs = max(1, math.prod(shape))
-    graph_of = torch.arange(n_graphs).view((1,) * (2 - len(shape)) + shape).expand(batch, heads)
+    gdev = graph.device  # built where the graph lives, then moved to ``device`` once
+    graph_of = (
+        torch.arange(n_graphs, device=gdev)
+        .view((1,) * (2 - len(shape)) + shape)
+        .expand(batch, heads)
+    )
     n_q, n_k = graph.n_q, graph.n_k
     nbq, nbk = -(-n_q // block), -(-n_k // block)
     dev = torch.device(device)
@@ -145,16 +150,35 @@ def _block_table(pairs, full, n_graphs, nbq, nbk, block, graph_of, dev):
     """The element masks of a block layout as look-up tables on ``dev``: (pair_index
     (G', H', nbq, nbk) int32, table (T, b, b) bool) — pair_index names each block pair's
     slot in ``table``: 0 no edge, 1 all edges, then one slot per partial pair."""
+    gdev = graph_of.device
     partial = (~full).nonzero().squeeze(1)
-    table = torch.zeros(_bucket(partial.numel() + 2), block, block, dtype=torch.bool)
+    table = torch.zeros(_bucket(partial.numel() + 2), block, block, dtype=torch.bool, device=gdev)
     table[1] = True
     slot = torch.ones_like(pairs.keys)
-    slot[partial] = torch.arange(partial.numel()) + 2
+    slot[partial] = torch.arange(partial.numel(), device=gdev) + 2
     table[slot[pairs.e_pair], pairs.e_q, pairs.e_k] = True
     table[slot[pairs.full]] = True  # whole pairs treated as partial (key padding): all edges
-    pair_index = torch.zeros(n_graphs * nbq * nbk, dtype=torch.int32)
+    pair_index = torch.zeros(n_graphs * nbq * nbk, dtype=torch.int32, device=gdev)
     pair_index[pairs.keys] = slot.to(torch.int32)
     return pair_index.view(n_graphs, nbq, nbk)[graph_of].to(dev), table.to(dev)
+
+
+def cached_block_mask(graph: AttentionGraph, block: int, device: torch.device):
+    """The BlockMask of ``graph`` (its own leading shape, no key padding) on ``device``, built
+    once per (block, device) and cached on the graph: later calls copy nothing to the device."""
+    return _cached_block_mask(graph, block, device)[0]
+
+
+def _cached_block_mask(graph: AttentionGraph, block: int, device: torch.device):
+    """(BlockMask, element-wise) of :func:`_block_mask`, cached on the graph."""
+    g_batch, g_heads = (1, 1, *graph.batch_shape)[-2:]
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # the key of q.device: cuda:<index>
+        device = torch.device("cuda", torch.cuda.current_device())
+    return graph.cached(
+        ("flex_mask", block, device),
+        lambda: _block_mask(graph, g_batch, g_heads, block, None, device),
+    )
 
 
 def _table_mask_mod(tables: tuple[Tensor, Tensor], block: int):
@@ -229,11 +253,7 @@ def flex_attention_engine(
     # the BlockMask keeps the graph's own leading shape; its size-1 dims broadcast over q's
     g_batch, g_heads = (1, 1, *graph.batch_shape)[-2:]
     if key_padding_mask is None:
-        cache = graph.__dict__.setdefault("_flex_masks", {})
-        key = (block, str(q.device))
-        if key not in cache:
-            cache[key] = _block_mask(graph, g_batch, g_heads, block, None, q.device)
-        block_mask, generic = cache[key]
+        block_mask, generic = _cached_block_mask(graph, block, q.device)
     else:
         block_mask, generic = _block_mask(
             graph, q.shape[0], g_heads, block, key_padding_mask, q.device

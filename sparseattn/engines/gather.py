@@ -88,17 +88,19 @@ def _weighted_sum(p: Tensor, x: Tensor) -> Tensor:
 
 def _chunks(graph, static, n_q, n_k, rows_budget, device) -> list[tuple[Tensor, Tensor, Tensor]]:
     """(rows, key index, valid) per chunk on ``device``; cached on the graph."""
-    cache = graph.__dict__.setdefault("_gather_chunks", {})
-    key = (static, n_q, n_k, rows_budget, torch.device(device))
-    if key not in cache:
+
+    def make():
         chunks = []
         for rows in chunk_rows(graph.degrees.reshape(-1), rows_budget):
             idx, valid = _pad_to_pieces(*graph.neighbours(rows))
             if not static:  # flattened row r = (bh, i) reads keys bh·n_k + j
                 idx = idx + (rows // n_q * n_k)[:, None]
             chunks.append((rows.to(device), idx.to(device), valid.to(device)))
-        cache[key] = chunks
-    return cache[key]
+        return chunks
+
+    return graph.cached(
+        ("gather_chunks", static, n_q, n_k, rows_budget, torch.device(device)), make
+    )
 
 
 class _Run:

@@ -49,6 +49,8 @@ class _Run:
         self.prob_map, self.scale, self.dropout_p, self.causal = prob_map, scale, dropout_p, causal
         self.offset = self.n_k - n_q if causal else 0  # query i sits at position offset + i
         self.key_ok = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+        if graph is not None:  # its device copy is cached on it: copied once per device
+            graph = graph.to(q.device)
         if graph is not None and graph.batch_shape:
             graph = graph.expand((bsz, heads))
         self.graph = graph
@@ -67,7 +69,7 @@ class _Run:
             rows = torch.arange(self.offset + i0, self.offset + i1, device=device)
             masks.append(torch.arange(nk, device=device) <= rows[:, None])
         if self.graph is not None:
-            masks.append(self._graph_rows(i0, i1).to(device))
+            masks.append(self._graph_rows(i0, i1))
         if self.key_ok is not None:
             masks.append(self.key_ok[..., :nk])
         if not masks:
@@ -78,14 +80,15 @@ class _Run:
         return out
 
     def _graph_rows(self, i0: int, i1: int) -> Tensor:
-        graph, rows = self.graph, torch.arange(i0, i1)
+        graph = self.graph
+        dev = graph.device
+        rows = torch.arange(i0, i1, device=dev)
         if graph.batch_shape:
-            rows = (torch.arange(graph.num_rows // graph.n_q)[:, None] * graph.n_q + rows).reshape(
-                -1
-            )
+            first = torch.arange(graph.num_rows // graph.n_q, device=dev)[:, None] * graph.n_q
+            rows = (first + rows).reshape(-1)
         idx, ok = graph.neighbours(rows)
-        mask = torch.zeros(rows.numel(), self.n_k, dtype=torch.bool)
-        mask[torch.arange(rows.numel())[:, None].expand_as(idx)[ok], idx[ok]] = True
+        mask = torch.zeros(rows.numel(), self.n_k, dtype=torch.bool, device=dev)
+        mask[torch.arange(rows.numel(), device=dev)[:, None].expand_as(idx)[ok], idx[ok]] = True
         return mask.view(*graph.batch_shape, i1 - i0, self.n_k)
 
     def map(self, alpha: Tensor | None, i0: int, i1: int) -> ProbabilityMap:

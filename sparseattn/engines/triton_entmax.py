@@ -26,10 +26,8 @@ import functools
 import importlib
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -243,16 +241,7 @@ def graph_layout(graph: AttentionGraph, block: int) -> BlockLayout:
             pairs.keys // nbk, pairs.keys % nbk, part, masks, graphs, graph.n_q, graph.n_k, block
         )
 
-    return _cached(graph, ("triton_entmax_layout", block), make)
-
-
-def _cached(graph: AttentionGraph, key: Any, make: Callable[[], Any]) -> Any:
-    """``make()`` computed once per graph object and ``key`` (the one place that stores on
-    the graph: switch to the graph's cache API here when it exists)."""
-    store = graph.__dict__.setdefault("_triton_entmax", {})
-    if key not in store:
-        store[key] = make()
-    return store[key]
+    return graph.cached(("triton_entmax_layout", block), make)
 
 
 def _graph_index(batch_shape: tuple[int, ...], bsz: int, heads: int, device) -> Tensor:
@@ -524,8 +513,7 @@ def triton_entmax_attention(
     block = DEFAULT_BLOCK.get(q.device.type, 64) if block is None else block
     layout = graph_layout(graph, block)
     bsz, heads = q.shape[:2]
-    gidx = _cached(
-        graph,
+    gidx = graph.cached(
         ("triton_entmax_graph_index", bsz, heads, q.device),
         lambda: _graph_index(graph.batch_shape, bsz, heads, q.device),
     )

@@ -114,6 +114,29 @@ class Pattern(abc.ABC):
             cache.popitem(last=False)
         return graph
 
+    def _on(self, key: Hashable, device: torch.device, make: Callable[[], Tensor]) -> Tensor:
+        """A tensor this pattern's predicate holds (global positions, a drawn table): ``make()``
+        on the host, and its copy on ``device`` made once and cached on the pattern (the last
+        ``4 · GRAPH_CACHE_SIZE`` (key, device) pairs made), so that :meth:`allows` on device
+        indices (a ``mask_mod``) runs on their device and copies nothing after its first call.
+        A hit only reads (no reordering): compiled FlexAttention traces the ``mask_mod`` and
+        refuses mutations of outside state.
+        """
+        cache = self.__dict__.get("_tensors")
+        if cache is None:
+            cache = self.__dict__.setdefault("_tensors", OrderedDict())
+        device = torch.device(device)
+        tensor = cache.get((key, device))
+        if tensor is None:
+            cpu = torch.device("cpu")
+            host = cache.get((key, cpu))
+            if host is None:
+                host = cache[(key, cpu)] = make().to(cpu)
+            tensor = cache[(key, device)] = host.to(device)
+            while len(cache) > 4 * GRAPH_CACHE_SIZE:
+                cache.popitem(last=False)
+        return tensor
+
     def allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         """Vectorised predicate: may query ``q_idx`` attend to key ``kv_idx`` at length n?
 
@@ -186,20 +209,21 @@ class Pattern(abc.ABC):
         """Causal variant: the same pattern restricted to keys j <= query i."""
         return Causal(self)
 
-    def to_block_mask(self, n: int, block: int = 128, **graph_kwargs):
+    def to_block_mask(
+        self, n: int, block: int = 128, device: torch.device | str = "cpu", **graph_kwargs
+    ):
         """This pattern at length n as a FlexAttention ``BlockMask`` of leading shape (1, 1)
         (or (1, H) for a head split), built from the graph's block layout in O(E); size-1
         dims broadcast over any batch and heads of q, in the block lists and in the
-        ``mask_mod``, which is exactly :meth:`allows`. ``graph_kwargs`` go to :meth:`graph`
-        (e.g. ``num_heads`` for a head split). Pass it to
+        ``mask_mod``, which is exactly :meth:`allows`. ``device``: where its tensors live (q's
+        device; built once per (n, block, device) and cached with the graph). ``graph_kwargs``
+        go to :meth:`graph` (e.g. ``num_heads`` for a head split). Pass it to
         ``torch.nn.attention.flex_attention.flex_attention``.
         """
-        from ..engines.flex import graph_block_mask
+        from ..engines.flex import cached_block_mask
 
         check_positive("block", block)
-        graph = self.graph(n, **graph_kwargs)
-        heads = graph.batch_shape[-1] if graph.batch_shape else 1
-        return graph_block_mask(graph, 1, heads, block)
+        return cached_block_mask(self.graph(n, **graph_kwargs), block, device)
 
     def __or__(self, other: Pattern) -> Pattern:
         from .compose import union

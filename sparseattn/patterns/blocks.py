@@ -110,7 +110,8 @@ class BlockLayout(Pattern):
         inside = (q_idx >= 0) & (q_idx < n) & (kv_idx >= 0) & (kv_idx < n)
         qb = (q_idx // self.block).clamp(0, nb - 1)
         kb = (kv_idx // self.block).clamp(0, nb - 1)
-        out = inside & self.layout[head.long(), qb.long(), kb.long()]
+        layout = self._on(("layout",), q_idx.device, lambda: self.layout)
+        out = inside & layout[head.long(), qb.long(), kb.long()]
         return out & (kv_idx <= q_idx) if self.causal_mask else out
 
     def params(self) -> dict:

@@ -225,7 +225,7 @@ class CausalGlobal(_CausalPattern):
         return AttentionGraph.from_edges(torch.cat(r_parts), torch.cat(c_parts), m, n, (), True)
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
-        g = self.positions(n)
+        g = self._on(("positions", n), q_idx.device, lambda: self.positions(n))
         return (kv_idx <= q_idx) & (torch.isin(q_idx, g) | torch.isin(kv_idx, g))
 
     def _predicate(self, n_t, const, n):
@@ -296,7 +296,8 @@ class CausalRandomBlocks(_CausalPattern):
         return cache[n]
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
-        table = self.block_table(n)[q_idx.clamp(0, n - 1) // self.block]  # (..., r)
+        table = self._on(("block_table", n), q_idx.device, lambda: self.block_table(n))
+        table = table[q_idx.clamp(0, n - 1) // self.block]  # (..., r)
         hit = (table == (kv_idx // self.block)[..., None]).any(-1)
         return hit & (kv_idx <= q_idx)
 

@@ -53,7 +53,8 @@ class Union(Pattern):
         if not self.data_dependent:
             return super().build(q, k)  # the cached graph of this length
         self._lengths(q, k)  # offset queries only when every part is causal
-        return functools.reduce(AttentionGraph.union, (p.build(q, k) for p in self.parts))
+        graphs = (p.build(q, k).to(q.device) for p in self.parts)  # static parts: cached copy
+        return functools.reduce(AttentionGraph.union, graphs)
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(p) for p in self.parts)
@@ -171,13 +172,16 @@ class HeadSplit(Pattern):
 
     def allows_head(self, head: Tensor, q_idx: Tensor, kv_idx: Tensor, n: int, num_heads: int):
         """FlexAttention-shaped predicate (h, q_idx, kv_idx) for the given number of heads."""
-        bounds = torch.tensor(self.head_sizes(num_heads)).cumsum(0)
-        group = torch.bucketize(torch.as_tensor(head), bounds, right=True)
+        head = torch.as_tensor(head)
+        sizes = self.head_sizes(num_heads)
+        bounds = self._on(("bounds", num_heads), head.device, lambda: torch.tensor(sizes).cumsum(0))
+        group = torch.bucketize(head, bounds, right=True)
         out = torch.zeros(
             torch.broadcast_shapes(
                 group.shape, torch.as_tensor(q_idx).shape, torch.as_tensor(kv_idx).shape
             ),
             dtype=torch.bool,
+            device=head.device,
         )
         for g, p in enumerate(self.patterns):
             out |= (group == g) & p.allows(q_idx, kv_idx, n)

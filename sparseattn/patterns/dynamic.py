@@ -59,13 +59,15 @@ class TopK(Pattern):
             for start in range(0, n_q, self.chunk):
                 scores = q[..., start : start + self.chunk, :] @ k.transpose(-1, -2)
                 if self.is_causal:
-                    i = torch.arange(start, start + scores.shape[-2])[:, None] + offset
-                    scores = scores.masked_fill(torch.arange(n_k) > i, float("-inf"))
+                    i = torch.arange(start, start + scores.shape[-2], device=q.device)
+                    above = torch.arange(n_k, device=q.device) > i[:, None] + offset
+                    scores = scores.masked_fill(above, float("-inf"))
                 tables.append(scores.topk(keep, dim=-1).indices)
         index = torch.cat(tables, -2)
         valid = None
         if self.is_causal:  # positions p < keep - 1 have fewer than `keep` allowed keys
-            valid = torch.arange(keep) <= torch.arange(offset, n_k)[:, None]
+            valid = torch.arange(keep, device=q.device)
+            valid = valid <= torch.arange(offset, n_k, device=q.device)[:, None]
         return AttentionGraph.from_neighbours(index, valid, n_k, causal=self.is_causal)
 
     def _graph(self, n: int) -> AttentionGraph:

@@ -250,7 +250,7 @@ class GlobalTokens(Pattern):
         return AttentionGraph.from_edges(rows, cols, m, n)
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
-        g = self.positions(n)
+        g = self._on(("positions", n), q_idx.device, lambda: self.positions(n))
         return torch.isin(q_idx, g) | torch.isin(kv_idx, g)
 
     def _predicate(self, n_t, const, n):
@@ -342,7 +342,8 @@ class Random(Pattern):
         return AttentionGraph.from_neighbours((self.edge_keys(n) % n).view(n, -1), None, n)
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
-        keys = self.edge_keys(n)  # binary search: O(log E) per pair, no n x n table
+        # binary search: O(log E) per pair, no n x n table
+        keys = self._on(("edge_keys", n), q_idx.device, lambda: self.edge_keys(n))
         query = q_idx * n + kv_idx
         return keys[torch.searchsorted(keys, query).clamp(max=keys.numel() - 1)] == query
 
@@ -379,7 +380,8 @@ class RandomBlocks(Pattern):
         return _table(per_query, n)
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
-        table = self.block_table(n)[q_idx.clamp(0, n - 1) // self.block]
+        table = self._on(("block_table", n), q_idx.device, lambda: self.block_table(n))
+        table = table[q_idx.clamp(0, n - 1) // self.block]
         return (table == (kv_idx // self.block)[..., None]).any(-1)
 
 

@@ -1,0 +1,119 @@
+"""The device guard (tests/device_guard.py) and what it checks in CPU CI.
+
+The guard simulates a GPU on the CPU: these tests check that it catches what CUDA rejects
+(a host tensor mixed into a device op, a host index, ``.numpy()`` of a device tensor), that
+it leaves correct code alone, and then run the library under it: every engine × map on a
+pattern with global tokens (predicates with tensors), ``SparseAttention``, the host→device
+copies of a second call (none), and ``sparseattn bench gpu`` end to end at tiny sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from device_guard import CUDA, DeviceGuard, on_device
+
+import sparseattn as sa
+
+
+@pytest.fixture
+def guard(device_guard):
+    """The active guard (``--device guard``) or a fresh one for this test."""
+    with contextlib.nullcontext(device_guard) if device_guard else DeviceGuard() as g:
+        yield g
+
+
+def test_the_guard_raises_where_cuda_would(guard):
+    x = torch.randn(4, 3).to(CUDA)
+    assert x.device == CUDA and x.is_cuda and on_device(x)
+    host = torch.ones(4, 3)
+    with pytest.raises(RuntimeError, match="same device"):
+        x + host
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.isin(x, torch.arange(3))
+    with pytest.raises(RuntimeError, match="same device"):
+        x[torch.arange(2)]
+    with pytest.raises(TypeError, match="numpy"):
+        x.numpy()
+    # what CUDA allows: host 0-dim tensors, copies across devices, results on the device
+    y = x * torch.tensor(2.0) + torch.zeros(3, device=x.device) + x.new_ones(3)
+    assert on_device(y) and on_device(torch.zeros_like(x)) and on_device(x[:, :1])
+    assert on_device(x.sum()) and not on_device(x.cpu()) and on_device(x.cpu().cuda())
+    x.copy_(host)
+    assert torch.equal(x.cpu(), host)
+    assert on_device(torch.nn.Linear(3, 2).to(CUDA).weight)
+
+
+def test_the_guard_counts_host_to_device_copies(guard):
+    before = len(guard.copies)
+    x = torch.randn(5).to(CUDA)
+    x.to(CUDA)  # already there: no copy
+    torch.tensor([1, 2], device=CUDA)
+    assert [n for _, n in guard.copies[before:]] == [5, 2]
+    with pytest.raises(AssertionError, match="copied 1 tensor"), guard.no_copies():
+        torch.zeros(3).cuda()
+
+
+ENGINES = ["dense", "block", "gather", "rows", "flex", "auto"]
+MAPS = ["softmax", "entmax15", "sparsemax"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("rho", MAPS)
+def test_every_engine_and_map_stays_on_the_device(guard, engine, rho):
+    """Forward and backward on 'cuda': outputs and gradients on the device; a second call
+    at the same pattern and length copies nothing from the host."""
+    if engine == "flex" and rho != "softmax":
+        pytest.skip("FlexAttention computes softmax only")
+    pattern = sa.bigbird(8, 2, 1, 8)  # window, global tokens (isin), random blocks (a table)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 40, 8, generator=gen).to(CUDA).requires_grad_() for _ in "qkv")
+    out = sa.sparse_attention(q, k, v, pattern, rho, engine=engine)
+    assert on_device(out)
+    out.sum().backward()
+    assert all(on_device(t.grad) for t in (q, k, v))
+    with guard.no_copies(f"the second {engine}/{rho} call"):
+        sa.sparse_attention(q, k, v, pattern, rho, engine=engine).sum().backward()
+    ref = sa.sparse_attention(*(t.detach().cpu() for t in (q, k, v)), pattern, rho, "dense")
+    torch.testing.assert_close(out.detach().cpu(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_key_padding_and_the_module_stay_on_the_device(guard):
+    layer = sa.SparseAttention(16, 2, pattern=sa.longformer(8, 2), prob_map="entmax15").to(CUDA)
+    x = torch.randn(2, 24, 16).to(CUDA)
+    pad = torch.ones(2, 24, dtype=torch.bool).to(CUDA)
+    pad[1, 20:] = False
+    out = layer(x, key_padding_mask=pad)
+    assert on_device(out)
+    with guard.no_copies("the module's second call"):
+        layer(x, key_padding_mask=pad)
+    for engine in ("block", "gather", "dense", "rows"):
+        q = torch.randn(2, 2, 24, 8).to(CUDA)
+        assert on_device(sa.sparse_attention(q, q, q, sa.window(6), key_padding_mask=pad))
+        assert on_device(
+            sa.sparse_attention(q, q, q, sa.window(6), "sparsemax", engine, key_padding_mask=pad)
+        )
+
+
+def test_bench_gpu_runs_end_to_end_at_tiny_sizes(guard, tmp_path):
+    """``sparseattn bench gpu`` (sparseattn/bench/gpu.py) on the simulated GPU: every row
+    measured (none skipped by an error), the report and the figure written."""
+    from sparseattn.bench.gpu import GpuSuite, run_gpu_suite
+
+    suite = GpuSuite(
+        "smoke",
+        ns=(256,),
+        fp32_ns=(256,),
+        window=32,
+        sinks=2,
+        package_max_n=256,
+        calibrate_ns=(256,),
+        samples=1,
+        min_sample_s=0.0,
+    )
+    data = run_gpu_suite(suite, tmp_path, log=lambda _: None)
+    skipped = [(r["who"], r["mode"], r["skipped"]) for r in data["rows"] if "skipped" in r]
+    assert not skipped
+    assert (tmp_path / "results.md").exists() and (tmp_path / "gpu.png").exists()
