@@ -11,11 +11,13 @@
 # Usage (repository root, on the GPU machine):
 #   scripts/gpu_check.sh [TEST_SECONDS [BENCH_SUITE [BENCH_SECONDS]]]     defaults: 240 gpu-quick 180
 # The device tool's call: run(command="scripts/gpu_check.sh", carry=[".whl"], timeout_s=540).
-# Wheels for the project's pins that the image lacks (transformers 5.24, entmax 1.3) travel in
-# .whl/ (ignored by git via .git/info/exclude), fetched here beforehand with
+# Wheels for the project's pins that the image lacks (transformers 5.24, entmax 1.3) and the
+# AdaSplash baseline of the bench's sparse-map section travel in .whl/ (ignored by git via
+# .git/info/exclude), fetched here beforehand with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --implementation cp --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 entmax==1.3
-# (entmax and transformers are pure-Python wheels). The MiniLM package (83 MB) cannot travel:
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 \
+#     entmax==1.3 adasplash==0.2.2
+# (all three are pure-Python wheels; AdaSplash's kernels are Triton). The MiniLM package (83 MB) cannot travel:
 # its tests skip with that reason.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1

@@ -43,6 +43,7 @@ DEVICE_MODULES = {
     "test_maps",
     "test_montecarlo",
     "test_rows",
+    "test_triton_entmax",
     "test_user_path",
 }
 
