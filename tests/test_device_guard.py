@@ -89,12 +89,15 @@ def test_key_padding_and_the_module_stay_on_the_device(guard):
     assert on_device(out)
     with guard.no_copies("the module's second call"):
         layer(x, key_padding_mask=pad)
-    for engine in ("block", "gather", "dense", "rows"):
-        q = torch.randn(2, 2, 24, 8).to(CUDA)
-        assert on_device(sa.sparse_attention(q, q, q, sa.window(6), key_padding_mask=pad))
-        assert on_device(
-            sa.sparse_attention(q, q, q, sa.window(6), "sparsemax", engine, key_padding_mask=pad)
-        )
+    q, window = torch.randn(2, 2, 24, 8).to(CUDA), sa.window(6)  # one pattern: cached graphs
+    for engine, rho in [(e, "sparsemax") for e in ("block", "gather", "dense", "rows")] + [
+        ("flex", "softmax")
+    ]:
+        with torch.no_grad():
+            out = sa.sparse_attention(q, q, q, window, rho, engine, key_padding_mask=pad)
+            assert on_device(out)
+            with guard.no_copies(f"{engine} with key padding, second call"):
+                sa.sparse_attention(q, q, q, window, rho, engine, key_padding_mask=pad)
 
 
 def test_bench_gpu_runs_end_to_end_at_tiny_sizes(guard, tmp_path):

@@ -240,7 +240,11 @@ def flex_attention_engine(
     if key_padding_mask is None:
         block_mask = cached_block_mask(graph, block, q.device)
     else:
-        block_mask = graph_block_mask(graph, q.shape[0], g_heads, block, key_padding_mask, q.device)
+        # per call (the padding differs), built from the graph's cached device copy on the
+        # device: no host → device copy of the tables
+        block_mask = graph_block_mask(
+            graph.to(q.device), q.shape[0], g_heads, block, key_padding_mask, q.device
+        )
     # one kernel per (shape, table bucket): allow more than dynamo's default 8 recompiles of
     # flex_attention, past which torch silently runs an unfused O(n²) implementation
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
