@@ -70,31 +70,40 @@ def test_every_engine_and_map_stays_on_the_device(guard, engine, rho):
     pattern = sa.bigbird(8, 2, 1, 8)  # window, global tokens (isin), random blocks (a table)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 40, 8, generator=gen).to(CUDA).requires_grad_() for _ in "qkv")
-    out = sa.sparse_attention(q, k, v, pattern, rho, engine=engine)
+    out = sa.sparse_attention(q, k, v, pattern, prob_map=rho, engine=engine)
     assert on_device(out)
     out.sum().backward()
     assert all(on_device(t.grad) for t in (q, k, v))
     with guard.no_copies(f"the second {engine}/{rho} call"):
-        sa.sparse_attention(q, k, v, pattern, rho, engine=engine).sum().backward()
-    ref = sa.sparse_attention(*(t.detach().cpu() for t in (q, k, v)), pattern, rho, "dense")
+        sa.sparse_attention(q, k, v, pattern, prob_map=rho, engine=engine).sum().backward()
+    ref = sa.sparse_attention(
+        *(t.detach().cpu() for t in (q, k, v)), pattern, prob_map=rho, engine="dense"
+    )
     torch.testing.assert_close(out.detach().cpu(), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_key_padding_and_the_module_stay_on_the_device(guard):
     layer = sa.SparseAttention(16, 2, pattern=sa.longformer(8, 2), prob_map="entmax15").to(CUDA)
     x = torch.randn(2, 24, 16).to(CUDA)
-    pad = torch.ones(2, 24, dtype=torch.bool).to(CUDA)
-    pad[1, 20:] = False
+    pad = torch.zeros(2, 24, dtype=torch.bool).to(CUDA)  # True = padding, as in PyTorch
+    pad[1, 20:] = True
     out = layer(x, key_padding_mask=pad)
     assert on_device(out)
     with guard.no_copies("the module's second call"):
         layer(x, key_padding_mask=pad)
-    for engine in ("block", "gather", "dense", "rows"):
-        q = torch.randn(2, 2, 24, 8).to(CUDA)
-        assert on_device(sa.sparse_attention(q, q, q, sa.window(6), key_padding_mask=pad))
-        assert on_device(
-            sa.sparse_attention(q, q, q, sa.window(6), "sparsemax", engine, key_padding_mask=pad)
-        )
+    q, window = torch.randn(2, 2, 24, 8).to(CUDA), sa.window(6)  # one pattern: cached graphs
+    for engine, rho in [(e, "sparsemax") for e in ("block", "gather", "dense", "rows")] + [
+        ("flex", "softmax")
+    ]:
+        with torch.no_grad():
+            out = sa.sparse_attention(
+                q, q, q, window, prob_map=rho, engine=engine, key_padding_mask=pad
+            )
+            assert on_device(out)
+            with guard.no_copies(f"{engine} with key padding, second call"):
+                sa.sparse_attention(
+                    q, q, q, window, prob_map=rho, engine=engine, key_padding_mask=pad
+                )
 
 
 def test_bench_gpu_runs_end_to_end_at_tiny_sizes(guard, tmp_path):

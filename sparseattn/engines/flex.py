@@ -255,8 +255,10 @@ def flex_attention_engine(
     if key_padding_mask is None:
         block_mask, generic = _cached_block_mask(graph, block, q.device)
     else:
+        # per call (the padding differs), built from the graph's cached device copy on the
+        # device: no host → device copy of the tables
         block_mask, generic = _block_mask(
-            graph, q.shape[0], g_heads, block, key_padding_mask, q.device
+            graph.to(q.device), q.shape[0], g_heads, block, key_padding_mask, q.device
         )
     # tables: one kernel per (shape, table bucket); allow more than dynamo's default 8
     # recompiles, past which torch silently runs an unfused O(n²) implementation
