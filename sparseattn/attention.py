@@ -158,8 +158,8 @@ def choose_engine(
        128, is below the block engine's. On the measured CPUs it never is.
     """
     from .engines import SPECS, reasons
-    from .engines.block import BLOCK_MIN_FILL, ENTRY_COST, choose_block, count_pairs
     from .engines.flex import FLEX_BLOCK, FLEX_ENTRY_COST
+    from .engines.layout import BLOCK_MIN_FILL, ENTRY_COST, choose_block, count_pairs
 
     ok = {name for name in SPECS if not reasons(name, q, k, k, prob_map, dropout_p)}
     bsz, heads, n_q, _ = q.shape

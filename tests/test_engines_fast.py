@@ -16,8 +16,8 @@ import torch
 import sparseattn as sa
 from sparseattn.attention import choose_engine
 from sparseattn.engines import block_attention, flex_attention_engine, unsupported
-from sparseattn.engines.block import block_plan, choose_block
 from sparseattn.engines.flex import flex_available
+from sparseattn.engines.layout import block_plan, choose_block
 from sparseattn.fastmaps import entmax15_rows, entmax_rows, sparsemax_rows
 from sparseattn.maps import entmax, hardmax, softmax, sparselin_gen, sparsemax
 from sparseattn.patterns.blocks import (

@@ -17,9 +17,9 @@ import torch
 
 import sparseattn as sa
 from sparseattn import graph as graph_module
-from sparseattn.engines import block as block_module
-from sparseattn.engines.block import block_pairs, block_plan, choose_block, count_pairs
+from sparseattn.engines import layout as layout_module
 from sparseattn.engines.flex import flex_available
+from sparseattn.engines.layout import block_pairs, block_plan, choose_block, count_pairs
 from sparseattn.graph import AttentionGraph
 from sparseattn.patterns.base import GRAPH_CACHE_SIZE
 
@@ -99,8 +99,8 @@ def test_a_sparsified_gqa_decoder_plans_once_per_length(monkeypatch, device):
     model = transformers.LlamaModel(config).eval().to(device)
     hf.sparsify(model, sa.sliding_window(16, 2), engine="block")
     built = []
-    real = block_module._build_plan
-    monkeypatch.setattr(block_module, "_build_plan", lambda *a: built.append(1) or real(*a))
+    real = layout_module._build_plan
+    monkeypatch.setattr(layout_module, "_build_plan", lambda *a: built.append(1) or real(*a))
     ids = torch.randint(0, 50, (1, 200))
     with torch.no_grad():
         for _ in range(3):
@@ -145,7 +145,7 @@ def _pairs_from_mask(mask, block):
 @pytest.mark.parametrize("batch_shape", [(), (3,), (2, 2)])
 def test_block_pairs_in_small_pieces_equal_the_dense_count(monkeypatch, block, batch_shape):
     monkeypatch.setattr(graph_module, "PIECE_EDGES", 50)  # many pieces
-    monkeypatch.setattr(block_module, "PIECE_EDGES", 50)
+    monkeypatch.setattr(layout_module, "PIECE_EDGES", 50)
     graph, mask = _random_graph(37, 29, batch_shape, 0.2, seed=block)
     pairs = block_pairs(graph, block, partial=True)
     keys, counts, full = _pairs_from_mask(mask, block)
@@ -174,7 +174,7 @@ def test_count_pairs_derived_from_the_smallest_block_equals_a_direct_count():
 def test_plans_equal_with_one_piece_and_many(monkeypatch):
     graph = sa.bigbird(16, 2, 2, 8).graph(200)
     whole = block_plan(graph, 8)
-    monkeypatch.setattr(block_module, "PIECE_EDGES", 64)
+    monkeypatch.setattr(layout_module, "PIECE_EDGES", 64)
     monkeypatch.setattr(graph_module, "PIECE_EDGES", 64)
     again = sa.bigbird(16, 2, 2, 8).graph(200)
     pieces = block_plan(again, 8)

@@ -22,7 +22,7 @@ import torch
 import sparseattn as sa
 from sparseattn.attention import choose_engine
 from sparseattn.engines import ENGINES, block_attention
-from sparseattn.engines.block import choose_block, count_pairs
+from sparseattn.engines.layout import choose_block, count_pairs
 from sparseattn.maps import softmax
 
 

@@ -16,7 +16,7 @@ import torch
 
 from sparseattn.bench.kernels import make_pattern
 from sparseattn.engines import block_attention
-from sparseattn.engines.block import block_plan, choose_block
+from sparseattn.engines.layout import block_plan, choose_block
 from sparseattn.maps import softmax
 
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
-from .block import block_pairs
+from .layout import block_pairs
 
 __all__ = ["cached_block_mask", "flex_attention_engine", "flex_available", "graph_block_mask"]
 

@@ -24,7 +24,7 @@ from torch.autograd.function import FunctionCtx
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
-from .block import _masked_exp, _rng_state, replayed_rng
+from .common import masked_exp, replayed_rng, rng_state
 from .precision import compute_dtype
 
 __all__ = ["gather_attention", "chunk_rows", "PIECE"]
@@ -129,7 +129,7 @@ class _Run:
 
     def weights(self, s: Tensor, valid: Tensor) -> Tensor:
         if self.softmax:
-            p, _, total = _masked_exp(s, [valid.to(s.dtype)], None)
+            p, _, total = masked_exp(s, [valid.to(s.dtype)], None)
             return p.div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))
         return self.prob_map(s, valid)
 
@@ -144,7 +144,7 @@ class _GatherAttention(torch.autograd.Function):
     def forward(ctx: FunctionCtx, q_src: Tensor, k_src: Tensor, v_src: Tensor, run: _Run):
         ctx.run = run
         if run.dropout_p:
-            ctx.rng = _rng_state(q_src.device)
+            ctx.rng = rng_state(q_src.device)
         b, d, d_v = q_src.shape[0], q_src.shape[-1], v_src.shape[-1]
         kbuf, vbuf = q_src.new_empty(b * run.most * d), q_src.new_empty(b * run.most * d_v)
         out = q_src.new_empty(b, q_src.shape[1], d_v)

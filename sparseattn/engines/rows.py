@@ -29,7 +29,7 @@ from torch.autograd.function import FunctionCtx
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
-from .block import _rng_state, replayed_rng
+from .common import replayed_rng, rng_state
 from .precision import compute_dtype
 
 __all__ = ["full_rows_attention", "rows_attention"]
@@ -108,7 +108,7 @@ class _RowsAttention(torch.autograd.Function):
     ) -> Tensor:
         ctx.run = run
         if run.dropout_p:
-            ctx.rng = _rng_state(q.device)
+            ctx.rng = rng_state(q.device)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         # one score buffer for all chunks (fresh multi-MB tensors cost page faults); the
         # weights overwrite the scores in it

@@ -35,7 +35,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
-from .block import block_pairs
+from .layout import block_pairs
 
 __all__ = [
     "BlockLayout",

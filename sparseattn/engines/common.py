@@ -1,0 +1,73 @@
+"""Helpers shared by the engines: dropout RNG replay and the masked exponential.
+
+* :func:`rng_state` and :func:`replayed_rng`: backward passes that recompute dropout masks
+  draw them again from the RNG state saved before the forward's draws (block, gather, rows).
+* :func:`masked_exp`: exp(scores − shift) under 0/1 masks without evaluating −inf or an
+  underflowing exp (block, gather).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+__all__ = ["masked_exp", "replayed_rng", "rng_state"]
+
+
+def rng_state(device: torch.device) -> Tensor:
+    """The RNG state that ``device``'s random draws use now, for :func:`replayed_rng`."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def replayed_rng(device: torch.device, state: Tensor | None):
+    """Backward's dropout masks drawn again as in forward: the RNG of ``device`` set to
+    ``state`` (saved by :func:`rng_state` before the forward's draws) inside, and restored
+    after; ``state`` None (no dropout) does nothing."""
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, enabled=state is not None):
+        if state is not None:
+            _set_rng_state(device, state)
+        yield
+
+
+def _set_rng_state(device: torch.device, state: Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+#: exp(x) for x below this is replaced by exp(_FLOOR) (< 1e-34 of the row max's weight):
+#: torch's exp is 10-100x slower on −inf and on arguments whose result underflows.
+_FLOOR = -80.0
+
+
+def masked_exp(s: Tensor, masks: list[Tensor], lse: Tensor | None):
+    """exp(s − shift) ⊙ masks (0/1 floats broadcasting to s), in place on s.
+
+    Masked entries are pushed far down by an additive bias (so that the row max ignores them)
+    and zeroed by the product; no −inf and no underflowing exp is ever evaluated, and bool
+    ops (several times slower than float ops in torch on CPU) are avoided. With ``lse`` the
+    shift is ``lse``; else the row max, returned with the row sum (a row without any entry
+    gets max −big and sum 0).
+    """
+    big = torch.finfo(s.dtype).max / 4
+    for m in masks:
+        s.add_(m.sub(1.0).mul_(big))
+    if lse is not None:
+        s.sub_(lse.unsqueeze(-1))
+        mx = None
+    else:
+        mx = s.amax(-1, keepdim=True)
+        s.sub_(mx)
+    p = s.clamp_min_(_FLOOR).exp_()
+    for m in masks:
+        p.mul_(m)
+    if mx is None:
+        return p, None, None
+    return p, mx.squeeze(-1), p.sum(-1)
