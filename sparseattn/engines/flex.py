@@ -122,8 +122,8 @@ def _block_mask(graph, batch, heads, block, key_padding_mask, device):
         """Per (b, h, row block): how many key blocks, and which (padded with 0)."""
         sel_rb = rb[select]
         num = torch.bincount(sel_rb, minlength=n_graphs * nbq)
-        pos = torch.arange(sel_rb.numel()) - (torch.cumsum(num, 0) - num)[sel_rb]
-        idx = torch.zeros(n_graphs * nbq, nbk, dtype=torch.int32)
+        pos = torch.arange(sel_rb.numel(), device=gdev) - (torch.cumsum(num, 0) - num)[sel_rb]
+        idx = torch.zeros(n_graphs * nbq, nbk, dtype=torch.int32, device=gdev)
         idx[sel_rb, pos] = kb[select].to(torch.int32)
         num = num.to(torch.int32).view(n_graphs, nbq)[graph_of]
         return num, idx.view(n_graphs, nbq, nbk)[graph_of]
