@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from numbers import Integral, Real
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = [
     "check_bool",
@@ -25,6 +25,7 @@ __all__ = [
     "check_index",
     "check_indices",
     "check_int",
+    "check_model",
     "check_positive",
     "check_probability",
     "check_seed",
@@ -183,3 +184,11 @@ def check_finite_tensor(name: str, value: Tensor) -> Tensor:
     if not torch.isfinite(value.detach().sum()) and not bool(torch.isfinite(value).all()):
         raise ValueError(f"{name} contains NaN or inf")
     return value
+
+
+def check_model(model: object) -> None:
+    """Refuse anything but a torch.nn.Module where a Hugging Face model is expected."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model must be a Hugging Face model (a torch.nn.Module), got {type(model).__name__}"
+        )

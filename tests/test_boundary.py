@@ -452,9 +452,9 @@ def test_hf_helpers_refuse_a_non_model(fn):
 def test_hf_capture_and_encode_refuse_bad_arguments():
     with pytest.raises(TypeError, match="model"), hf.capture_attention("model"):
         pass
-    raises_naming("layers", hf._check_layers, 5)
-    raises_naming("layers", hf._check_layers, [0, 9], 6)
-    raises_naming("layers", hf._check_layers, ["a"])
+    raises_naming("layers", hf.state.check_layers, 5)
+    raises_naming("layers", hf.state.check_layers, [0, 9], 6)
+    raises_naming("layers", hf.state.check_layers, ["a"])
 
 
 # ----------------------------------------------------------------------------- dmin theory

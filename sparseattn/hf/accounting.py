@@ -1,0 +1,141 @@
+"""The real-token counts behind :func:`~sparseattn.hf.attention_sparsity`: per layer call, the
+pairs the model's own mask allows, the edges of the layer's graph among them, and the non-zero
+weights of a sparse map (added to the model's :class:`~sparseattn.hf.state.State`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from ..attention import sparse_attention
+from ..graph import AttentionGraph
+from ..maps import support
+from .mask import MaskView
+from .state import LayerSpec, State
+
+__all__ = ["account", "nonzero_weights"]
+
+
+def _real_key_counts(graph: AttentionGraph, kpm: Tensor | None, bsz: int) -> Tensor:
+    """(batch, graph heads, n_q) float64: how many real keys each query may attend to."""
+    shape = graph.batch_shape
+    if len(shape) > 2:
+        raise ValueError(f"graph batch_shape {shape} has more than (batch, heads) dims")
+    g_b, g_h = (1,) * (2 - len(shape)) + shape
+    n_q = graph.n_q
+    if kpm is None:
+        counts = graph.degrees.double().reshape(g_b, g_h, n_q)
+    else:
+        rows = graph.row_indices()
+        weight = kpm.cpu().double()
+        if g_b == 1:
+            counts = torch.zeros(bsz, graph.num_rows, dtype=torch.float64)
+            counts.index_add_(1, rows, weight[:, graph.col])
+        else:
+            counts = torch.zeros(graph.num_rows, dtype=torch.float64)
+            counts.index_add_(0, rows, weight[rows // (g_h * n_q), graph.col])
+        counts = counts.reshape(-1, g_h, n_q)
+    return counts.expand(bsz, g_h, n_q)
+
+
+def _possible_keys(view: MaskView, real: Tensor, n_q: int) -> Tensor:
+    """(batch, n_q) float64: the real keys the model's own mask lets each query see (all real
+    keys; j ≤ i in a causal layer; the model's structure where it has one). real: (batch, n_k)."""
+    if view.structure is not None:
+        return (view.structure[:, 0].cpu() & real[:, None, :]).sum(-1).double()
+    if view.causal:
+        return real.double().cumsum(-1)[:, real.shape[-1] - n_q :]
+    return real.double().sum(-1, keepdim=True).expand(-1, n_q)
+
+
+def _edges_without_padding(graph: AttentionGraph, bsz: int, heads: int) -> float:
+    """Edges of a graph broadcast over (batch, heads) when every key is real."""
+    g_b, g_h = (1,) * (2 - len(graph.batch_shape)) + graph.batch_shape
+    return float(graph.col.numel()) * (bsz // g_b) * (heads // g_h)
+
+
+def account(
+    state: State,
+    layer: int,
+    graph: AttentionGraph | None,
+    q: Tensor,
+    k: Tensor,
+    view: MaskView,
+    spec: LayerSpec,
+) -> float:
+    """Check every real query keeps a real key; add the layer's real-token edge counts (the
+    pairs counted are those the model's own mask allows: j ≤ i in a decoder); return the
+    edges counted."""
+    bsz, heads, n_q = q.shape[:3]
+    n_k = k.shape[-2]
+    if view.kpm is None and view.structure is None:  # every token real: closed forms
+        per_item = n_q * (n_k - n_q) + n_q * (n_q + 1) // 2 if view.causal else n_q * n_k
+        pairs = float(per_item * bsz * heads)
+        edges = pairs if graph is None else _edges_without_padding(graph, bsz, heads)
+        state.edges[layer] = state.edges.get(layer, 0.0) + edges
+        state.pairs[layer] = state.pairs.get(layer, 0.0) + pairs
+        return edges
+    real = torch.ones(bsz, n_k, dtype=torch.bool) if view.kpm is None else view.kpm.cpu()
+    real_q = real[:, n_k - n_q :]
+    pairs = float((_possible_keys(view, real, n_q) * real_q).sum()) * heads
+    if graph is None:  # exact attention
+        edges = pairs
+    else:
+        counts = _real_key_counts(graph, view.kpm, bsz)
+        starved = (counts == 0) & real_q[:, None, :]
+        if starved.any():
+            b, h, i = (int(x) for x in starved.nonzero()[0])
+            raise ValueError(
+                f"layer {layer}: pattern {spec.pattern!r} leaves real query {i} (batch item {b}, "
+                f"head group {h}) with no real key among its allowed keys; choose a pattern in "
+                "which every token sees at least one non-padding token (e.g. include the token "
+                "itself)"
+            )
+        edges = float((counts * real_q[:, None, :]).sum()) * heads / counts.shape[1]
+    state.edges[layer] = state.edges.get(layer, 0.0) + edges
+    state.pairs[layer] = state.pairs.get(layer, 0.0) + pairs
+    return edges
+
+
+def nonzero_weights(
+    spec: LayerSpec,
+    q: Tensor,
+    k: Tensor,
+    target,
+    view: MaskView,
+    scale: float,
+    n_q: int,
+    enable_gqa: bool = False,
+) -> float:
+    """How many weights of a sparse map are non-zero among real queries: the layer's engine
+    run once more under no_grad with ρ's support indicator and values of ones, (B, ·, n_k, 1),
+    so that each query's output is its count (in float32: exact up to 2²⁴). q, k and
+    ``target`` (pattern or graph) as the layer's call passes them (``enable_gqa`` where k has
+    fewer heads); n_q the layer's query length. Autocast is switched off: the counts stay
+    float32."""
+    device = q.device.type
+    no_autocast = (
+        torch.autocast(device, enabled=False)
+        if torch.amp.is_autocast_available(device)
+        else contextlib.nullcontext()
+    )
+    with torch.no_grad(), no_autocast:
+        q32, k32 = q.detach().float(), k.detach().float()
+        counts = sparse_attention(
+            q32,
+            k32,
+            k32.new_ones(*k32.shape[:-1], 1),
+            target,
+            prob_map=support(spec.prob_map),
+            engine=spec.engine,
+            scale=scale,
+            key_padding_mask=None if view.kpm is None else ~view.kpm,
+            enable_gqa=enable_gqa,
+        )
+    counts = counts.reshape(counts.shape[0], -1, n_q)
+    if view.kpm is not None:
+        counts = counts * view.kpm[:, None, view.kpm.shape[-1] - n_q :].to(counts.dtype)
+    return float(counts.double().sum())

@@ -1,0 +1,221 @@
+"""Registration with transformers and the layers' configuration: which modules of a model are
+its attention layers, :func:`sparsify` (the kernel and its mask function registered as
+``ATTN_NAME``, a :class:`~sparseattn.hf.state.LayerSpec` per layer), :func:`restore` and
+:func:`layer_specs`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+
+from torch import nn
+
+from ..attention import sparse_attention
+from ..engines import ENGINES
+from ..graph import AttentionGraph
+from ..maps import ProbabilityMap, resolve_prob_map
+from ..patterns import HeadSplit, Pattern, PatternCycle, as_cycle, dense
+from ..validate import check_choice, check_model
+from .adapter import attention_forward
+from .state import (
+    ATTN_NAME,
+    VALUE_PROJECTIONS,
+    LayerSpec,
+    Method,
+    State,
+    check_layers,
+    model_state,
+)
+
+__all__ = ["attention_modules", "layer_specs", "restore", "sparsify"]
+
+
+@functools.cache
+def _dispatches(cls: type) -> bool:
+    """Whether ``cls.forward`` looks its kernel up in transformers' ``ALL_ATTENTION_FUNCTIONS``
+    (the registry behind ``AttentionInterface``): the names its code object refers to."""
+    forward = getattr(cls, "forward", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def _is_cross_attention(module: nn.Module) -> bool:
+    return bool(getattr(module, "is_cross_attention", False)) or (
+        "CrossAttention" in type(module).__name__
+    )
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules that dispatch through ``AttentionInterface``, in the order
+    the model registers them (layer order); cross-attention modules are left out (they keep
+    exact attention). ValueError if there are none."""
+    check_model(model)
+    modules = []
+    if hasattr(model, "set_attn_implementation"):
+        modules = [
+            m for m in model.modules() if _dispatches(type(m)) and not _is_cross_attention(m)
+        ]
+    if not modules:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise ValueError(
+            "sparsify needs a transformers model whose self-attention dispatches through "
+            "transformers.AttentionInterface (e.g. bert, roberta, distilbert, modernbert, "
+            f"llama, mistral, qwen2, qwen3, gpt2, gpt_neox); got {type(model).__name__} with "
+            f"model_type {model_type!r}, which has no such module"
+        )
+    return modules
+
+
+def _value_projection(module: nn.Module) -> nn.Linear | None:
+    """The module's separate value projection (BERT ``value``, DistilBERT ``v_lin``, Llama-style
+    ``v_proj``), or None where q, k and v come from one fused projection (GPT-2, GPT-NeoX,
+    ModernBERT)."""
+    for name in VALUE_PROJECTIONS:
+        proj = getattr(module, name, None)
+        if isinstance(proj, nn.Linear):
+            return proj
+    return None
+
+
+def _stash_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: keep the layer input for a method hook that asks for a LayerContext."""
+    module.__dict__["_sparseattn_input"] = args[0] if args else kwargs.get("hidden_states")
+
+
+def _declares(method: Method, parameter: str) -> bool:
+    """Whether ``method``'s signature names ``parameter``."""
+    try:
+        return parameter in inspect.signature(method).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+
+
+def _wants_context(method: Method) -> bool:
+    return _declares(method, "context")
+
+
+def _register() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+def sparsify(
+    model: nn.Module,
+    pattern: Pattern | PatternCycle | Sequence[Pattern] | AttentionGraph | None = None,
+    prob_map: str | ProbabilityMap = "softmax",
+    engine: str = "auto",
+    method: Method | str | None = None,
+    layers: Iterable[int] | None = None,
+    **method_options,
+) -> nn.Module:
+    """Give ``layers`` (default all) of a Hugging Face model the attention (pattern, ρ, engine).
+
+    Yun et al. eq. (3) per layer. ``pattern``: a Pattern (every layer), a ``cycle(...)`` or a
+    sequence of patterns (layer l uses pattern l mod p, Yun §5.1 SEQUENTIAL), ``split_heads``
+    (MULTIHEAD), or an AttentionGraph of the padded length. ``method`` replaces
+    :func:`sparse_attention` (same signature; it receives the layer's AttentionGraph as
+    ``pattern``). Calling ``sparsify`` again on a sparsified model changes only ``layers``;
+    layers never configured keep exact attention (torch SDPA). Modifies ``model`` in place and
+    returns it; :func:`restore` undoes it. A method may also be named: ``method="mca"`` with
+    ``method_options`` for :class:`sparseattn.montecarlo.MCAMethod` (e.g. ``alpha=0.2``).
+
+    In a decoder (a causal attention module) the pattern is applied causally: a non-causal
+    pattern is intersected with the lower triangle (``pattern.causal()``; note that Yun's
+    ``window(w)`` then keeps ⌈w/2⌉ previous tokens — ``sliding_window(w, sinks)`` is the causal
+    window), and ``generate()`` runs with its KV cache (queries at an offset).
+
+    Raises:
+        ValueError for a model without an AttentionInterface attention module, a bad layer
+        index, an unknown engine, a head split that does not fit the model's heads, or a
+        context method on a model whose q, k, v come from one fused projection;
+        TypeError for a pattern or method of the wrong type.
+    """
+    modules = attention_modules(model)
+    num_layers = len(modules)
+    pattern = dense() if pattern is None else pattern
+    if isinstance(pattern, AttentionGraph):
+        per_layer: Callable[[int], Pattern | AttentionGraph] = lambda _layer: pattern  # noqa: E731
+    elif isinstance(pattern, (Pattern, PatternCycle, list, tuple)):
+        per_layer = as_cycle(pattern).__getitem__
+    else:
+        raise TypeError(
+            "pattern must be a Pattern, a cycle/sequence of patterns or an AttentionGraph, got "
+            f"{type(pattern).__name__}"
+        )
+    rho = resolve_prob_map(prob_map)
+    if isinstance(method, str):
+        from ..montecarlo import MCAMethod
+
+        named = {"mca": MCAMethod}
+        if method not in named:
+            raise ValueError(f"method must be one of {sorted(named)} or a callable, got {method!r}")
+        method = named[method](**method_options)
+    elif method_options:
+        raise TypeError(f"options {sorted(method_options)} need a named method, e.g. method='mca'")
+    check_choice("engine", engine, ["auto", *ENGINES])
+    if method is None:
+        method = sparse_attention
+    elif not callable(method):
+        raise TypeError(
+            f"method must be callable like sparse_attention, got {type(method).__name__}"
+        )
+    chosen = check_layers(layers, num_layers)
+    chosen_layers = range(num_layers) if chosen is None else chosen
+    heads = model.config.get_text_config().num_attention_heads
+    wants_context = _wants_context(method)
+    takes_gqa = method is sparse_attention or _declares(method, "enable_gqa")
+    specs = {}
+    for layer in chosen_layers:
+        layer_pattern = per_layer(layer)
+        if isinstance(layer_pattern, HeadSplit):
+            layer_pattern.head_sizes(heads)
+        if wants_context and _value_projection(modules[layer]) is None:
+            raise ValueError(
+                f"method {method!r} takes a LayerContext with the layer's value projection, but "
+                f"{type(modules[layer]).__name__} computes q, k, v in one fused projection"
+            )
+        specs[layer] = LayerSpec(
+            layer_pattern, rho, engine, method, wants_context, takes_gqa=takes_gqa
+        )
+
+    state = model_state(model)
+    if state is None:
+        _register()
+        state = State(model.config._attn_implementation, num_layers, {})
+        model.set_attn_implementation(ATTN_NAME)
+        if model.config._attn_implementation != ATTN_NAME:
+            raise ValueError(f"{type(model).__name__} refused set_attn_implementation")
+        model.__dict__["_sparseattn"] = state
+        for index, module in enumerate(modules):
+            module.__dict__["_sparseattn"] = (state, index, _value_projection(module))
+            state.hooks.append(module.register_forward_pre_hook(_stash_input, with_kwargs=True))
+    state.specs.update(specs)
+    return model
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """Undo :func:`sparsify`: the original attention implementation, exactly (no-op if none)."""
+    check_model(model)
+    state = model_state(model)
+    if state is None:
+        return model
+    model.set_attn_implementation(state.original)
+    for handle in state.hooks:
+        handle.remove()
+    for module in attention_modules(model):
+        module.__dict__.pop("_sparseattn", None)
+        module.__dict__.pop("_sparseattn_input", None)
+    del model.__dict__["_sparseattn"]
+    return model
+
+
+def layer_specs(model: nn.Module) -> dict[int, LayerSpec]:
+    """The configured layers of a sparsified model (empty for an unmodified one)."""
+    check_model(model)
+    state = model_state(model)
+    return {} if state is None else dict(state.specs)

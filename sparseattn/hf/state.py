@@ -1,0 +1,147 @@
+"""What a sparsified model holds: each layer's :class:`LayerSpec`, the capture in progress
+and the real-token counts behind :func:`~sparseattn.hf.attention_sparsity` (a :class:`State` on
+``model._sparseattn``), with the checks on a model and its layer indices that every entry
+point shares. Imports nothing else of :mod:`sparseattn.hf`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+from torch import Tensor, nn
+
+from ..graph import AttentionGraph
+from ..maps import ProbabilityMap
+from ..patterns import Pattern
+from ..validate import check_int
+
+__all__ = [
+    "ATTN_NAME",
+    "VALUE_PROJECTIONS",
+    "AttentionRecord",
+    "Capture",
+    "LayerContext",
+    "LayerSpec",
+    "Method",
+    "State",
+    "check_layers",
+    "model_state",
+]
+
+#: The name under which the kernel and its mask function are registered with transformers.
+ATTN_NAME = "sparseattn"
+
+#: Attribute names of a separate value projection (an nn.Linear) on an attention module, tried in
+#: order; a method hook's :class:`LayerContext` needs one.
+VALUE_PROJECTIONS: tuple[str, ...] = ("value", "v_lin", "v_proj")
+
+Method = Callable[..., Tensor]
+"""A method hook: ``method(q, k, v, pattern, *, prob_map=, engine=, scale=, key_padding_mask=,
+dropout_p=) -> out`` — the signature of :func:`sparseattn.sparse_attention`
+(``key_padding_mask`` True for padding keys, None when there is none). A hook that also
+declares a ``context`` parameter receives a :class:`LayerContext` (for methods such as
+Monte-Carlo attention that need the layer input and the value projection); one that declares
+``enable_gqa`` gets grouped-query layers' k and v unrepeated (kv_heads < heads), others get
+them repeated per query head."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerContext:
+    """What a method hook may need beyond q, k, v: the layer index, the self-attention module,
+    its input ``hidden_states`` (batch, n, hidden) and its value projection (an nn.Linear,
+    v = hidden_states · Wᵀ + b before the split into heads)."""
+
+    layer: int
+    module: nn.Module
+    hidden_states: Tensor
+    value_proj: nn.Linear
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """The attention configuration of one layer (the cycle already resolved to this layer).
+
+    ``causal_pattern`` is what a causal (decoder) layer uses: ``pattern`` itself when it is
+    causal, else ``pattern.causal()`` (the pattern ∩ the lower triangle), made once so that its
+    graph cache lives as long as the spec."""
+
+    pattern: Pattern | AttentionGraph
+    prob_map: ProbabilityMap
+    engine: str
+    method: Method
+    wants_context: bool = False
+    causal_pattern: Pattern | AttentionGraph | None = None
+    #: the method takes ``enable_gqa`` (grouped-query k, v unrepeated): sparse_attention does
+    takes_gqa: bool = False
+
+    def __post_init__(self) -> None:
+        if self.causal_pattern is None:
+            object.__setattr__(self, "causal_pattern", _causal_variant(self.pattern))
+
+
+def _causal_variant(pattern: Pattern | AttentionGraph) -> Pattern | AttentionGraph:
+    """The pattern a decoder layer applies: causal patterns as they are, any other one
+    intersected with causality (``.causal()``; a graph: ``.tril()`` when it is square)."""
+    if isinstance(pattern, AttentionGraph):
+        return pattern if pattern.causal or pattern.n_q != pattern.n_k else pattern.tril()
+    return pattern if pattern.is_causal else pattern.causal()
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionRecord:
+    """What one layer's attention saw in one forward call (tensors detached).
+
+    q, k: (batch, heads, n, d) projected queries and keys (before scaling);
+    scores: (batch, heads, n, n) scale · q kᵀ for all pairs;
+    probs: (batch, heads, n, n) ρ applied on the allowed real keys (zeros elsewhere) — for a
+        method hook these are ρ's exact weights, not what the method estimated;
+    allowed: bool, broadcastable to scores — the layer's graph ∩ real keys;
+    key_padding_mask: (batch, n) bool, True for padding tokens (``nn.MultiheadAttention``'s
+        meaning; ``~key_padding_mask`` marks the real ones).
+    """
+
+    layer: int
+    q: Tensor
+    k: Tensor
+    scores: Tensor
+    probs: Tensor
+    allowed: Tensor
+    key_padding_mask: Tensor
+
+
+@dataclasses.dataclass
+class Capture:
+    layers: frozenset[int] | None
+    callback: Callable[[AttentionRecord], None] | None
+    records: list[AttentionRecord]
+
+
+@dataclasses.dataclass
+class State:
+    """Held by a sparsified model (``model._sparseattn``), referenced by its attention modules."""
+
+    original: str
+    num_layers: int
+    specs: dict[int, LayerSpec]
+    hooks: list = dataclasses.field(default_factory=list)
+    edges: dict[int, float] = dataclasses.field(default_factory=dict)
+    pairs: dict[int, float] = dataclasses.field(default_factory=dict)
+    nonzero: dict[int, float] = dataclasses.field(default_factory=dict)
+    capture: Capture | None = None
+
+
+def check_layers(layers: object, num_layers: int | None = None) -> list[int] | None:
+    """None or an iterable of layer indices in [0, num_layers)."""
+    if layers is None:
+        return None
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise TypeError(f"layers must be an iterable of ints or None, got {type(layers).__name__}")
+    out = [check_int("layers[i]", layer, 0) for layer in layers]
+    if num_layers is not None and any(layer >= num_layers for layer in out):
+        raise ValueError(f"layers must hold ints in [0, {num_layers}), got {out}")
+    return out
+
+
+def model_state(model: nn.Module) -> State | None:
+    return model.__dict__.get("_sparseattn")
