@@ -221,6 +221,15 @@ def _autocast_like_sdpa(inputs: tuple[str, ...]) -> Callable[[Callable], Callabl
     return wrap
 
 
+#: Why ``torch.compile`` does not trace into the attention call (docs/engines.md,
+#: "torch.compile"); dynamo shows it with the graph break.
+_OPAQUE = (
+    "sparseattn runs the attention call eagerly: graph building, planning, host-side checks "
+    "and the engines' chunk loops depend on values and lengths"
+)
+
+
+@torch.compiler.disable(reason=_OPAQUE)
 @_autocast_like_sdpa(("q", "k", "v"))
 def sparse_attention(
     q: Tensor,
@@ -270,6 +279,10 @@ def sparse_attention(
     dtype. Under ``torch.autocast`` q, k, v are cast to the autocast dtype first, as for
     SDPA. On CPU, half-precision inputs are computed in float32 inside the engines
     (docs/engines.md, "Mixed precision").
+
+    ``torch.compile``: the call is opaque to dynamo (``torch.compiler.disable``) and runs
+    eagerly, while the code around it compiles: one graph break per call, a bounded number of
+    graphs over any stream of lengths, no ``fullgraph=True`` (docs/engines.md, "torch.compile").
     """
     _check_qkv(q, k, v, check_bool("enable_gqa", enable_gqa))
     rho = resolve_prob_map(prob_map)
@@ -369,6 +382,7 @@ def _full_rows(pattern: object, q: Tensor, k: Tensor) -> bool | None:
     return None
 
 
+@torch.compiler.disable(reason=_OPAQUE)
 @_autocast_like_sdpa(("q", "k"))
 def attention_weights(
     q: Tensor,
@@ -574,19 +588,29 @@ class SparseAttention(nn.Module):
         bsz, n, _ = x.shape
         head_dim = self.embed_dim // self.num_heads
         q, k, v = self.qkv(x).view(bsz, n, 3, self.num_heads, head_dim).permute(2, 0, 3, 1, 4)
+        return self.out(self._attend(q, k, v, key_padding_mask))
+
+    @torch.compiler.disable(reason=_OPAQUE)
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+        """The heads' outputs, concatenated: (batch, n, embed_dim), contiguous.
+
+        Under ``torch.compile`` the projections compile and this runs eagerly (the map object
+        with learned α is built here too). The result is contiguous whichever engine ran, so
+        that the compiled code after it is not recompiled for another engine's output strides.
+        """
+        rho = self.prob_map if self.alpha_logit is None else entmax(self.alpha.view(-1, 1, 1))
         out = sparse_attention(
             q,
             k,
             v,
             self.pattern,
-            prob_map=self.prob_map
-            if self.alpha_logit is None
-            else entmax(self.alpha.view(-1, 1, 1)),
+            prob_map=rho,
             engine=self.engine,
             key_padding_mask=key_padding_mask,
             dropout_p=self.dropout if self.training else 0.0,
         )
-        return self.out(out.transpose(1, 2).reshape(bsz, n, self.embed_dim))
+        bsz, _, n, _ = q.shape
+        return out.transpose(1, 2).reshape(bsz, n, self.embed_dim).contiguous()
 
     def extra_repr(self) -> str:
         return (
