@@ -563,12 +563,17 @@ class SparseAttention(nn.Module):
             return None
         return 1.0 + nn.functional.softplus(self.alpha_logit)
 
+    @torch.compiler.disable(reason=_OPAQUE)
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         """x: (batch, n, embed_dim) → (batch, n, embed_dim).
 
         ``key_padding_mask``: optional bool (batch, n), True for tokens to ignore as keys
         (padding) — ``nn.MultiheadAttention``'s meaning, so the layer swaps in for it with the
         same mask. Padding queries still get an output (from the real keys), as there.
+
+        Under ``torch.compile`` the whole layer, projections included, runs eagerly (one graph
+        break) and the model around it compiles: compiling the projections too made a training
+        step 4–15% slower than eager (docs/engines.md, "torch.compile").
         """
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -588,29 +593,19 @@ class SparseAttention(nn.Module):
         bsz, n, _ = x.shape
         head_dim = self.embed_dim // self.num_heads
         q, k, v = self.qkv(x).view(bsz, n, 3, self.num_heads, head_dim).permute(2, 0, 3, 1, 4)
-        return self.out(self._attend(q, k, v, key_padding_mask))
-
-    @torch.compiler.disable(reason=_OPAQUE)
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
-        """The heads' outputs, concatenated: (batch, n, embed_dim), contiguous.
-
-        Under ``torch.compile`` the projections compile and this runs eagerly (the map object
-        with learned α is built here too). The result is contiguous whichever engine ran, so
-        that the compiled code after it is not recompiled for another engine's output strides.
-        """
-        rho = self.prob_map if self.alpha_logit is None else entmax(self.alpha.view(-1, 1, 1))
         out = sparse_attention(
             q,
             k,
             v,
             self.pattern,
-            prob_map=rho,
+            prob_map=self.prob_map
+            if self.alpha_logit is None
+            else entmax(self.alpha.view(-1, 1, 1)),
             engine=self.engine,
             key_padding_mask=key_padding_mask,
             dropout_p=self.dropout if self.training else 0.0,
         )
-        bsz, _, n, _ = q.shape
-        return out.transpose(1, 2).reshape(bsz, n, self.embed_dim).contiguous()
+        return self.out(out.transpose(1, 2).reshape(bsz, n, self.embed_dim))
 
     def extra_repr(self) -> str:
         return (

@@ -1,7 +1,7 @@
 """``torch.compile`` of models built from ``SparseAttention`` (docs/engines.md, "torch.compile").
 
-The attention call is opaque to dynamo (``torch.compiler.disable``): the projections and the
-rest of the model compile, the attention runs eagerly. Checked here: the compiled model equals
+The attention layers are opaque to dynamo (``torch.compiler.disable``): the rest of the
+model compiles, the attention runs eagerly. Checked here: the compiled model equals
 the eager one (outputs and gradients, including a learned α), a stream of lengths — crossing
 from the dense to the block engine — compiles a bounded number of graphs with no other graph
 breaks than the attention calls and never reaches dynamo's recompile limit.
