@@ -573,7 +573,7 @@ class SparseAttention(nn.Module):
 
         Under ``torch.compile`` the whole layer, projections included, runs eagerly (one graph
         break) and the model around it compiles: compiling the projections too made a training
-        step 4–15% slower than eager (docs/engines.md, "torch.compile").
+        step 1–15% slower than eager (docs/engines.md, "torch.compile").
         """
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
