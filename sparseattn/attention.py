@@ -223,6 +223,15 @@ def _autocast_like_sdpa(inputs: tuple[str, ...]) -> Callable[[Callable], Callabl
     return wrap
 
 
+#: Why ``torch.compile`` does not trace into the attention call (docs/engines.md,
+#: "torch.compile"); dynamo shows it with the graph break.
+_OPAQUE = (
+    "sparseattn runs the attention call eagerly: graph building, planning, host-side checks "
+    "and the engines' chunk loops depend on values and lengths"
+)
+
+
+@torch.compiler.disable(reason=_OPAQUE)
 @_autocast_like_sdpa(("q", "k", "v"))
 def sparse_attention(
     q: Tensor,
@@ -272,6 +281,10 @@ def sparse_attention(
     dtype. Under ``torch.autocast`` q, k, v are cast to the autocast dtype first, as for
     SDPA. On CPU, half-precision inputs are computed in float32 inside the engines
     (docs/engines.md, "Mixed precision").
+
+    ``torch.compile``: the call is opaque to dynamo (``torch.compiler.disable``) and runs
+    eagerly, while the code around it compiles: one graph break per call, a bounded number of
+    graphs over any stream of lengths, no ``fullgraph=True`` (docs/engines.md, "torch.compile").
     """
     _check_qkv(q, k, v, check_bool("enable_gqa", enable_gqa))
     rho = resolve_prob_map(prob_map)
@@ -374,6 +387,7 @@ def _full_rows(pattern: object, q: Tensor, k: Tensor) -> bool | None:
     return None
 
 
+@torch.compiler.disable(reason=_OPAQUE)
 @_autocast_like_sdpa(("q", "k"))
 def attention_weights(
     q: Tensor,
@@ -554,12 +568,17 @@ class SparseAttention(nn.Module):
             return None
         return 1.0 + nn.functional.softplus(self.alpha_logit)
 
+    @torch.compiler.disable(reason=_OPAQUE)
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         """x: (batch, n, embed_dim) → (batch, n, embed_dim).
 
         ``key_padding_mask``: optional bool (batch, n), True for tokens to ignore as keys
         (padding) — ``nn.MultiheadAttention``'s meaning, so the layer swaps in for it with the
         same mask. Padding queries still get an output (from the real keys), as there.
+
+        Under ``torch.compile`` the whole layer, projections included, runs eagerly (one graph
+        break) and the model around it compiles: compiling the projections too made a training
+        step 1–15% slower than eager (docs/engines.md, "torch.compile").
         """
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
