@@ -139,6 +139,7 @@ class DeviceGuard(TorchFunctionMode):
             raise AssertionError(f"{what} copied {len(new)} tensor(s) host → device: {new[:8]}")
 
     def _patch_cuda_apis(self) -> None:
+        import sparseattn.bench.gpu as bench_gpu
         import sparseattn.engines.flex as flex
         from sparseattn.engines import SPECS
 
@@ -177,6 +178,7 @@ class DeviceGuard(TorchFunctionMode):
         patch(parameter, "__new__", staticmethod(tagged_parameter))
         # compiled FlexAttention on a CPU that poses as a GPU: the eager implementation
         patch(flex, "_compiled", lambda dynamic: _eager_flex)
+        patch(bench_gpu, "_user_compiled_flex", lambda flex_attention: _eager_flex)
         # the Triton kernels would launch on the CPU memory behind the simulated GPU
         triton = SPECS["triton"]
         stack.callback(SPECS.__setitem__, "triton", triton)
