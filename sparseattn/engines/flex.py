@@ -191,7 +191,7 @@ def _table_mask_mod(tables: tuple[Tensor, Tensor], block: int):
     """
     pair_index, table = tables
     one_batch, one_head = pair_index.shape[0] == 1, pair_index.shape[1] == 1
-    b_t = torch.tensor(block, dtype=torch.int32, device=table.device)
+    b_t = torch.full((), block, dtype=torch.int32, device=table.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         b = 0 if one_batch else b

@@ -162,7 +162,7 @@ class Pattern(abc.ABC):
         dev = torch.device("cpu") if device is None else torch.device(device)
 
         def const(x: int) -> Tensor:
-            return torch.tensor(x, dtype=torch.long, device=dev)
+            return torch.full((), x, dtype=torch.long, device=dev)  # a fill, no host copy
 
         pred = self._predicate(const(n), const, n)
         if pred is None:
