@@ -24,6 +24,7 @@ from .graph import AttentionGraph, broadcast_or_none
 from .maps import NonFiniteScoresError, ProbabilityMap, entmax, resolve_prob_map
 from .patterns import Causal, HeadSplit, Pattern, PatternCycle, as_cycle, dense
 from .patterns.fixed import Dense
+from .score_mods import check_score_mod, lifted_tensors
 from .validate import (
     check_bool,
     check_choice,
@@ -138,6 +139,7 @@ def choose_engine(
     k: Tensor,
     prob_map: ProbabilityMap | None = None,
     dropout_p: float = 0.0,
+    score_mod: bool = False,
 ) -> str:
     """The ``auto`` rule (docs/engines.md; constants measured in docs/benchmarks.md).
 
@@ -161,7 +163,7 @@ def choose_engine(
     from .engines.flex import FLEX_BLOCK, FLEX_ENTRY_COST
     from .engines.layout import BLOCK_MIN_FILL, ENTRY_COST, choose_block, count_pairs
 
-    ok = {name for name in SPECS if not reasons(name, q, k, k, prob_map, dropout_p)}
+    ok = {name for name in SPECS if not reasons(name, q, k, k, prob_map, dropout_p, score_mod)}
     bsz, heads, n_q, _ = q.shape
     gpu = q.device.type != "cpu"
     limit = GPU_DENSE_LIMIT if gpu else DENSE_LIMIT
@@ -245,6 +247,7 @@ def sparse_attention(
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
+    score_mod: Callable | None = None,
 ) -> Tensor:
     """Sparse attention, Yun et al. eq. (3): out_i = Σ_{j ∈ A_i} ρ(scale · q_i·k_j)_j · v_j.
 
@@ -269,6 +272,10 @@ def sparse_attention(
             head h reads key/value head h // (heads / kv_heads). For static patterns and
             ready graphs the query heads sharing a key/value head are stacked along the query
             axis (k and v are not copied); otherwise k and v are repeated per query head.
+        score_mod: FlexAttention's score modifier, ``score_mod(score, b, h, q_idx, kv_idx)``,
+            applied to the scaled scores on the pattern's edges before ρ (every map; every
+            engine but ``triton``): an additive bias (T5), ALiBi, soft-capping (Gemma 2) —
+            :mod:`sparseattn.score_mods`. h is the query head; q_idx, kv_idx index q and k.
     Returns:
         (batch, heads, n_q, d_v).
     Raises:
@@ -292,22 +299,38 @@ def sparse_attention(
     check_choice("engine", engine, ["auto", *ENGINES])
     scale = _resolve_scale(scale, q)
     valid = None if key_padding_mask is None else _key_validity(key_padding_mask, q, k)
+    if score_mod is not None:
+        _check_score_mod(score_mod, q, k)
     if _empty_output(q, v, pattern):
         return _empty_result(q, k, v)
     groups = q.shape[1] // k.shape[1] if k.shape[1] else 1
-    if groups > 1 and _can_group(pattern, rho, engine, q, k):
+    # with a score_mod, h must stay the query head: no stacking of query heads
+    stack = groups > 1 and score_mod is None and _can_group(pattern, rho, engine, q, k)
+    if stack:
         graph = resolve_graph(pattern, q, k)
         chosen = choose_engine(graph, q, k, rho, dropout_p) if engine == "auto" else engine
         if SPECS[chosen].gqa:  # the engine reads the shared key/value heads itself
             return _attend(q, k, v, graph, rho, chosen, scale, valid, dropout_p)
+        grouped_q, grouped = group_queries(q, graph, k.shape[1])
+        out = _attend(grouped_q, k, v, grouped, rho, engine, scale, valid, dropout_p)
+        return out.reshape(q.shape[:3] + out.shape[-1:])
     if groups > 1:
-        if _can_group(pattern, rho, engine, q, k):
-            graph = resolve_graph(pattern, q, k)
-            grouped_q, grouped = group_queries(q, graph, k.shape[1])
-            out = _attend(grouped_q, k, v, grouped, rho, engine, scale, valid, dropout_p)
-            return out.reshape(q.shape[:3] + out.shape[-1:])
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    return _attend(q, k, v, pattern, rho, engine, scale, valid, dropout_p)
+    return _attend(q, k, v, pattern, rho, engine, scale, valid, dropout_p, score_mod)
+
+
+def _check_score_mod(score_mod: Callable, q: Tensor, k: Tensor) -> None:
+    """A callable; a bias must broadcast to the scores; tensors it reads on q's device."""
+    check_score_mod(score_mod)
+    check = getattr(score_mod, "check", None)
+    if check is not None:
+        check((q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    for t in lifted_tensors(score_mod, all_=True):
+        if t.device != q.device:
+            raise ValueError(
+                f"score_mod {score_mod!r} reads a tensor on {t.device}, but q is on "
+                f"{q.device}: move it to the inputs' device"
+            )
 
 
 def _attend(
@@ -320,25 +343,29 @@ def _attend(
     scale: float,
     valid: Tensor | None,
     dropout_p: float,
+    score_mod: Callable | None = None,
 ) -> Tensor:
     """:func:`sparse_attention` on validated inputs with as many key/value heads as query
     heads; ``valid`` (batch, n_k) is True for real keys (the engines' convention)."""
     causal = _full_rows(pattern, q, k) if engine in ("auto", "rows") else None
+    modded = score_mod is not None
     if causal is not None:  # the dense pattern: no n² graph (docs/engines.md, "full rows")
-        if engine == "auto" and q.device.type != "cpu" and not reasons("triton", q, k, v, rho):
+        gpu_map = q.device.type != "cpu" and not reasons("triton", q, k, v, rho, 0.0, modded)
+        if engine == "auto" and gpu_map:
             out = full_rows_entmax(q, k, v, rho, scale, valid, causal)  # sparse maps on a GPU
         else:
-            out = full_rows_attention(q, k, v, rho, scale, valid, dropout_p, causal)
+            out = full_rows_attention(q, k, v, rho, scale, valid, dropout_p, causal, score_mod)
         return _check_overflow(out, scale)
     graph = resolve_graph(pattern, q, k)
     if engine == "auto":
-        engine = choose_engine(graph, q, k, rho, dropout_p)
+        engine = choose_engine(graph, q, k, rho, dropout_p, modded)
     else:
-        reason = unsupported(engine, q, k, v, rho, dropout_p)
+        reason = unsupported(engine, q, k, v, rho, dropout_p, modded)
         if reason is not None:
             raise ValueError(f"engine={engine!r} cannot run this call: {reason}")
+    extra = {} if score_mod is None else {"score_mod": score_mod}
     try:
-        out = ENGINES[engine](q, k, v, graph, rho, scale, valid, dropout_p)
+        out = ENGINES[engine](q, k, v, graph, rho, scale, valid, dropout_p, **extra)
     except NonFiniteScoresError:  # inputs were checked finite: scale · q·k overflowed
         out = q.new_full((1,), math.nan)
     return _check_overflow(out, scale)
@@ -502,6 +529,9 @@ class SparseAttention(nn.Module):
             2019): ``prob_map`` must be α-entmax with α > 1 (e.g. ``"entmax15"``), its α the
             initial value; α_h = 1 + softplus(θ_h) > 1 with θ the parameter ``alpha_logit``
             (H,); :attr:`alpha` reads the current values.
+        score_mod: a score modifier applied in every call (``sparse_attention``), e.g.
+            ``sparseattn.score_mods.alibi(num_heads)``; a :class:`torch.nn.Module` score
+            modifier becomes a submodule (its parameters train with the layer).
 
     Dtypes: x must have the layer's dtype (``.bfloat16()``, ``.half()`` layers work), except
     under ``torch.autocast``, where x of any floating dtype is accepted and the projections
@@ -520,6 +550,7 @@ class SparseAttention(nn.Module):
         bias: bool = True,
         layer_index: int = 0,
         learn_alpha: bool = False,
+        score_mod: Callable | None = None,
     ) -> None:
         super().__init__()
         check_positive("embed_dim", embed_dim)
@@ -528,6 +559,8 @@ class SparseAttention(nn.Module):
         check_probability("dropout", dropout, allow_one=False)
         check_bool("bias", bias)
         check_int("layer_index", layer_index, 0)
+        if score_mod is not None:
+            check_score_mod(score_mod)
         if embed_dim % num_heads:
             raise ValueError(
                 f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})"
@@ -548,6 +581,7 @@ class SparseAttention(nn.Module):
         self.prob_map = resolve_prob_map(prob_map)
         self.engine = engine
         self.dropout = dropout
+        self.score_mod = score_mod
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bias)
         self.out = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.alpha_logit = None
@@ -609,6 +643,7 @@ class SparseAttention(nn.Module):
             engine=self.engine,
             key_padding_mask=key_padding_mask,
             dropout_p=self.dropout if self.training else 0.0,
+            score_mod=self.score_mod,
         )
         return self.out(out.transpose(1, 2).reshape(bsz, n, self.embed_dim))
 

@@ -38,6 +38,7 @@ built once per (graph, block) and cached on the graph object.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,8 @@ from torch.autograd.function import FunctionCtx
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
-from .common import masked_exp, replayed_rng, rng_state
+from ..score_mods import lifted_tensors
+from .common import masked_exp, mod_grads, replayed_rng, rng_state
 from .layout import BlockChunk, block_plan, choose_block
 from .precision import compute_dtype
 
@@ -67,12 +69,40 @@ FLASH_BACKWARD_BLOCK = 64
 class _Runner:
     """What the per-chunk computations need, shared by forward and backward."""
 
-    def __init__(self, plan, prob_map, scale, key_ok, dropout_p, budget, lead, cpu, same_d, dtype):
+    def __init__(self, plan, prob_map, scale, key_ok, dropout_p, budget, lead, fused, dtype):
         self.plan, self.prob_map, self.scale, self.dtype = plan, prob_map, scale, dtype
         self.key_ok, self.dropout_p, self.lead = key_ok, dropout_p, lead
         self.softmax = prob_map.is_softmax
-        self.split = self.softmax and key_ok is None and not dropout_p and cpu and same_d
+        self.split = self.softmax and key_ok is None and not dropout_p and fused
         self.chunks = plan.chunks(lead, budget, self.split)
+        self.score_mod, self.mod_tensors, self.sizes = None, (), (1, 1, 1)
+
+    def with_score_mod(self, score_mod: Callable | None, heads: int, n_q: int, n_k: int):
+        """Apply ``score_mod`` (general path only) to a call with ``heads`` query heads."""
+        if score_mod is not None:
+            assert not self.split, "the split path has no score modifier"
+            self.score_mod, self.mod_tensors = score_mod, lifted_tensors(score_mod)
+            self.sizes = heads, n_q, n_k
+        return self
+
+    def modded(self, s: Tensor, rows: Tensor, keys: Tensor) -> Tensor:
+        """Scores s (L, m, b, C·b) of row blocks ``rows`` (m,) against key blocks ``keys``
+        (m, C) through the score modifier. Riding pair l and graph g = row // nbq are the
+        (batch, head) pair l·G + g; indices in the padding of a last block are clamped (their
+        entries are masked)."""
+        if self.score_mod is None:
+            return s
+        heads, n_q, n_k = self.sizes
+        plan, dev = self.plan, s.device
+        offsets = torch.arange(plan.block, device=dev)
+        bh = torch.arange(s.shape[0], device=dev).view(-1, 1, 1, 1) * plan.graphs
+        bh = bh + (rows // plan.nbq).view(1, -1, 1, 1)
+        q_idx = ((rows % plan.nbq) * plan.block).view(1, -1, 1, 1) + offsets.view(-1, 1)
+        kv_idx = ((keys % plan.nbk) * plan.block).unsqueeze(-1) + offsets
+        kv_idx = kv_idx.view(1, keys.shape[0], 1, -1)
+        return self.score_mod(
+            s, bh // heads, bh % heads, q_idx.clamp_(max=n_q - 1), kv_idx.clamp_(max=n_k - 1)
+        )
 
     # -- helpers ------------------------------------------------------------------------
     def gather(self, x: Tensor, keys: Tensor) -> Tensor:
@@ -139,7 +169,7 @@ class _Runner:
 
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, alpha, run: _Runner) -> Tensor:
+    def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, alpha, run: _Runner, *_):
         ctx.run, ctx.dtype = run, q.dtype
         qp, kp, vp = (_blocked(t, run) for t in (q, k, v))  # in run.dtype (fp32 for half on CPU)
         out = qp.new_empty(*qp.shape[:-1], v.shape[-1])
@@ -160,7 +190,8 @@ class _BlockAttention(torch.autograd.Function):
             keys, blk, ok = run.general_inputs(ch.full, ch.part, ch.keep)
             qs = qp.index_select(1, rows).mul_(run.scale)
             a = None if ap is None else ap.index_select(1, rows)
-            p = run.weights(torch.matmul(qs, run.gather(kp, keys).transpose(-1, -2)), blk, ok, a)
+            s = run.modded(torch.matmul(qs, run.gather(kp, keys).transpose(-1, -2)), rows, keys)
+            p = run.weights(s, blk, ok, a)
             keep = run.keep(p)
             if keep is not None:
                 p = p * keep
@@ -185,6 +216,8 @@ class _BlockAttention(torch.autograd.Function):
         ap = ctx.saved_tensors[3]
         want_alpha = ap is not None and ctx.needs_input_grad[3]
         dap = torch.zeros_like(ap) if want_alpha else None
+        d_mod = [torch.zeros_like(t) for t in run.mod_tensors]
+        modded = run.score_mod is not None
         with replayed_rng(qp.device, ctx.rng if run.dropout_p else None):
             for ch in run.chunks:
                 rows = ch.rows
@@ -193,11 +226,14 @@ class _BlockAttention(torch.autograd.Function):
                 qs = qp.index_select(1, rows).mul_(run.scale)
                 kc, vc = run.gather(kp, keys), run.gather(vp, keys)
                 s = torch.matmul(qs, kc.transpose(-1, -2))
-                if not run.softmax:
+                if modded or not run.softmax:
                     s.requires_grad_()
                 a = None if ap is None else ap.index_select(1, rows).requires_grad_(want_alpha)
                 with torch.enable_grad():
-                    p = run.weights(s, blk, ok, a)
+                    sm = run.modded(s, rows, keys)
+                    # the softmax path works in place: on a copy where autograd needs sm
+                    sm_in = sm.detach().clone() if modded and run.softmax else sm
+                    p = run.weights(sm_in, blk, ok, a)
                 keep = run.keep(p)
                 pd = p.detach() if keep is None else p.detach() * keep
                 go = gp.index_select(1, rows)
@@ -205,18 +241,23 @@ class _BlockAttention(torch.autograd.Function):
                 dp = torch.matmul(go, vc.transpose(-1, -2))
                 if keep is not None:
                     dp.mul_(keep)
+                grads = ()
                 if run.softmax:
                     pp = p.detach()
                     ds = pp * (dp - (pp * dp).sum(-1, keepdim=True))
-                elif want_alpha:
-                    ds, da = torch.autograd.grad(p, (s, a), dp)
-                    dap.index_copy_(1, rows, da)
+                    if modded:
+                        ds, *grads = mod_grads(sm, s, run.mod_tensors, ds)
                 else:
-                    (ds,) = torch.autograd.grad(p, s, dp)
+                    ds, *grads = mod_grads(p, s, run.mod_tensors, dp, (a,) if want_alpha else ())
+                    if want_alpha:
+                        dap.index_copy_(1, rows, grads.pop(0))
+                for acc, g in zip(d_mod, grads, strict=True):
+                    acc += g
                 dq.index_copy_(1, rows, torch.matmul(ds, kc).mul_(run.scale))
                 dk.index_add_(1, flat, _per_block(torch.matmul(ds.transpose(-1, -2), qs), b))
         d_alpha = None if dap is None else _unblock(dap, (*q_shape[:3], 1))
-        return (*_unblocked_grads(ctx.dtype, (dq, dk, dv), ctx.shapes), d_alpha, None)
+        dqkv = _unblocked_grads(ctx.dtype, (dq, dk, dv), ctx.shapes)
+        return (*dqkv, d_alpha, None, *d_mod)
 
 
 def _unblocked_grads(dtype: torch.dtype, grads, shapes) -> tuple[Tensor, ...]:
@@ -411,6 +452,7 @@ def block_attention(
     dropout_p: float = 0.0,
     block: int | None = None,
     budget: int | None = None,
+    score_mod: Callable | None = None,
 ) -> Tensor:
     """Block-sparse attention, Yun eq. (3) (same contract as ``dense_attention``).
 
@@ -425,6 +467,7 @@ def block_attention(
         block: block size (16–128 are sensible); None picks one by :func:`choose_block`.
         budget: most score entries per chunk (a single row block may exceed it); None:
             ``BUDGET`` for the inputs' device type.
+        score_mod: a score modifier (``sparse_attention``); the general path applies it.
     Returns:
         (B, H, n_q, d_v).
     """
@@ -450,8 +493,8 @@ def block_attention(
         dropout_p,
         budget,
         lead,
-        q.device.type == "cpu",
-        q.shape[-1] == v.shape[-1],
+        q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and score_mod is None,
         compute_dtype(q),
-    )
-    return _BlockAttention.apply(q, k, v, prob_map.row_alpha(bsz, heads, q.shape[2]), run)
+    ).with_score_mod(score_mod, heads, q.shape[2], k.shape[2])
+    alpha = prob_map.row_alpha(bsz, heads, q.shape[2])
+    return _BlockAttention.apply(q, k, v, alpha, run, *run.mod_tensors)

@@ -59,6 +59,7 @@ class Request:
         dropout: dropout on the attention weights (p > 0).
         row_alpha: ρ is α-entmax with a tensor α (one per head or row).
         gqa: k and v have fewer heads than q (grouped-query attention).
+        score_mod: a score modifier (``sparseattn.score_mods``) applies to the scores.
     """
 
     device: str
@@ -68,6 +69,7 @@ class Request:
     dropout: bool = False
     row_alpha: bool = False
     gqa: bool = False
+    score_mod: bool = False
 
     @classmethod
     def of(
@@ -77,6 +79,7 @@ class Request:
         v: Tensor,
         prob_map: ProbabilityMap | None,
         dropout_p: float = 0.0,
+        score_mod: bool = False,
     ) -> Request:
         """The request of a call with q (B, H, n_q, d), k (B, H_kv, n_k, d), v like k."""
         return cls(
@@ -87,6 +90,7 @@ class Request:
             dropout=dropout_p > 0,
             row_alpha=prob_map is not None and prob_map.alpha is not None,
             gqa=k.shape[1] != q.shape[1],
+            score_mod=score_mod,
         )
 
 
@@ -105,6 +109,7 @@ class EngineSpec:
         dropout: it applies dropout to the attention weights.
         row_alpha: it takes α-entmax with a tensor α.
         gqa: it takes k, v with fewer heads than q itself (else they are repeated first).
+        score_mod: it applies a score modifier (keyword ``score_mod`` of ``run``).
         available: None when what it needs is here (a compiler, a package), else why not.
         refuses: a finer check on the tensors themselves (head dims, shapes), consulted once
             the declared capabilities allow the call: None, or why not.
@@ -120,6 +125,7 @@ class EngineSpec:
     dropout: bool = True
     row_alpha: bool = False
     gqa: bool = False
+    score_mod: bool = True
     available: Callable[[], str | None] = lambda: None
     refuses: Callable[..., str | None] | None = None
 
@@ -139,6 +145,8 @@ class EngineSpec:
             reasons.append("it has no attention dropout")
         if req.row_alpha and not self.row_alpha:
             reasons.append("it does not take a tensor α (alpha: one per head or row)")
+        if req.score_mod and not self.score_mod:
+            reasons.append("it does not apply score modifiers (score_mod)")
         missing = self.available()
         if missing is not None:
             reasons.append(missing)
@@ -191,6 +199,7 @@ SPECS: dict[str, EngineSpec] = {
             maps=triton_map_reason,
             dropout=False,
             gqa=True,
+            score_mod=False,
             available=_triton_available,
             refuses=triton_entmax_unsupported,
         ),
@@ -208,11 +217,12 @@ def reasons(
     v: Tensor,
     prob_map: ProbabilityMap | None,
     dropout_p: float = 0.0,
+    score_mod: bool = False,
 ) -> list[str]:
     """Why ``engine`` cannot compute this call: its declared reasons, then (if none) its finer
     check on the tensors; empty when it can."""
     spec = SPECS[engine]
-    found = spec.not_supported_reasons(Request.of(q, k, v, prob_map, dropout_p))
+    found = spec.not_supported_reasons(Request.of(q, k, v, prob_map, dropout_p, score_mod))
     if not found and spec.refuses is not None:
         finer = spec.refuses(q, k, v, prob_map, dropout_p)
         found = [] if finer is None else [finer]
@@ -226,6 +236,7 @@ def unsupported(
     v: Tensor,
     prob_map: ProbabilityMap | None,
     dropout_p: float = 0.0,
+    score_mod: bool = False,
 ) -> str | None:
     """None if ``engine`` can compute this call, else why not (its reasons, joined)."""
-    return "; ".join(reasons(engine, q, k, v, prob_map, dropout_p)) or None
+    return "; ".join(reasons(engine, q, k, v, prob_map, dropout_p, score_mod)) or None

@@ -4,6 +4,8 @@
   draw them again from the RNG state saved before the forward's draws (block, gather, rows).
 * :func:`masked_exp`: exp(scores − shift) under 0/1 masks without evaluating −inf or an
   underflowing exp (block, gather).
+* :func:`grid_indices` and :func:`mod_grads`: a score modifier's indices for a grid of scores,
+  and its backward in the engines that recompute scores (dense, rows, block, gather).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-__all__ = ["masked_exp", "replayed_rng", "rng_state"]
+__all__ = ["grid_indices", "masked_exp", "mod_grads", "replayed_rng", "rng_state"]
 
 
 def rng_state(device: torch.device) -> Tensor:
@@ -71,3 +73,25 @@ def masked_exp(s: Tensor, masks: list[Tensor], lse: Tensor | None):
     if mx is None:
         return p, None, None
     return p, mx.squeeze(-1), p.sum(-1)
+
+
+def grid_indices(
+    bsz: int, heads: int, q_idx: Tensor, n_k: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A score modifier's (b, h, q_idx, kv_idx) for scores (B, H, m, n_k) of the queries
+    ``q_idx`` (m,) against keys 0…n_k − 1: (B, 1, 1, 1), (1, H, 1, 1), (m, 1), (n_k,)."""
+    b = torch.arange(bsz, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    return b, h, q_idx.view(-1, 1), torch.arange(n_k, device=device)
+
+
+def mod_grads(
+    out: Tensor, s: Tensor, tensors: tuple[Tensor, ...], grad: Tensor, extra: tuple = ()
+) -> tuple[Tensor, ...]:
+    """Backward through a recomputed chunk whose scores ``s`` (requiring grad) went through a
+    score modifier to ``out``: (d s, *d extra, *d tensors) for the upstream ``grad`` of
+    ``out``; the modifier's tensors (:func:`sparseattn.score_mods.lifted_tensors`) the
+    modifier did not read get zeros."""
+    inputs = (s, *extra, *tensors)
+    grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))

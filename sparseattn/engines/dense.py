@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
+from .common import grid_indices
 from .precision import compute_dtype
 
 __all__ = ["dense_attention"]
@@ -21,16 +25,18 @@ def dense_attention(
     scale: float,
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
+    score_mod: Callable | None = None,
 ) -> Tensor:
-    """out_i = Σ_{j ∈ A_i} ρ(scale · q_i·k_j)_j v_j over a dense mask (Yun eq. 3).
+    """out_i = Σ_{j ∈ A_i} ρ(score_mod(scale · q_i·k_j))_j v_j over a dense mask (Yun eq. 3).
 
     Shapes: q (B, H, n_q, d), k (B, H, n_k, d), v (B, H, n_k, d_v) → (B, H, n_q, d_v);
-    ``key_padding_mask`` (B, n_k), True for real keys.
+    ``key_padding_mask`` (B, n_k), True for real keys; ``score_mod`` as in
+    ``sparse_attention`` (autograd reaches what it reads).
     """
     mask = graph.to(q.device).to_dense()  # the device copy is cached: no host → device copy
     if mask.dim() < q.dim():  # SDPA on CPU runs a 3-D (H, n_q, n_k) mask ~3x slower than
         mask = mask.reshape((1,) * (q.dim() - mask.dim()) + mask.shape)  # (1, H, n_q, n_k)
-    if key_padding_mask is None and prob_map.is_softmax:
+    if key_padding_mask is None and prob_map.is_softmax and score_mod is None:
         # every row has a key (checked by the API), so SDPA's fused kernel is exact here
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale
@@ -39,6 +45,10 @@ def dense_attention(
         mask = mask & key_padding_mask[:, None, None, :]
     dtype = compute_dtype(q)  # half precision on CPU: float32 scores and weights
     scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
+    if score_mod is not None:
+        bsz, heads, n_q, n_k = scores.shape
+        rows = torch.arange(n_q, device=q.device)
+        scores = score_mod(scores, *grid_indices(bsz, heads, rows, n_k, q.device))
     weights = prob_map(scores, mask)
     if dropout_p:
         weights = F.dropout(weights, dropout_p)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import shutil
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -234,6 +235,7 @@ def flex_attention_engine(
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     block: int = FLEX_BLOCK,
+    score_mod: Callable | None = None,
 ) -> Tensor:
     """Softmax attention on the graph with compiled FlexAttention (same contract as
     ``dense_attention``; Yun eq. 3 with ρ = softmax).
@@ -241,13 +243,14 @@ def flex_attention_engine(
     The BlockMask has the graph's leading shape (size-1 dims broadcast over q's batch and
     heads); without key padding it is cached on the graph per (block, device). k and v may
     have fewer heads than q (grouped-query attention, FlexAttention's ``enable_gqa``).
+    ``score_mod`` is FlexAttention's own (the same convention), compiled into the kernel.
     Raises:
         ValueError: when FlexAttention cannot compute the request (the reasons of
             :mod:`sparseattn.engines.capabilities`).
     """
     from .capabilities import unsupported
 
-    reason = unsupported("flex", q, k, v, prob_map, dropout_p)
+    reason = unsupported("flex", q, k, v, prob_map, dropout_p, score_mod is not None)
     if reason is not None:
         raise ValueError(f"engine='flex' cannot run this call: {reason}; use engine='block'")
     # the BlockMask keeps the graph's own leading shape; its size-1 dims broadcast over q's
@@ -263,8 +266,16 @@ def flex_attention_engine(
     # tables: one kernel per (shape, table bucket); allow more than dynamo's default 8
     # recompiles, past which torch silently runs an unfused O(n²) implementation
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
-        out = _compiled(generic)(
-            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        # a score_mod's Python constants (softcap's c) fail as dynamic floats: one kernel
+        # per shape there
+        out = _compiled(generic and score_mod is None)(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
         )
     if key_padding_mask is not None:  # rows whose keys are all padding: zeros (maps' rule)
         out = out.nan_to_num(0.0)

@@ -18,13 +18,16 @@ saved RNG state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
-from .common import masked_exp, replayed_rng, rng_state
+from ..score_mods import lifted_tensors
+from .common import masked_exp, mod_grads, replayed_rng, rng_state
 from .precision import compute_dtype
 
 __all__ = ["gather_attention", "chunk_rows", "PIECE"]
@@ -111,6 +114,8 @@ class _Run:
     ):
         self.prob_map, self.scale, self.key_ok, self.dropout_p = prob_map, scale, key_ok, dropout_p
         self.softmax = prob_map.is_softmax
+        self.static, self.n_q, self.n_k = static, n_q, n_k
+        self.score_mod, self.heads, self.mod_tensors = None, 1, ()
         self.chunks = _chunks(graph, static, n_q, n_k, max(1, budget // b), device)
         self.most = max((i.numel() for _, i, _ in self.chunks), default=0)
 
@@ -127,6 +132,27 @@ class _Run:
             return valid.unsqueeze(0)
         return valid & self.key_ok.index_select(1, idx.reshape(-1)).view(-1, *idx.shape)
 
+    def with_score_mod(self, score_mod: Callable | None, heads: int) -> _Run:
+        """Apply ``score_mod`` to the scores of a call with ``heads`` query heads."""
+        if score_mod is not None:
+            self.score_mod, self.heads = score_mod, heads
+            self.mod_tensors = lifted_tensors(score_mod)
+        return self
+
+    def modded(self, s: Tensor, rows: Tensor, idx: Tensor) -> Tensor:
+        """Scores s (b, m, K) of the chunk's rows through the score modifier. A static graph:
+        the leading axis is (batch, head), rows are queries; a batched one: rows flatten
+        (batch, head, query) and idx reads keys bh·n_k + j."""
+        if self.score_mod is None:
+            return s
+        if self.static:
+            bh = torch.arange(s.shape[0], device=s.device).view(-1, 1, 1)
+            q_idx, kv_idx = rows.view(1, -1, 1), idx.unsqueeze(0)
+        else:
+            bh = (rows // self.n_q).view(1, -1, 1)
+            q_idx, kv_idx = (rows % self.n_q).view(1, -1, 1), (idx % self.n_k).unsqueeze(0)
+        return self.score_mod(s, bh // self.heads, bh % self.heads, q_idx, kv_idx)
+
     def weights(self, s: Tensor, valid: Tensor) -> Tensor:
         if self.softmax:
             p, _, total = masked_exp(s, [valid.to(s.dtype)], None)
@@ -141,7 +167,7 @@ class _Run:
 
 class _GatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, q_src: Tensor, k_src: Tensor, v_src: Tensor, run: _Run):
+    def forward(ctx: FunctionCtx, q_src: Tensor, k_src: Tensor, v_src: Tensor, run: _Run, *_):
         ctx.run = run
         if run.dropout_p:
             ctx.rng = rng_state(q_src.device)
@@ -151,7 +177,7 @@ class _GatherAttention(torch.autograd.Function):
         for rows, idx, valid in run.chunks:
             qc = q_src.index_select(1, rows).mul_(run.scale).unsqueeze(-2)  # (b, m, 1, d)
             s = torch.matmul(qc, run.gather(k_src, idx, kbuf).transpose(-1, -2)).squeeze(-2)
-            p = run.weights(s, run.mask(idx, valid))
+            p = run.weights(run.modded(s, rows, idx), run.mask(idx, valid))
             keep = run.keep(p)
             if keep is not None:
                 p = p * keep
@@ -166,6 +192,8 @@ class _GatherAttention(torch.autograd.Function):
         b, d, d_v = q_src.shape[0], q_src.shape[-1], v_src.shape[-1]
         kbuf, vbuf = q_src.new_empty(b * run.most * d), q_src.new_empty(b * run.most * d_v)
         dq, dk, dv = torch.zeros_like(q_src), torch.zeros_like(k_src), torch.zeros_like(v_src)
+        d_mod = [torch.zeros_like(t) for t in run.mod_tensors]
+        modded = run.score_mod is not None
         with replayed_rng(q_src.device, ctx.rng if run.dropout_p else None):
             for rows, idx, valid in run.chunks:
                 flat = idx.reshape(-1)
@@ -173,10 +201,13 @@ class _GatherAttention(torch.autograd.Function):
                 kk = run.gather(k_src, idx, kbuf)
                 vv = run.gather(v_src, idx, vbuf)
                 s = torch.matmul(qc.unsqueeze(-2), kk.transpose(-1, -2)).squeeze(-2)
-                if not run.softmax:
+                if modded or not run.softmax:
                     s.requires_grad_()
                 with torch.enable_grad():
-                    p = run.weights(s, run.mask(idx, valid))
+                    sm = run.modded(s, rows, idx)
+                    # the softmax path works in place: on a copy where autograd needs sm
+                    sm_in = sm.detach().clone() if modded and run.softmax else sm
+                    p = run.weights(sm_in, run.mask(idx, valid))
                 keep = run.keep(p)
                 pd = p.detach() if keep is None else p.detach() * keep
                 go = grad_out.index_select(1, rows)  # (b, m, d_v)
@@ -187,11 +218,15 @@ class _GatherAttention(torch.autograd.Function):
                 if run.softmax:
                     pp = p.detach()
                     ds = pp * (dp - (pp * dp).sum(-1, keepdim=True))
+                    if modded:
+                        ds, *grads = mod_grads(sm, s, run.mod_tensors, ds)
                 else:
-                    (ds,) = torch.autograd.grad(p, s, dp)
+                    ds, *grads = mod_grads(p, s, run.mod_tensors, dp)
+                for acc, g in zip(d_mod, grads if modded else (), strict=True):
+                    acc += g
                 dq.index_copy_(1, rows, _weighted_sum(ds, kk).mul_(run.scale))
                 dk.index_add_(1, flat, (ds.unsqueeze(-1) * qc.unsqueeze(-2)).reshape(b, -1, d))
-        return dq, dk, dv, None
+        return dq, dk, dv, None, *d_mod
 
 
 def gather_attention(
@@ -204,6 +239,7 @@ def gather_attention(
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     budget: int | None = None,
+    score_mod: Callable | None = None,
 ) -> Tensor:
     """Sparse attention over neighbour lists (same contract as ``dense_attention``).
 
@@ -225,11 +261,13 @@ def gather_attention(
         key_ok = key_padding_mask.to(q.device).repeat_interleave(heads, 0).reshape(b, -1)
     budget = BUDGET.get(q.device.type, BUDGET["cuda"]) if budget is None else budget
     run = _Run(graph, static, n_q, n_k, b, budget, prob_map, scale, key_ok, dropout_p, q.device)
+    run = run.with_score_mod(score_mod, heads)
     dtype = compute_dtype(q)  # half precision on CPU: float32 inside (docs/engines.md)
     out = _GatherAttention.apply(
         q.reshape(b, -1, d).to(dtype),
         k.reshape(b, -1, d).to(dtype),
         v.reshape(b, -1, d_v).to(dtype),
         run,
+        *run.mod_tensors,
     )
     return out.reshape(bsz, heads, n_q, d_v).to(q.dtype)

@@ -22,6 +22,8 @@ torch's fused SDPA instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -29,7 +31,8 @@ from torch.autograd.function import FunctionCtx
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
-from .common import replayed_rng, rng_state
+from ..score_mods import lifted_tensors
+from .common import grid_indices, mod_grads, replayed_rng, rng_state
 from .precision import compute_dtype
 
 __all__ = ["full_rows_attention", "rows_attention"]
@@ -43,8 +46,12 @@ BUDGET = {"cpu": 1 << 21, "cuda": 1 << 25}
 class _Run:
     """The chunks and what each needs, shared by forward and backward."""
 
-    def __init__(self, q, k, graph, prob_map, scale, key_padding_mask, dropout_p, causal, budget):
+    def __init__(
+        self, q, k, graph, prob_map, scale, key_padding_mask, dropout_p, causal, budget, score_mod
+    ):
         bsz, heads, n_q, _ = q.shape
+        self.score_mod = score_mod
+        self.mod_tensors = () if score_mod is None else lifted_tensors(score_mod)
         self.n_k, self.shape = k.shape[-2], (bsz, heads)
         self.prob_map, self.scale, self.dropout_p, self.causal = prob_map, scale, dropout_p, causal
         self.offset = self.n_k - n_q if causal else 0  # query i sits at position offset + i
@@ -91,6 +98,13 @@ class _Run:
         mask[torch.arange(rows.numel(), device=dev)[:, None].expand_as(idx)[ok], idx[ok]] = True
         return mask.view(*graph.batch_shape, i1 - i0, self.n_k)
 
+    def modded(self, s: Tensor, i0: int) -> Tensor:
+        """The chunk's scores (B, H, m, keys) of queries i0… through the score modifier."""
+        if self.score_mod is None:
+            return s
+        rows = torch.arange(i0, i0 + s.shape[-2], device=s.device)
+        return self.score_mod(s, *grid_indices(*self.shape, rows, s.shape[-1], s.device))
+
     def map(self, alpha: Tensor | None, i0: int, i1: int) -> ProbabilityMap:
         return self.prob_map if alpha is None else self.prob_map.with_alpha(alpha[:, :, i0:i1])
 
@@ -104,7 +118,7 @@ class _Run:
 class _RowsAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, alpha: Tensor | None, run: _Run
+        ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, alpha: Tensor | None, run: _Run, *_
     ) -> Tensor:
         ctx.run = run
         if run.dropout_p:
@@ -118,6 +132,7 @@ class _RowsAttention(torch.autograd.Function):
             nk = run.keys(i1)
             s = buf[: q.shape[0] * q.shape[1] * (i1 - i0) * nk].view(*q.shape[:2], i1 - i0, nk)
             torch.matmul(q[:, :, i0:i1] * run.scale, k[:, :, :nk].transpose(-1, -2), out=s)
+            s = run.modded(s, i0)
             p = run.map(alpha, i0, i1).forward_only(s, run.valid(i0, i1, q.device))
             keep = run.keep(p)
             if keep is not None:
@@ -133,6 +148,7 @@ class _RowsAttention(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         want_alpha = alpha is not None and ctx.needs_input_grad[3]
         d_alpha = torch.zeros_like(alpha) if want_alpha else None
+        d_mod = [torch.zeros_like(t) for t in run.mod_tensors]
         with replayed_rng(q.device, ctx.rng if run.dropout_p else None):
             for i0, i1 in run.chunks:
                 nk = run.keys(i1)
@@ -144,7 +160,8 @@ class _RowsAttention(torch.autograd.Function):
                 rho = run.prob_map if a is None else run.prob_map.with_alpha(a)
                 valid = run.valid(i0, i1, q.device)
                 with torch.enable_grad():
-                    p = rho(s) if valid is None else rho(s, valid)
+                    sm = run.modded(s, i0)
+                    p = rho(sm) if valid is None else rho(sm, valid)
                 keep = run.keep(p)
                 pd = p.detach() if keep is None else p.detach() * keep
                 go = grad_out[:, :, i0:i1]
@@ -152,13 +169,15 @@ class _RowsAttention(torch.autograd.Function):
                 dp = torch.matmul(go, vc.transpose(-1, -2))
                 if keep is not None:
                     dp.mul_(keep)
-                grads = torch.autograd.grad(p, (s, a) if want_alpha else (s,), dp)
-                ds = grads[0]
+                extra = (a,) if want_alpha else ()
+                ds, *grads = mod_grads(p, s, run.mod_tensors, dp, extra)
                 if want_alpha:
-                    d_alpha[:, :, i0:i1] = grads[1]
+                    d_alpha[:, :, i0:i1] = grads.pop(0)
+                for acc, g in zip(d_mod, grads, strict=True):
+                    acc += g
                 dq[:, :, i0:i1] = torch.matmul(ds, kc).mul_(run.scale)
                 dk[:, :, :nk] += torch.matmul(ds.transpose(-1, -2), qs)
-        return dq, dk, dv, d_alpha, None
+        return dq, dk, dv, d_alpha, None, *d_mod
 
 
 def rows_attention(
@@ -172,6 +191,7 @@ def rows_attention(
     dropout_p: float = 0.0,
     causal: bool = False,
     budget: int | None = None,
+    score_mod: Callable | None = None,
 ) -> Tensor:
     """Full-row attention in chunks of queries, Yun eq. (3) with A_i = all keys (or a graph).
 
@@ -189,6 +209,8 @@ def rows_attention(
             keys j ≤ n_k − n_q + i.
         budget: most score entries per chunk (at least one query row per chunk); None:
             ``BUDGET`` for the inputs' device type.
+        score_mod: a score modifier applied to each chunk's scores (``sparse_attention``);
+            q_idx indexes q (queries at an offset included).
     Returns:
         (B, H, n_q, d_v).
     """
@@ -201,8 +223,8 @@ def rows_attention(
         alpha = alpha.to(dtype)
     kpm = None if key_padding_mask is None else key_padding_mask.to(q.device)
     budget = BUDGET.get(q.device.type, BUDGET["cuda"]) if budget is None else budget
-    run = _Run(q, k, graph, prob_map, scale, kpm, dropout_p, causal, budget)
-    out = _RowsAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), alpha, run)
+    run = _Run(q, k, graph, prob_map, scale, kpm, dropout_p, causal, budget, score_mod)
+    out = _RowsAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), alpha, run, *run.mod_tensors)
     return out.to(q.dtype)
 
 
@@ -215,19 +237,22 @@ def full_rows_attention(
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     causal: bool = False,
+    score_mod: Callable | None = None,
 ) -> Tensor:
     """The dense pattern (all keys, or j ≤ i when ``causal``, queries at an offset when
     n_q < n_k) without building its graph.
 
     Softmax goes to torch's fused ``scaled_dot_product_attention`` (a batch whose keys are all
     padding gets a zero output, as on every engine), except causal rows at an offset (SDPA's
-    ``is_causal`` aligns the triangle top-left); any other map to :func:`rows_attention`.
-    Shapes as :func:`rows_attention`.
+    ``is_causal`` aligns the triangle top-left) and calls with a ``score_mod``; any other map
+    to :func:`rows_attention`. Shapes as :func:`rows_attention`.
     """
-    softmax = prob_map.is_softmax
+    softmax = prob_map.is_softmax and score_mod is None
     offset = causal and q.shape[-2] != k.shape[-2]
     if not softmax or offset or (causal and key_padding_mask is not None):
-        return rows_attention(q, k, v, None, prob_map, scale, key_padding_mask, dropout_p, causal)
+        return rows_attention(
+            q, k, v, None, prob_map, scale, key_padding_mask, dropout_p, causal, None, score_mod
+        )
     if key_padding_mask is None:
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale
