@@ -1,6 +1,6 @@
 """sparseattn: sparse attention for PyTorch — patterns, probability maps, engines, one data path."""
 
-from . import maps, patterns
+from . import maps, patterns, score_mods
 from .attention import SparseAttention, attention_weights, sparse_attention
 from .graph import AttentionGraph
 from .maps import ProbabilityMap, entmax, hardmax, softmax, sparselin_gen, sparsemax
@@ -55,6 +55,7 @@ __all__ = [
     "patterns",
     "random",
     "random_blocks",
+    "score_mods",
     "sliding_window",
     "softmax",
     "sparse_attention",

@@ -69,14 +69,13 @@ class _Bias(ScoreMod):
         self.tensors = (self.t,)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
-        idx = tuple(
-            i if size > 1 else 0 for i, size in zip((b, h, q_idx, kv_idx), self.t.shape)
-        )
+        pairs = zip((b, h, q_idx, kv_idx), self.t.shape, strict=True)
+        idx = tuple(i if size > 1 else 0 for i, size in pairs)
         return score + self.t[idx].to(score.dtype)
 
     def check(self, shape: tuple[int, int, int, int]) -> None:
         """Raise unless the bias broadcasts to the scores' (batch, heads, n_q, n_k)."""
-        if any(s not in (1, want) for s, want in zip(self.t.shape, shape)):
+        if any(s not in (1, want) for s, want in zip(self.t.shape, shape, strict=True)):
             raise ValueError(
                 f"bias of shape {tuple(self.t.shape)} does not broadcast to (batch, heads, "
                 f"n_q, n_k) = {shape}"

@@ -94,4 +94,5 @@ def mod_grads(
     modifier did not read get zeros."""
     inputs = (s, *extra, *tensors)
     grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
-    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
+    pairs = zip(grads, inputs, strict=True)
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in pairs)

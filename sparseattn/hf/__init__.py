@@ -5,7 +5,11 @@ transformers model whose attention modules dispatch through ``transformers.Atten
 by Yun et al. eq. (3), out_i = Σ_{j ∈ A_i} ρ(scale · q_i·k_j)_j v_j, computed by
 :func:`sparseattn.sparse_attention` or by any method with its signature. Tested (transformers
 5.24) on BERT, RoBERTa, DistilBERT (MiniLM is a BERT), ModernBERT, and the decoders Llama,
-Qwen2, Qwen3, Mistral, GPT-2 and GPT-NeoX, including ``model.generate()`` with its KV cache.
+Qwen2, Qwen3, Mistral, GPT-2 and GPT-NeoX, including ``model.generate()`` with its KV cache,
+and the models that modify their scores: Gemma 2 (logit soft-capping) and T5 (relative position
+bias), whose modifiers reach ``sparse_attention(score_mod=)`` (:mod:`sparseattn.score_mods`);
+in encoder–decoders (T5, BART) the cross-attention stays exact and ``layer_names(model)`` says
+which module each ``layers=`` index is.
 It uses transformers' public extension points only:
 
 * ``transformers.AttentionInterface.register("sparseattn", fn)`` and
@@ -55,7 +59,7 @@ from ..kvcache import evictable_extent
 from ..minilm import encode, load_minilm, mean_pool
 from .cache import window_cache
 from .capture import attention_sparsity, capture_attention
-from .registry import layer_specs, restore, sparsify
+from .registry import layer_names, layer_specs, restore, sparsify
 from .state import ATTN_NAME, VALUE_PROJECTIONS, AttentionRecord, LayerContext, LayerSpec
 
 # transformers itself is imported on first use (it is slow to import); its absence is an
@@ -72,6 +76,7 @@ __all__ = [
     "capture_attention",
     "encode",
     "evictable_extent",
+    "layer_names",
     "layer_specs",
     "load_minilm",
     "mean_pool",

@@ -109,12 +109,14 @@ def nonzero_weights(
     scale: float,
     n_q: int,
     enable_gqa: bool = False,
+    score_mod=None,
 ) -> float:
     """How many weights of a sparse map are non-zero among real queries: the layer's engine
     run once more under no_grad with ρ's support indicator and values of ones, (B, ·, n_k, 1),
     so that each query's output is its count (in float32: exact up to 2²⁴). q, k and
     ``target`` (pattern or graph) as the layer's call passes them (``enable_gqa`` where k has
-    fewer heads); n_q the layer's query length. Autocast is switched off: the counts stay
+    fewer heads); n_q the layer's query length; ``score_mod`` the model's score modifier.
+    Autocast is switched off: the counts stay
     float32."""
     device = q.device.type
     no_autocast = (
@@ -134,6 +136,7 @@ def nonzero_weights(
             scale=scale,
             key_padding_mask=None if view.kpm is None else ~view.kpm,
             enable_gqa=enable_gqa,
+            score_mod=score_mod,
         )
     counts = counts.reshape(counts.shape[0], -1, n_q)
     if view.kpm is not None:

@@ -6,6 +6,10 @@ laid over the real tokens, grouped-query k and v handed over unrepeated where th
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -14,6 +18,7 @@ from ..graph import AttentionGraph
 from ..maps import softmax
 from ..patterns import Causal, Pattern, dense
 from ..patterns.fixed import Dense
+from ..score_mods import bias, chain, softcap
 from .accounting import account, nonzero_weights
 from .mask import MaskView, mask_view
 from .state import AttentionRecord, Capture, LayerContext, LayerSpec
@@ -124,6 +129,7 @@ def _record(
     kpm: Tensor | None,
     spec: LayerSpec,
     scale: float,
+    score_mod: Callable | None = None,
 ) -> None:
     n_k = k.shape[-2]
     allowed = graph.to_dense().to(q.device)
@@ -133,12 +139,82 @@ def _record(
     allowed = allowed & kpm[:, None, None, :]
     with torch.no_grad():
         scores = (q @ k.transpose(-1, -2)) * scale
+        if score_mod is not None:
+            from ..engines.common import grid_indices
+
+            rows = torch.arange(q.shape[-2], device=q.device)
+            scores = score_mod(scores, *grid_indices(*q.shape[:2], rows, n_k, q.device))
         probs = spec.prob_map(scores, allowed)
     record = AttentionRecord(layer, q.detach(), k.detach(), scores, probs, allowed, ~kpm)
     if capture.callback is None:
         capture.records.append(record)
     else:
         capture.callback(record)
+
+
+@functools.lru_cache(maxsize=64)
+def _softcap(cap: float):
+    """One modifier object per cap value: a compiled engine (flex) then compiles it once."""
+    return softcap(cap)
+
+
+def model_score_mod(kwargs: dict) -> Callable | None:
+    """The score modifiers a model passes its attention kernel, as one ``score_mod``: Gemma 2's
+    logit soft-capping (``softcap``), then T5's additive relative position bias
+    (``position_bias``, (1 or batch, heads, n_q, n_k)), in the order of their eager code."""
+    mods = []
+    if kwargs.get("softcap") is not None:
+        mods.append(_softcap(float(kwargs["softcap"])))
+    if kwargs.get("position_bias") is not None:
+        mods.append(bias(kwargs["position_bias"]))
+    if len(mods) < 2:
+        return mods[0] if mods else None
+    return chain(*mods)
+
+
+def _takes_score_mod(method: Callable) -> bool:
+    if method is sparse_attention:
+        return True
+    try:
+        return "score_mod" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def eager_attention(
+    module: nn.Module,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    score_mod: Callable,
+    causal: bool,
+) -> Tensor:
+    """Exact attention with a score modifier, as the models' eager code computes it: scaled
+    scores, modified, plus the model's mask (bool: True = attend; float: added; None and
+    ``causal``: keys j ≤ n_k − n_q + i), softmax in float32. q (batch, heads, n_q, d), k and
+    v (batch, kv_heads, n_k, d) → (batch, n_q, heads, d). For the layers ``sparsify`` leaves
+    exact (and cross-attention)."""
+    from ..engines.common import grid_indices
+
+    k, v = _expand_kv(q, k, v)
+    scale = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    rows = torch.arange(q.shape[-2], device=q.device)
+    s = score_mod(s, *grid_indices(q.shape[0], q.shape[1], rows, k.shape[-2], q.device))
+    if attention_mask is None and causal:
+        n_q, n_k = s.shape[-2:]
+        attention_mask = torch.ones(n_q, n_k, dtype=torch.bool, device=s.device).tril(n_k - n_q)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            s = s.masked_fill(~attention_mask, float("-inf"))
+        else:
+            s = s + attention_mask
+    p = torch.softmax(s, -1, dtype=torch.float32).to(q.dtype)
+    p = nn.functional.dropout(p, dropout, training=module.training)
+    return torch.matmul(p, v).transpose(1, 2).contiguous()
 
 
 def _is_causal(module: nn.Module, kwargs: dict) -> bool:
@@ -164,11 +240,18 @@ def attention_forward(
     Non-configured layers run torch SDPA (exact) unless attention is being captured."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    for unsupported in ("position_bias", "softcap", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"sparseattn attention does not support {unsupported!r}")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("sparseattn attention does not support attention sinks ('s_aux')")
+    score_mod = model_score_mod(kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "position_bias")}
     hook = module.__dict__.get("_sparseattn")
-    if hook is None:  # an attention module sparsify did not configure
+    if hook is None:  # an attention module sparsify did not configure (cross-attention)
+        if score_mod is not None:
+            causal = _is_causal(module, kwargs)
+            out = eager_attention(
+                module, query, key, value, attention_mask, scaling, dropout, score_mod, causal
+            )
+            return out, None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -183,12 +266,26 @@ def attention_forward(
     if spec is None and not capturing:
         edges = account(state, layer, None, query, key, view, _EXACT)
         state.nonzero[layer] = state.nonzero.get(layer, 0.0) + edges
+        if score_mod is not None:
+            causal = _is_causal(module, kwargs)
+            out = eager_attention(
+                module, query, key, value, attention_mask, scaling, dropout, score_mod, causal
+            )
+            return out, None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     spec = spec or _EXACT
+    if score_mod is not None:
+        if not _takes_score_mod(spec.method):
+            raise ValueError(
+                f"layer {layer}: this model modifies its attention scores ({score_mod!r}), "
+                f"which method {spec.method!r} does not take (it has no score_mod argument)"
+            )
+        extra = {"score_mod": score_mod}
+    else:
+        extra = {}
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    extra = {}
     if spec.wants_context:
         if key.shape[1] != query.shape[1]:
             raise ValueError(
@@ -219,8 +316,10 @@ def attention_forward(
     if spec.prob_map.sparse and spec.method is sparse_attention:  # exact zeros of the map
         target = graph if free is None else free
         gqa = extra.get("enable_gqa", False)
-        edges = nonzero_weights(spec, query, key, target, view, scale, query.shape[-2], gqa)
+        edges = nonzero_weights(
+            spec, query, key, target, view, scale, query.shape[-2], gqa, score_mod
+        )
     state.nonzero[layer] = state.nonzero.get(layer, 0.0) + edges
     if capturing:
-        _record(capture, layer, graph, query, key, view.kpm, spec, scale)
+        _record(capture, layer, graph, query, key, view.kpm, spec, scale, score_mod)
     return out.transpose(1, 2).contiguous(), None

@@ -29,7 +29,7 @@ from .state import (
     model_state,
 )
 
-__all__ = ["attention_modules", "layer_specs", "restore", "sparsify"]
+__all__ = ["attention_modules", "layer_names", "layer_specs", "restore", "sparsify"]
 
 
 @functools.cache
@@ -41,22 +41,44 @@ def _dispatches(cls: type) -> bool:
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
-def _is_cross_attention(module: nn.Module) -> bool:
-    return bool(getattr(module, "is_cross_attention", False)) or (
-        "CrossAttention" in type(module).__name__
+#: Attribute names under which encoder–decoder models keep their cross-attention modules
+#: (T5 ``EncDecAttention``, BART/Whisper/Marian ``encoder_attn``, BERT decoders
+#: ``crossattention``), lower-cased: the same class serves self- and cross-attention there.
+_CROSS_NAMES = ("encdecattention", "encoder_attn", "crossattention", "cross_attn")
+
+
+def _is_cross_attention(name: str, module: nn.Module) -> bool:
+    return (
+        bool(getattr(module, "is_cross_attention", False))
+        or "CrossAttention" in type(module).__name__
+        or name.rsplit(".", 1)[-1].lower() in _CROSS_NAMES
     )
+
+
+def _named_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    if not hasattr(model, "set_attn_implementation"):
+        return []
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if _dispatches(type(m)) and not _is_cross_attention(name, m)
+    ]
+
+
+def layer_names(model: nn.Module) -> list[str]:
+    """The qualified names of the self-attention modules, position l holding layer l of
+    ``sparsify(..., layers=)``: e.g. a T5 lists the encoder's ``SelfAttention`` modules, then
+    the decoder's. ValueError as :func:`attention_modules`."""
+    attention_modules(model)  # raises for a model without any
+    return [name for name, _ in _named_attention(model)]
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The self-attention modules that dispatch through ``AttentionInterface``, in the order
-    the model registers them (layer order); cross-attention modules are left out (they keep
-    exact attention). ValueError if there are none."""
+    the model registers them (layer order; :func:`layer_names` names them); cross-attention
+    modules are left out (they keep exact attention). ValueError if there are none."""
     check_model(model)
-    modules = []
-    if hasattr(model, "set_attn_implementation"):
-        modules = [
-            m for m in model.modules() if _dispatches(type(m)) and not _is_cross_attention(m)
-        ]
+    modules = [m for _, m in _named_attention(model)]
     if not modules:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         raise ValueError(
@@ -115,11 +137,13 @@ def sparsify(
 ) -> nn.Module:
     """Give ``layers`` (default all) of a Hugging Face model the attention (pattern, ρ, engine).
 
-    Yun et al. eq. (3) per layer. ``pattern``: a Pattern (every layer), a ``cycle(...)`` or a
-    sequence of patterns (layer l uses pattern l mod p, Yun §5.1 SEQUENTIAL), ``split_heads``
-    (MULTIHEAD), or an AttentionGraph of the padded length. ``method`` replaces
-    :func:`sparse_attention` (same signature; it receives the layer's AttentionGraph as
-    ``pattern``). Calling ``sparsify`` again on a sparsified model changes only ``layers``;
+    Yun et al. eq. (3) per layer; layer l is the l-th self-attention module,
+    ``layer_names(model)[l]`` (encoder–decoders: the encoder's, then the decoder's;
+    cross-attention keeps exact attention). ``pattern``: a Pattern (every layer), a
+    ``cycle(...)`` or a sequence of patterns (layer l uses pattern l mod p, Yun §5.1
+    SEQUENTIAL), ``split_heads`` (MULTIHEAD), or an AttentionGraph of the padded length.
+    ``method`` replaces :func:`sparse_attention` (same signature; it receives the layer's
+    AttentionGraph as ``pattern``). Calling ``sparsify`` again on a sparsified model changes only ``layers``;
     layers never configured keep exact attention (torch SDPA). Modifies ``model`` in place and
     returns it; :func:`restore` undoes it. A method may also be named: ``method="mca"`` with
     ``method_options`` for :class:`sparseattn.montecarlo.MCAMethod` (e.g. ``alpha=0.2``).
