@@ -106,8 +106,16 @@ def _register_reference(name: str, w: int, cross: set[int]) -> str:
     the modules in ``cross`` (ids) keep every key the model's mask allows."""
 
     def kernel(
-        module, q, k, v, attention_mask, scaling=None, dropout=0.0, softcap=None,
-        position_bias=None, **kwargs,
+        module,
+        q,
+        k,
+        v,
+        attention_mask,
+        scaling=None,
+        dropout=0.0,
+        softcap=None,
+        position_bias=None,
+        **kwargs,
     ):
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)

@@ -83,7 +83,13 @@ def _check(engine, pattern, rho, kind, padded=False, tol=1e-9):
         kpm = torch.zeros(B, N, dtype=torch.bool)
         kpm[1, -7:] = True
     out = sa.sparse_attention(
-        q, k, v, pattern, prob_map=rho, engine=engine, score_mod=_mod(kind, bias),
+        q,
+        k,
+        v,
+        pattern,
+        prob_map=rho,
+        engine=engine,
+        score_mod=_mod(kind, bias),
         key_padding_mask=kpm,
     )
     ref = _reference(q, k, v, pattern, rho, kind, bias, kpm)
@@ -166,9 +172,12 @@ def test_flex_forward():
     bias = torch.randn(1, H, N, N)
     with torch.no_grad():
         out = sa.sparse_attention(
-            q, k, v, sa.longformer(8, 2), engine="flex", score_mod=sm.chain(
-                sm.softcap(2.0), sm.bias(bias)
-            )
+            q,
+            k,
+            v,
+            sa.longformer(8, 2),
+            engine="flex",
+            score_mod=sm.chain(sm.softcap(2.0), sm.bias(bias)),
         )
     ref = _reference(q, k, v, sa.longformer(8, 2), "softmax", "chain", bias.double())
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -143,10 +143,11 @@ def sparsify(
     ``cycle(...)`` or a sequence of patterns (layer l uses pattern l mod p, Yun §5.1
     SEQUENTIAL), ``split_heads`` (MULTIHEAD), or an AttentionGraph of the padded length.
     ``method`` replaces :func:`sparse_attention` (same signature; it receives the layer's
-    AttentionGraph as ``pattern``). Calling ``sparsify`` again on a sparsified model changes only ``layers``;
-    layers never configured keep exact attention (torch SDPA). Modifies ``model`` in place and
-    returns it; :func:`restore` undoes it. A method may also be named: ``method="mca"`` with
-    ``method_options`` for :class:`sparseattn.montecarlo.MCAMethod` (e.g. ``alpha=0.2``).
+    AttentionGraph as ``pattern``). Calling ``sparsify`` again on a sparsified model changes
+    only ``layers``; layers never configured keep exact attention (torch SDPA). Modifies
+    ``model`` in place and returns it; :func:`restore` undoes it. A method may also be named:
+    ``method="mca"`` with ``method_options`` for :class:`sparseattn.montecarlo.MCAMethod` (e.g.
+    ``alpha=0.2``).
 
     In a decoder (a causal attention module) the pattern is applied causally: a non-causal
     pattern is intersected with the lower triangle (``pattern.causal()``; note that Yun's
