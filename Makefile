@@ -23,7 +23,7 @@ demo: $(STAMP)
 # (test_hf), MCA in a BERT (test_montecarlo), DAM (test_learned_mask), decoders with generate
 # and GQA (a slice of test_hf_decoders). tests/test_device_guard.py is in the plain run.
 GUARDED := tests/test_attention.py tests/test_gpu.py tests/test_hf.py tests/test_montecarlo.py \
-	tests/test_learned_mask.py \
+	tests/test_learned_mask.py tests/test_score_mods.py tests/test_hf_score_mods.py \
 	"tests/test_hf_decoders.py::test_sparse_generation_equals_full_recompute_at_every_step" \
 	"tests/test_hf_decoders.py::test_head_split_with_grouped_query_heads_equals_full_recompute"
 

@@ -43,6 +43,8 @@ DEVICE_MODULES = {
     "test_maps",
     "test_montecarlo",
     "test_rows",
+    "test_score_mods",
+    "test_hf_score_mods",
     "test_triton_entmax",
     "test_user_path",
 }

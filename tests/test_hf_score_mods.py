@@ -20,6 +20,13 @@ import sparseattn as sa
 from sparseattn import hf
 
 TOL = 2e-5
+DEVICE = torch.device("cpu")  # the run's device (--device), set for each test below
+
+
+@pytest.fixture(autouse=True)
+def _run_device(device):
+    global DEVICE
+    DEVICE = device
 
 
 def _gemma2():
@@ -41,7 +48,7 @@ def _gemma2():
         eos_token_id=2,
         pad_token_id=0,
     )
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return transformers.AutoModelForCausalLM.from_config(config).eval().to(DEVICE)
 
 
 def _t5():
@@ -61,7 +68,7 @@ def _t5():
         pad_token_id=0,
         eos_token_id=1,
     )
-    return transformers.T5ForConditionalGeneration(config).eval()
+    return transformers.T5ForConditionalGeneration(config).eval().to(DEVICE)
 
 
 def _bart():
@@ -81,7 +88,7 @@ def _bart():
         eos_token_id=2,
         decoder_start_token_id=2,
     )
-    return transformers.BartForConditionalGeneration(config).eval()
+    return transformers.BartForConditionalGeneration(config).eval().to(DEVICE)
 
 
 def _batch():

@@ -56,7 +56,7 @@ def _reference(q, k, v, pattern, rho, kind, bias, key_padding_mask=None):
     """ρ(mod(s)) on the pattern's edges, float64, autograd (the maps' own tests check ρ)."""
     q, k, v = (t.double() for t in (q, k, v))
     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
-    mask = pattern.build(q, k).to_dense() if isinstance(pattern, sa.Pattern) else pattern
+    mask = pattern.build(q, k).to_dense().to(q.device)
     mask = mask.expand(q.shape[0], q.shape[1], -1, -1)
     if key_padding_mask is not None:
         mask = mask & ~key_padding_mask[:, None, None, :]
@@ -135,7 +135,7 @@ def test_a_plain_function_and_its_captured_tensor():
 
     for engine in ("dense", "block", "gather", "rows"):
         out = sa.sparse_attention(q, k, v, sa.window(8), engine=engine, score_mod=per_head)
-        mask = sa.window(8).build(q, k).to_dense()
+        mask = sa.window(8).build(q, k).to_dense().to(q.device)
         s = q @ k.transpose(-1, -2) / 4.0 * scale.view(1, -1, 1, 1)
         s = s + torch.tensor([0.1, 0.2], dtype=torch.float64).view(-1, 1, 1, 1)
         ref = torch.softmax(s.masked_fill(~mask, -math.inf), -1) @ v
@@ -184,10 +184,11 @@ def test_flex_forward():
 
 
 def test_alibi_slopes_follow_the_paper():
-    torch.testing.assert_close(sm.alibi_slopes(8), _slopes(8))
+    # a host tensor (ALiBi with a head count computes its slopes on the device from h)
+    torch.testing.assert_close(sm.alibi_slopes(8), _slopes(8).cpu())
     # 12 heads: the 8 of H = 8, then every other slope of H = 16
     want = torch.cat([_slopes(8), _slopes(16)[0::2][:4]])
-    torch.testing.assert_close(sm.alibi_slopes(12), want)
+    torch.testing.assert_close(sm.alibi_slopes(12), want.cpu())
 
 
 def test_bad_score_mods_are_refused():
@@ -223,11 +224,11 @@ def test_alibi_from_the_head_count_matches_its_slopes():
     s = torch.randn(1, 12, 5, 7, dtype=torch.float64)
     idx = (torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.arange(12).view(1, -1, 1, 1))
     idx += (torch.arange(5).view(-1, 1), torch.arange(7))
-    want = sm.alibi(sm.alibi_slopes(12).double())(s, *idx)
+    want = sm.alibi(sm.alibi_slopes(12).double().to(s.device))(s, *idx)
     torch.testing.assert_close(sm.alibi(12)(s, *idx), want)
 
 
-def test_module_score_mod_trains_with_the_layer():
+def test_module_score_mod_trains_with_the_layer(device):
     """An nn.Module modifier (learned per-head slopes) is a submodule of SparseAttention and
     gets its gradient through the engines that recompute scores."""
 
@@ -240,6 +241,7 @@ def test_module_score_mod_trains_with_the_layer():
             return score - self.slopes[h] * (q_idx - kv_idx).abs().to(score.dtype)
 
     layer = sa.SparseAttention(32, 4, pattern=sa.longformer(6, 2), score_mod=LearnedSlopes())
+    layer = layer.to(device)
     assert any(n.startswith("score_mod.") for n, _ in layer.named_parameters())
     x = torch.randn(2, 70, 32)
     grads = {}
