@@ -361,11 +361,12 @@ def _generator_class():
     return Generator
 
 
-def _eager_flex(q, k, v, block_mask=None, scale=None, enable_gqa=False):
+def _eager_flex(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False):
     """``flex_attention`` as the guard runs it: the kernel's device check (q, k, v and the
     BlockMask's tensors on one device, read through ``.device``), then the same softmax
     attention computed densely (the block lists and the ``mask_mod`` make the element mask;
-    rows without a key give zeros), differentiable on the CPU where FlexAttention is not."""
+    ``score_mod`` modifies the scores; rows without a key give zeros), differentiable on the
+    CPU where FlexAttention is not."""
     import math
 
     from torch.nn.attention.flex_attention import create_mask
@@ -391,6 +392,10 @@ def _eager_flex(q, k, v, block_mask=None, scale=None, enable_gqa=False):
         mask = listed & create_mask(block_mask.mask_mod, b, h, n_q, n_k, device="cpu")
         scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
         s = (q @ k.transpose(-1, -2)).float() * scale
+        if score_mod is not None:
+            idx = (torch.arange(q.shape[0]).view(-1, 1, 1, 1), torch.arange(q.shape[1]))
+            idx = (idx[0], idx[1].view(1, -1, 1, 1), torch.arange(n_q)[:, None], torch.arange(n_k))
+            s = score_mod(s, *idx)
         p = s.masked_fill(~mask, -math.inf).softmax(-1).nan_to_num(0.0)
         out = (p.to(v.dtype) @ v).to(q.dtype)
     return _set(out, True)
