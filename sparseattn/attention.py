@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .engines import ENGINES, SPECS, reasons, unsupported
+from .engines.common import grid_indices
 from .engines.rows import full_rows_attention
 from .engines.triton_entmax import full_rows_entmax
 from .graph import AttentionGraph, broadcast_or_none
@@ -424,25 +425,32 @@ def attention_weights(
     prob_map: str | ProbabilityMap = "softmax",
     scale: float | None = None,
     key_padding_mask: Tensor | None = None,
+    score_mod: Callable | None = None,
 ) -> Tensor:
     """The attention matrix A = ρ(scale · QKᵀ on the graph) as a dense (B, H, n_q, n_k) tensor.
 
     q: (B, H, n_q, d), k: (B, H, n_k, d); ``key_padding_mask`` (B, n_k) True for keys to
-    ignore, as in :func:`sparse_attention`. Zeros off the graph and on padded keys.
-    O(n_q · n_k) memory: meant for analysis and for methods that need A itself (MCA's sample
+    ignore and ``score_mod`` a score modifier, as in :func:`sparse_attention`. Zeros off the
+    graph and on padded keys. O(n_q · n_k) memory: meant for analysis and for methods that need A itself (MCA's sample
     sizes, Sparsefinder's gold graphs) at BERT lengths.
     """
     _check_qkv(q, k, k)
     rho = resolve_prob_map(prob_map)
     scale = _resolve_scale(scale, q)
     valid = None if key_padding_mask is None else _key_validity(key_padding_mask, q, k)
+    if score_mod is not None:
+        _check_score_mod(score_mod, q, k)
     if _empty_output(q, k, pattern):
         return _empty_result(q, k, k, k.shape[-2])
     graph = resolve_graph(pattern, q, k)
     mask = graph.to(q.device).to_dense()
     if valid is not None:
         mask = mask & valid[:, None, None, :]
-    scores = _check_overflow((q @ k.transpose(-1, -2)) * scale, scale)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if score_mod is not None:
+        rows = torch.arange(q.shape[-2], device=q.device)
+        scores = score_mod(scores, *grid_indices(*q.shape[:2], rows, k.shape[-2], q.device))
+    scores = _check_overflow(scores, scale)
     return rho(scores, mask)
 
 
@@ -648,7 +656,8 @@ class SparseAttention(nn.Module):
         return self.out(out.transpose(1, 2).reshape(bsz, n, self.embed_dim))
 
     def extra_repr(self) -> str:
+        mod = "" if self.score_mod is None else f", score_mod={self.score_mod!r}"
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, pattern={self.pattern!r}, "
-            f"prob_map={self.prob_map!r}, engine={self.engine!r}"
+            f"prob_map={self.prob_map!r}, engine={self.engine!r}{mod}"
         )

@@ -253,3 +253,14 @@ def test_module_score_mod_trains_with_the_layer(device):
     assert grads["dense"].abs().min() > 0
     for engine in ("block", "gather"):
         torch.testing.assert_close(grads[engine], grads["dense"], atol=1e-5, rtol=1e-4)
+
+
+def test_attention_weights_take_the_modifier():
+    q, k, _ = _inputs()
+    bias = torch.randn(1, H, N, N, dtype=torch.float64)
+    w = sa.attention_weights(q, k, sa.window(8), prob_map="sparsemax", score_mod=sm.bias(bias))
+    mask = sa.window(8).build(q, k).to_dense().to(q.device).expand(B, H, -1, -1)
+    s = _modified("bias", q @ k.transpose(-1, -2) / math.sqrt(D), bias)
+    torch.testing.assert_close(w, sa.maps.resolve_prob_map("sparsemax")(s, mask))
+    layer = sa.SparseAttention(32, 4, pattern=sa.window(8), score_mod=sm.softcap(30.0))
+    assert "score_mod=softcap(30.0)" in repr(layer)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..attention import resolve_graph, sparse_attention
+from ..engines.common import grid_indices
 from ..graph import AttentionGraph
 from ..maps import softmax
 from ..patterns import Causal, Pattern, dense
@@ -140,8 +141,6 @@ def _record(
     with torch.no_grad():
         scores = (q @ k.transpose(-1, -2)) * scale
         if score_mod is not None:
-            from ..engines.common import grid_indices
-
             rows = torch.arange(q.shape[-2], device=q.device)
             scores = score_mod(scores, *grid_indices(*q.shape[:2], rows, n_k, q.device))
         probs = spec.prob_map(scores, allowed)
@@ -197,8 +196,6 @@ def eager_attention(
     ``causal``: keys j ≤ n_k − n_q + i), softmax in float32. q (batch, heads, n_q, d), k and
     v (batch, kv_heads, n_k, d) → (batch, n_q, heads, d). For the layers ``sparsify`` leaves
     exact (and cross-attention)."""
-    from ..engines.common import grid_indices
-
     k, v = _expand_kv(q, k, v)
     scale = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
