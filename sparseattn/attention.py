@@ -429,10 +429,10 @@ def attention_weights(
 ) -> Tensor:
     """The attention matrix A = ρ(scale · QKᵀ on the graph) as a dense (B, H, n_q, n_k) tensor.
 
-    q: (B, H, n_q, d), k: (B, H, n_k, d); ``key_padding_mask`` (B, n_k) True for keys to
-    ignore and ``score_mod`` a score modifier, as in :func:`sparse_attention`. Zeros off the
-    graph and on padded keys. O(n_q · n_k) memory: meant for analysis and for methods that need A itself (MCA's sample
-    sizes, Sparsefinder's gold graphs) at BERT lengths.
+    q: (B, H, n_q, d), k: (B, H, n_k, d); ``key_padding_mask`` (B, n_k) True for keys to ignore and
+    ``score_mod`` a score modifier, as in :func:`sparse_attention`. Zeros off the graph and on
+    padded keys. O(n_q · n_k) memory: meant for analysis and for methods that need A itself (MCA's
+    sample sizes, Sparsefinder's gold graphs) at BERT lengths.
     """
     _check_qkv(q, k, k)
     rho = resolve_prob_map(prob_map)
