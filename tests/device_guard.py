@@ -388,7 +388,8 @@ def _eager_flex(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa
         bq, bk = block_mask.BLOCK_SIZE
         listed = block_mask.to_dense().bool()  # (B, H, q blocks, k blocks), full and partial
         listed = listed.repeat_interleave(bq, -2).repeat_interleave(bk, -1)[..., :n_q, :n_k]
-        b, h = block_mask.kv_num_blocks.shape[:2]
+        # the mask_mod sees q's batch item and head (size-1 block lists broadcast)
+        b, h = q.shape[:2]
         mask = listed & create_mask(block_mask.mask_mod, b, h, n_q, n_k, device="cpu")
         scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
         s = (q @ k.transpose(-1, -2)).float() * scale

@@ -326,6 +326,29 @@ def test_flex_matches_reference_and_block_masks():
 
 
 @needs_flex
+def test_flex_key_padding_reuses_the_cached_block_lists(monkeypatch):
+    """A call with key padding wraps the cached BlockMask's mask_mod: the block lists are
+    built once per graph (no per-call rebuild, which syncs the host on a GPU), and each
+    batch item keeps its own padding."""
+    from sparseattn.engines import flex
+
+    n = 200
+    q, k, v = qkv(n=n, d=16, dtype=torch.float32)
+    graph = sa.longformer(20, 3).graph(n)
+    flex_attention_engine(q, k, v, graph, softmax(), 0.25, torch.ones(2, n, dtype=torch.bool))
+    built = []
+    monkeypatch.setattr(flex, "_block_mask", lambda *a: built.append(a))
+    for cut in (150, 60):
+        keep = torch.arange(n) < torch.tensor([[cut], [200]])
+        out = flex_attention_engine(q, k, v, graph, softmax(), 0.25, keep)
+        mask = graph.to_dense() & keep[:, None, None, :]
+        torch.testing.assert_close(
+            out, reference(q, k, v, mask, softmax(), 0.25), atol=2e-5, rtol=2e-5
+        )
+    assert not built
+
+
+@needs_flex
 def test_pattern_to_block_mask_equals_the_predicate(device):
     from torch.nn.attention.flex_attention import create_mask
 

@@ -182,6 +182,35 @@ def _cached_block_mask(graph: AttentionGraph, block: int, device: torch.device):
     )
 
 
+def _padded_block_mask(graph: AttentionGraph, block_mask, key_ok: Tensor):
+    """The graph's cached BlockMask with every key block partial (full blocks skip mask_mod,
+    and the padding needs it) and a mask_mod that also reads ``key_ok`` (B, n_k), True for
+    real keys. The merged block lists are cached on the graph: a call with key padding only
+    wraps the mask_mod, on the device, without building block lists or syncing the host."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def merge() -> tuple[Tensor, Tensor]:
+        num, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+        if block_mask.full_kv_num_blocks is None:
+            return num, idx
+        full_num, full_idx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+        slot = torch.arange(idx.shape[-1], device=idx.device)
+        after = (slot - num.unsqueeze(-1)).clamp(0, idx.shape[-1] - 1).long()
+        merged = torch.where(slot < num.unsqueeze(-1), idx, full_idx.gather(-1, after))
+        return num + full_num, merged
+
+    num, idx = graph.cached(
+        ("flex_all_partial", block_mask.BLOCK_SIZE, block_mask.kv_indices.device), merge
+    )
+    return BlockMask.from_kv_blocks(
+        num,
+        idx,
+        BLOCK_SIZE=block_mask.BLOCK_SIZE,
+        mask_mod=_padded(block_mask.mask_mod, key_ok),
+        seq_lengths=block_mask.seq_lengths,
+    )
+
+
 def _table_mask_mod(tables: tuple[Tensor, Tensor], block: int):
     """mask_mod(b, h, q, kv): the element mask of the (q, kv) block, looked up in ``table``.
 
@@ -254,15 +283,9 @@ def flex_attention_engine(
     if reason is not None:
         raise ValueError(f"engine='flex' cannot run this call: {reason}; use engine='block'")
     # the BlockMask keeps the graph's own leading shape; its size-1 dims broadcast over q's
-    g_batch, g_heads = (1, 1, *graph.batch_shape)[-2:]
-    if key_padding_mask is None:
-        block_mask, generic = _cached_block_mask(graph, block, q.device)
-    else:
-        # per call (the padding differs), built from the graph's cached device copy on the
-        # device: no host → device copy of the tables
-        block_mask, generic = _block_mask(
-            graph.to(q.device), q.shape[0], g_heads, block, key_padding_mask, q.device
-        )
+    block_mask, generic = _cached_block_mask(graph, block, q.device)
+    if key_padding_mask is not None:
+        block_mask, generic = _padded_block_mask(graph, block_mask, key_padding_mask), False
     # tables: one kernel per (shape, table bucket); allow more than dynamo's default 8
     # recompiles, past which torch silently runs an unfused O(n²) implementation
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
