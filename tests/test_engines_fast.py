@@ -673,3 +673,14 @@ def test_engine_capabilities_are_declared_and_refusals_name_them():
     torch.testing.assert_close(
         out, sa.sparse_attention(q, k, v, sa.window(8), prob_map=per_head, engine="dense")
     )
+
+
+def test_flex_declares_its_gpu_head_dim_limit():
+    """FlexAttention's GPU kernels refuse head dims below 16: declared, so ``auto`` skips
+    flex there instead of failing inside the compiler."""
+    from sparseattn.engines.flex import flex_refuses
+
+    small = torch.zeros(1, 1, 8, 8)
+    assert flex_refuses(small, small, small) is None  # the CPU kernel takes them
+    on_gpu = type("T", (), {"device": torch.device("cuda"), "shape": small.shape})()
+    assert "head dims >= 16" in flex_refuses(on_gpu, on_gpu, on_gpu)

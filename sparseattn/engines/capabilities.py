@@ -20,7 +20,7 @@ from torch import Tensor
 from ..maps import ProbabilityMap
 from .block import block_attention
 from .dense import dense_attention
-from .flex import flex_attention_engine, flex_available
+from .flex import flex_attention_engine, flex_available, flex_refuses
 from .gather import gather_attention
 from .rows import rows_attention
 from .triton_entmax import triton_entmax_attention, triton_entmax_unsupported, triton_map_reason
@@ -189,6 +189,7 @@ SPECS: dict[str, EngineSpec] = {
             dropout=False,
             gqa=True,
             available=flex_available,
+            refuses=flex_refuses,
         ),
         EngineSpec(
             "triton",

@@ -32,7 +32,13 @@ from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from .layout import block_pairs
 
-__all__ = ["cached_block_mask", "flex_attention_engine", "flex_available", "graph_block_mask"]
+__all__ = [
+    "cached_block_mask",
+    "flex_attention_engine",
+    "flex_available",
+    "flex_refuses",
+    "graph_block_mask",
+]
 
 #: FlexAttention's default (and on CPU, fastest) block size.
 FLEX_BLOCK = 128
@@ -54,6 +60,14 @@ def flex_available() -> str | None:
     names = [c for c in (cxx if isinstance(cxx, tuple) else (cxx,)) if c] or ["g++"]
     if not any(shutil.which(c) for c in names):
         return f"torch.compile needs a C++ compiler on CPU; none of {names} was found"
+    return None
+
+
+def flex_refuses(q: Tensor, k: Tensor, v: Tensor, *_) -> str | None:
+    """Why FlexAttention cannot take these tensors (None if it can): its GPU kernels need
+    head dims of at least 16 (torch 2.11: "NYI: embedding dimension … must be at least 16")."""
+    if q.device.type == "cuda" and min(q.shape[-1], v.shape[-1]) < 16:
+        return f"on a GPU it needs head dims >= 16, got d = {q.shape[-1]}, d_v = {v.shape[-1]}"
     return None
 
 
