@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from tiny_models import LLAMA
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
@@ -30,16 +31,7 @@ from sparseattn import (
 
 TOL = 1e-5
 IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-LLAMA_LIKE = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,  # grouped-query attention: 2 query heads per key/value head
-    vocab_size=100,
-    max_position_embeddings=128,
-    **IDS,
-)
+LLAMA_LIKE = {**LLAMA, **IDS}  # grouped-query attention: 2 query heads per key/value head
 DECODERS = ["llama", "qwen2", "qwen3", "mistral", "gpt2", "gpt_neox"]
 
 
