@@ -28,6 +28,7 @@ peak memory is ``torch.cuda.max_memory_allocated`` above the inputs. Results: re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -397,6 +398,11 @@ def _calibrate(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
 
 
 # ----------------------------------------------------------------------------- report
+def _ratio(times: dict, a: str, b: str, digits: int) -> str:
+    """times[a] / times[b] to ``digits`` decimals for the tables; "–" where either is missing."""
+    return f"{times[a] / times[b]:.{digits}f}" if times.get(a) and times.get(b) else "–"
+
+
 def markdown(data: dict) -> str:
     """The run as Markdown tables: main (ms and the ratios that the targets name), calibrate."""
     m = data["machine"]
@@ -434,10 +440,7 @@ def markdown(data: dict) -> str:
             for r in main
             if (r["dtype"], r["n"], r["mode"]) == (dtype, n, mode)
         }
-
-        def ratio(a, b, t=t):
-            return f"{t[a] / t[b]:.3f}" if t.get(a) and t.get(b) else "–"
-
+        ratio = functools.partial(_ratio, t, digits=3)
         lines.append(
             f"| {dtype} | {n} | {mode} | {ratio('sparseattn flex', 'flex direct')} | "
             f"{ratio('sdpa dense', 'sparseattn flex')} | "
@@ -461,9 +464,7 @@ def markdown(data: dict) -> str:
             def ms(a, t=t):
                 return f"{t[a] * 1e3:.2f}" if t.get(a) else "–"
 
-            def ratio(a, b, t=t):
-                return f"{t[a] / t[b]:.2f}" if t.get(a) and t.get(b) else "–"
-
+            ratio = functools.partial(_ratio, t, digits=2)
             lines.append(
                 f"| {n} | {mode} | {ms('longformer entmax15')} | "
                 f"{ratio('longformer entmax15', 'longformer softmax (flex)')} | "
