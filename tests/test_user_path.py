@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from grad_checks import assert_close_with_grads
 from tiny_models import tiny_llama
 
 import sparseattn as sa
@@ -225,12 +226,8 @@ def test_strided_and_contiguous_inputs_agree_forward_and_backward(engine, map_na
         assert not any(t.is_contiguous() for t in strided)
         out = sa.sparse_attention(*strided, pattern, prob_map=MAPS[map_name], engine=engine)
         ref = sa.sparse_attention(*copies, pattern, prob_map=MAPS[map_name], engine=engine)
-        torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
-        g = torch.randn_like(out)
-        got = torch.autograd.grad((out * g).sum(), strided)
-        want = torch.autograd.grad((ref * g).sum(), copies)
-        for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
+        tol = (1e-12, 1e-12)
+        assert_close_with_grads(out, ref, strided, tol, (1e-11, 1e-11), ref_inputs=copies)
 
 
 @pytest.mark.skipif(flex_available() is not None, reason=str(flex_available()))
