@@ -226,29 +226,9 @@ def test_method_hook_receives_graph_and_padding_mask():
     expected = _hidden(model, batch)
     calls = []
 
-    def method(
-        q,
-        k,
-        v,
-        pattern,
-        prob_map="softmax",
-        engine="auto",
-        scale=None,
-        key_padding_mask=None,
-        dropout_p=0.0,
-    ):
-        calls.append((pattern, key_padding_mask))
-        return sparse_attention(
-            q,
-            k,
-            v,
-            pattern,
-            prob_map=prob_map,
-            engine=engine,
-            scale=scale,
-            key_padding_mask=key_padding_mask,
-            dropout_p=dropout_p,
-        )
+    def method(q, k, v, pattern, **options):  # sparse_attention refuses any other option
+        calls.append((pattern, options["key_padding_mask"]))
+        return sparse_attention(q, k, v, pattern, **options)
 
     hf.sparsify(model, window(4), method=method)
     assert _max_err(_hidden(model, batch), expected) < TOL
@@ -266,18 +246,7 @@ def test_method_hook_with_context_gets_layer_input_and_value_projection(kind):
         inputs = model(**batch, output_hidden_states=True).hidden_states
     seen = []
 
-    def method(
-        q,
-        k,
-        v,
-        pattern,
-        prob_map="softmax",
-        engine="auto",
-        scale=None,
-        key_padding_mask=None,
-        dropout_p=0.0,
-        context=None,
-    ):
+    def method(q, k, v, pattern, context=None, **options):
         bsz, n, _ = context.hidden_states.shape
         rebuilt = context.value_proj(context.hidden_states).view(bsz, n, 4, 8).transpose(1, 2)
         seen.append(
@@ -287,16 +256,7 @@ def test_method_hook_with_context_gets_layer_input_and_value_projection(kind):
                 torch.allclose(context.hidden_states, inputs[context.layer], atol=TOL),
             )
         )
-        return sparse_attention(
-            q,
-            k,
-            v,
-            pattern,
-            prob_map=prob_map,
-            engine=engine,
-            scale=scale,
-            key_padding_mask=key_padding_mask,
-        )
+        return sparse_attention(q, k, v, pattern, **options)
 
     hf.sparsify(model, dense(), method=method)
     with torch.no_grad():

@@ -290,18 +290,8 @@ def test_model_sliding_window_and_static_cache_are_refused_with_a_reason():
 
 
 def test_context_methods_need_a_separate_value_projection_and_equal_heads():
-    def method(q, k, v, pattern, prob_map="softmax", engine="auto", scale=None,
-               key_padding_mask=None, dropout_p=0.0, context=None):  # fmt: skip
-        return sparse_attention(
-            q,
-            k,
-            v,
-            pattern,
-            prob_map=prob_map,
-            engine=engine,
-            scale=scale,
-            key_padding_mask=key_padding_mask,
-        )
+    def method(q, k, v, pattern, context=None, **options):
+        return sparse_attention(q, k, v, pattern, **options)
 
     with pytest.raises(ValueError, match="fused projection"):
         hf.sparsify(_decoder("gpt2"), method=method)
