@@ -403,6 +403,11 @@ def _ratio(times: dict, a: str, b: str, digits: int) -> str:
     return f"{times[a] / times[b]:.{digits}f}" if times.get(a) and times.get(b) else "–"
 
 
+def _table_head(title: str, columns: list[str]) -> list[str]:
+    """A report section's title and the head of its Markdown table (names, then the rule)."""
+    return ["", f"## {title}", "", f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
+
+
 def markdown(data: dict) -> str:
     """The run as Markdown tables: main (ms and the ratios that the targets name), calibrate."""
     m = data["machine"]
@@ -411,29 +416,23 @@ def markdown(data: dict) -> str:
         "",
         f"GPU: {m['gpu']} ({m['gpu_memory_gb']} GiB, {m['multiprocessors']} SMs), CUDA "
         f"{m['cuda']}, torch {m['torch']}; started {data['started']}.",
-        "",
     ]
     main = [r for r in data["rows"] if r["section"] == "main"]
-    lines += [
-        "## Longformer (window ±256 + 16 sinks), (1, 8, n, 64)",
-        "",
-        "| dtype | n | who | mode | ms | peak MiB |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines += _table_head(
+        "Longformer (window ±256 + 16 sinks), (1, 8, n, 64)",
+        ["dtype", "n", "who", "mode", "ms", "peak MiB"],
+    )
     for r in main:
         t = r.get("skipped") or f"{r['time_s'] * 1e3:.3f}"
         lines.append(
             f"| {r['dtype']} | {r['n']} | {r['who']} | {r['mode']} | {t} | "
             f"{r.get('peak_mb', float('nan')):.0f} |"
         )
-    lines += [
-        "",
-        "## Ratios",
-        "",
-        "| dtype | n | mode | flex engine / flex direct | "
-        "SDPA dense / flex engine | entmax15 / flex engine | package / entmax15 |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines += _table_head(
+        "Ratios",
+        ["dtype", "n", "mode", "flex engine / flex direct", "SDPA dense / flex engine",
+         "entmax15 / flex engine", "package / entmax15"],
+    )  # fmt: skip
     for dtype, n, mode in sorted({(r["dtype"], r["n"], r["mode"]) for r in main}):
         t = {
             r["who"].split(" (")[0]: r.get("time_s")
@@ -449,15 +448,12 @@ def markdown(data: dict) -> str:
         )
     ent = [r for r in data["rows"] if r["section"] == "entmax"]
     if ent:
-        lines += [
-            "",
-            "## Sparse maps (bf16, (1, 8, n, 64), ms; targets at n = 32768, fwd+bwd)",
-            "",
-            "| n | mode | longformer entmax15 (auto) | / softmax flex (≤ 2) | causal entmax15 | "
-            "/ SDPA causal (≤ 1.2) | / AdaSplash causal (< 1) | dense entmax15 | / SDPA dense | "
-            "/ AdaSplash dense |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
+        lines += _table_head(
+            "Sparse maps (bf16, (1, 8, n, 64), ms; targets at n = 32768, fwd+bwd)",
+            ["n", "mode", "longformer entmax15 (auto)", "/ softmax flex (≤ 2)", "causal entmax15",
+             "/ SDPA causal (≤ 1.2)", "/ AdaSplash causal (< 1)", "dense entmax15",
+             "/ SDPA dense", "/ AdaSplash dense"],
+        )  # fmt: skip
         for n, mode in sorted({(r["n"], r["mode"]) for r in ent}):
             t = {r["who"]: r.get("time_s") for r in ent if (r["n"], r["mode"]) == (n, mode)}
 
@@ -476,13 +472,11 @@ def markdown(data: dict) -> str:
             )
     cal = [r for r in data["rows"] if r["section"] == "calibrate"]
     if cal:
-        lines += [
-            "",
-            "## Calibration of `auto` (bf16, forward+backward, ms)",
-            "",
-            "| n | pattern | map | fill | dense | block | gather | flex | auto picks | fastest |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
+        lines += _table_head(
+            "Calibration of `auto` (bf16, forward+backward, ms)",
+            ["n", "pattern", "map", "fill", "dense", "block", "gather", "flex", "auto picks",
+             "fastest"],
+        )  # fmt: skip
         for n, pat, rho in sorted({(r["n"], r["pattern"], r["map"]) for r in cal}):
             sel = {r["who"]: r for r in cal if (r["n"], r["pattern"], r["map"]) == (n, pat, rho)}
             ms = {e: r["time_s"] * 1e3 for e, r in sel.items() if "time_s" in r}
