@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import statistics
 import time
 
@@ -26,6 +25,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import sparseattn as sa
+from sparseattn.results import timing_facts
 
 LENGTHS = [256, 300, 384, 512, 640, 700, 768, 800, 900, 1000]
 
@@ -55,14 +55,6 @@ class LimitHits(logging.Handler):
         self.count += "recompile_limit" in record.getMessage()
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
 def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     model.zero_grad()
     y = model(x)
@@ -89,12 +81,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(Block(), Block())
     compiled = torch.compile(model)
-    facts = {
-        "cpu": cpu_name(),
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "load before": os.getloadavg()[0],
-    }
+    facts = timing_facts(args.threads)
     rows = []
     for n in args.lengths:
         x = torch.randn(8, n, 64)

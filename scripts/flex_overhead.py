@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -22,14 +21,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import sparseattn as sa
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        return platform.processor()
+from sparseattn.results import timing_facts
 
 
 def measure(n: int, repeats: int) -> dict:
@@ -75,12 +67,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON file for the rows and machine facts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    facts = {
-        "cpu": cpu_name(),
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "load before": os.getloadavg()[0],
-    }
+    facts = timing_facts(args.threads)
     rows = []
     for n in args.ns:
         rows.append(measure(n, args.repeats))

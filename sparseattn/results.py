@@ -26,6 +26,8 @@ __all__ = [
     "read_json",
     "save_figure",
     "machine_facts",
+    "cpu_name",
+    "timing_facts",
     "run_folder",
     "torch_threads",
     "StepClock",
@@ -135,9 +137,9 @@ def save_figure(fig, path: str | Path, dpi: int = 110) -> None:
 _VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_tile")
 
 
-def machine_facts() -> dict:
-    """CPU model and vector extensions, threads and versions, recorded next to every number
-    (the same kernel ran 2.5x slower on an AVX2 machine than on an AVX-512 one)."""
+def _cpuinfo() -> tuple[str, list[str]]:
+    """The CPU model (/proc/cpuinfo's, else what :mod:`platform` says) and which of
+    :data:`_VECTOR_FLAGS` it has."""
     cpu, flags = platform.processor() or platform.machine(), []
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -150,6 +152,31 @@ def machine_facts() -> dict:
         elif key.strip() == "flags":
             flags = [f for f in _VECTOR_FLAGS if f in value.split()]
             break
+    return cpu, flags
+
+
+def cpu_name() -> str:
+    """The CPU model, e.g. ``AMD EPYC 7B13`` (/proc/cpuinfo's "model name", else what
+    :mod:`platform` says)."""
+    return _cpuinfo()[0]
+
+
+def timing_facts(threads: int) -> dict:
+    """What a timing script records before its first measurement: the CPU model, its torch
+    threads, the torch version and the 1-minute load average (``load before``; the script adds
+    ``load after``)."""
+    return {
+        "cpu": cpu_name(),
+        "threads": threads,
+        "torch": torch.__version__,
+        "load before": os.getloadavg()[0],
+    }
+
+
+def machine_facts() -> dict:
+    """CPU model and vector extensions, threads and versions, recorded next to every number
+    (the same kernel ran 2.5x slower on an AVX2 machine than on an AVX-512 one)."""
+    cpu, flags = _cpuinfo()
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)()
     return {
         "cpu": cpu,

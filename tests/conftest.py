@@ -23,6 +23,7 @@ import os
 import sys
 
 import pytest
+import tiny_models
 import torch
 from device_guard import CUDA, DeviceGuard
 from torch.overrides import TorchFunctionMode
@@ -108,18 +109,8 @@ def tiny_bert(device):
     """A fresh 2-layer ``BertModel`` (width 32, 4 heads, random weights from seed 0, SDPA
     attention) in eval mode on the run's device; the global RNG continues from its
     initialisation."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    return transformers.BertModel(config).eval().to(device)
+    pytest.importorskip("transformers")
+    return tiny_models.tiny_bert().to(device)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import math
 import entmax
 import pytest
 import torch
-import transformers
+from tiny_models import WIDE_BERT, tiny_bert, tiny_llama
 
 import sparseattn as sa
 from sparseattn import hf
@@ -23,16 +23,7 @@ PACKAGE = {"entmax15": entmax.entmax15, "sparsemax": entmax.sparsemax}
 def _bert(spread: float = 1.0):
     """A tiny BERT; ``spread`` scales its query projections (wider scores: sparser maps, as
     in a trained model)."""
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=128,
-    )
-    model = transformers.BertModel(config).eval()
+    model = tiny_bert(**WIDE_BERT)
     for layer in model.encoder.layer:
         layer.attention.self.query.weight.data *= spread
     return model
@@ -85,17 +76,7 @@ def test_an_encoder_counts_the_zeros_of_a_sparse_map(pattern, rho, engine):
 def test_a_decoder_with_grouped_queries_counts_the_zeros():
     """A Llama (two query heads per key/value head: the queries are stacked) with a causal
     window and 1.5-entmax."""
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_llama()
     ids = torch.randint(1, 100, (2, 64), generator=torch.Generator().manual_seed(0))
     hf.sparsify(model, sa.sliding_window(16, 2), "entmax15", engine="block")
     with torch.no_grad(), hf.capture_attention(model) as records:

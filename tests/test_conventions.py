@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from grad_checks import assert_close_with_grads
 from torch import nn
 
 import sparseattn as sa
@@ -167,12 +168,7 @@ def test_gqa_equals_the_dense_engine_on_repeated_keys(pattern_name, prob_map):
     ref = sa.sparse_attention(
         q, kr, vr, pattern, prob_map=prob_map, engine="dense", key_padding_mask=pad
     )
-    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
-    g = torch.randn_like(out)
-    got = torch.autograd.grad((out * g).sum(), (q, k, v))
-    want = torch.autograd.grad((ref * g).sum(), (q, k, v))
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9)
+    assert_close_with_grads(out, ref, (q, k, v), (1e-12, 1e-10), (1e-11, 1e-9))
 
 
 @pytest.mark.parametrize("engine", ["dense", "block", "gather"])

@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-import transformers
+from tiny_models import tiny_llama
 
 import sparseattn as sa
 from sparseattn import hf
@@ -277,17 +277,7 @@ def test_tiny_llama_in_bfloat16_with_a_sliding_window(calls):
     the same weights in float64 on the dense reference engine."""
     seen, spy = calls
     spy(block_engine, "_split_forward")
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-        max_position_embeddings=2048,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval().bfloat16()
+    model = tiny_llama(max_position_embeddings=2048).bfloat16()
     wide = copy.deepcopy(model).double()
     ids = torch.randint(0, 100, (1, 2048), generator=torch.Generator().manual_seed(0))
     pattern = sa.sliding_window(256, 4)

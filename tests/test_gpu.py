@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-import transformers
+from tiny_models import WIDE_BERT, tiny_bert
 
 import sparseattn as sa
 from sparseattn import hf
@@ -137,25 +137,11 @@ def test_sparse_attention_module_trains_on_the_device(device, dtype):
     assert all(not torch.equal(a, p) for a, p in zip(before, layer.parameters(), strict=True))
 
 
-def _tiny_bert():
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=128,
-    )
-    config._attn_implementation = "sdpa"
-    return transformers.BertModel(config).eval()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hf_sparsify_on_the_device_equals_the_original_model(device, dtype):
     """Dense softmax sparsify equals the original model's sdpa implementation in the same dtype
     and device, padding included."""
-    model = _tiny_bert().to(device, dtype)
+    model = tiny_bert(**WIDE_BERT).to(device, dtype)
     ids = torch.randint(1, 100, (2, 40))
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[1, 25:] = 0

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from conftest import _device
+from tiny_models import BERT, tiny_bert, tiny_model
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
@@ -65,37 +66,20 @@ def minilm_batch(minilm, corpus, request):
 
 
 def _tiny(kind: str, layers: int = 2, attn: str = "sdpa"):
-    torch.manual_seed(0)
+    """tiny_models.BERT as a BERT, a RoBERTa (2 more positions: its ids start after the
+    padding id 1) or a DistilBERT."""
     if kind == "bert":
-        config = transformers.BertConfig(
-            vocab_size=99,
-            hidden_size=32,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            intermediate_size=37,
-            max_position_embeddings=64,
-        )
+        model = tiny_bert(num_hidden_layers=layers, attn_implementation=attn)
     elif kind == "roberta":
-        config = transformers.RobertaConfig(
-            vocab_size=99,
-            hidden_size=32,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            intermediate_size=37,
-            max_position_embeddings=66,
-            pad_token_id=1,
-        )
+        options = {**BERT, "max_position_embeddings": 66, "pad_token_id": 1}
+        options.update(num_hidden_layers=layers, attn_implementation=attn)
+        model = tiny_model("RobertaConfig", "RobertaModel", **options)
     else:
-        config = transformers.DistilBertConfig(
-            vocab_size=99,
-            dim=32,
-            n_layers=layers,
-            n_heads=4,
-            hidden_dim=37,
-            max_position_embeddings=64,
-        )
-    config._attn_implementation = attn
-    return transformers.AutoModel.from_config(config).eval().to(DEVICE)
+        model = tiny_model(
+            "DistilBertConfig", "DistilBertModel", vocab_size=99, dim=32, n_layers=layers,
+            n_heads=4, hidden_dim=37, max_position_embeddings=64, attn_implementation=attn,
+        )  # fmt: skip
+    return model.to(DEVICE)
 
 
 def _tiny_batch(lengths=(30, 5, 17, 12), seed: int = 1):
@@ -242,29 +226,9 @@ def test_method_hook_receives_graph_and_padding_mask():
     expected = _hidden(model, batch)
     calls = []
 
-    def method(
-        q,
-        k,
-        v,
-        pattern,
-        prob_map="softmax",
-        engine="auto",
-        scale=None,
-        key_padding_mask=None,
-        dropout_p=0.0,
-    ):
-        calls.append((pattern, key_padding_mask))
-        return sparse_attention(
-            q,
-            k,
-            v,
-            pattern,
-            prob_map=prob_map,
-            engine=engine,
-            scale=scale,
-            key_padding_mask=key_padding_mask,
-            dropout_p=dropout_p,
-        )
+    def method(q, k, v, pattern, **options):  # sparse_attention refuses any other option
+        calls.append((pattern, options["key_padding_mask"]))
+        return sparse_attention(q, k, v, pattern, **options)
 
     hf.sparsify(model, window(4), method=method)
     assert _max_err(_hidden(model, batch), expected) < TOL
@@ -282,18 +246,7 @@ def test_method_hook_with_context_gets_layer_input_and_value_projection(kind):
         inputs = model(**batch, output_hidden_states=True).hidden_states
     seen = []
 
-    def method(
-        q,
-        k,
-        v,
-        pattern,
-        prob_map="softmax",
-        engine="auto",
-        scale=None,
-        key_padding_mask=None,
-        dropout_p=0.0,
-        context=None,
-    ):
+    def method(q, k, v, pattern, context=None, **options):
         bsz, n, _ = context.hidden_states.shape
         rebuilt = context.value_proj(context.hidden_states).view(bsz, n, 4, 8).transpose(1, 2)
         seen.append(
@@ -303,16 +256,7 @@ def test_method_hook_with_context_gets_layer_input_and_value_projection(kind):
                 torch.allclose(context.hidden_states, inputs[context.layer], atol=TOL),
             )
         )
-        return sparse_attention(
-            q,
-            k,
-            v,
-            pattern,
-            prob_map=prob_map,
-            engine=engine,
-            scale=scale,
-            key_padding_mask=key_padding_mask,
-        )
+        return sparse_attention(q, k, v, pattern, **options)
 
     hf.sparsify(model, dense(), method=method)
     with torch.no_grad():

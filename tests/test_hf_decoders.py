@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from tiny_models import LLAMA
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
@@ -30,16 +31,7 @@ from sparseattn import (
 
 TOL = 1e-5
 IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-LLAMA_LIKE = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,  # grouped-query attention: 2 query heads per key/value head
-    vocab_size=100,
-    max_position_embeddings=128,
-    **IDS,
-)
+LLAMA_LIKE = {**LLAMA, **IDS}  # grouped-query attention: 2 query heads per key/value head
 DECODERS = ["llama", "qwen2", "qwen3", "mistral", "gpt2", "gpt_neox"]
 
 
@@ -298,18 +290,8 @@ def test_model_sliding_window_and_static_cache_are_refused_with_a_reason():
 
 
 def test_context_methods_need_a_separate_value_projection_and_equal_heads():
-    def method(q, k, v, pattern, prob_map="softmax", engine="auto", scale=None,
-               key_padding_mask=None, dropout_p=0.0, context=None):  # fmt: skip
-        return sparse_attention(
-            q,
-            k,
-            v,
-            pattern,
-            prob_map=prob_map,
-            engine=engine,
-            scale=scale,
-            key_padding_mask=key_padding_mask,
-        )
+    def method(q, k, v, pattern, context=None, **options):
+        return sparse_attention(q, k, v, pattern, **options)
 
     with pytest.raises(ValueError, match="fused projection"):
         hf.sparsify(_decoder("gpt2"), method=method)

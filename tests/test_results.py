@@ -5,7 +5,14 @@ import json
 import pytest
 import torch
 
-from sparseattn.results import StepClock, run_folder, torch_threads
+from sparseattn.results import (
+    StepClock,
+    cpu_name,
+    machine_facts,
+    run_folder,
+    timing_facts,
+    torch_threads,
+)
 
 
 def test_run_folder_pins_its_identity(tmp_path):
@@ -37,3 +44,10 @@ def test_step_clock_keeps_earlier_steps(tmp_path):
     assert resumed.total(skip=("a",)) == {
         key: resumed.steps["b"][key] for key in ("wall_seconds", "cpu_seconds")
     }
+
+
+def test_timing_facts_name_the_cpu_of_the_machine_facts():
+    facts = timing_facts(3)
+    assert facts["cpu"] == cpu_name() == machine_facts()["cpu"] and facts["cpu"]
+    assert facts["threads"] == 3 and facts["torch"] == torch.__version__
+    assert facts["load before"] >= 0

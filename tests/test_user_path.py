@@ -14,6 +14,8 @@ import sys
 
 import pytest
 import torch
+from grad_checks import assert_close_with_grads
+from tiny_models import tiny_llama
 
 import sparseattn as sa
 from sparseattn import graph as graph_module
@@ -81,22 +83,12 @@ def test_a_sparsified_gqa_decoder_plans_once_per_length(monkeypatch, device):
     """Through hf.sparsify on a grouped-query decoder the block plan is built once per length,
     not per call and layer: the stacked-query graph and its size-1-squeezed form are cached
     on the pattern's graph (they were rebuilt on every call, with the plan)."""
-    import transformers
-
     from sparseattn import hf
 
-    config = transformers.LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaModel(config).eval().to(device)
+    model = tiny_llama(
+        "LlamaModel", vocab_size=50, hidden_size=32, intermediate_size=64,
+        max_position_embeddings=256, attn_implementation="sdpa",
+    ).to(device)  # fmt: skip
     hf.sparsify(model, sa.sliding_window(16, 2), engine="block")
     built = []
     real = layout_module._build_plan
@@ -234,12 +226,8 @@ def test_strided_and_contiguous_inputs_agree_forward_and_backward(engine, map_na
         assert not any(t.is_contiguous() for t in strided)
         out = sa.sparse_attention(*strided, pattern, prob_map=MAPS[map_name], engine=engine)
         ref = sa.sparse_attention(*copies, pattern, prob_map=MAPS[map_name], engine=engine)
-        torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
-        g = torch.randn_like(out)
-        got = torch.autograd.grad((out * g).sum(), strided)
-        want = torch.autograd.grad((ref * g).sum(), copies)
-        for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
+        tol = (1e-12, 1e-12)
+        assert_close_with_grads(out, ref, strided, tol, (1e-11, 1e-11), ref_inputs=copies)
 
 
 @pytest.mark.skipif(flex_available() is not None, reason=str(flex_available()))

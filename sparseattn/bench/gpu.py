@@ -28,6 +28,7 @@ peak memory is ``torch.cuda.max_memory_allocated`` above the inputs. Results: re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -397,6 +398,16 @@ def _calibrate(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
 
 
 # ----------------------------------------------------------------------------- report
+def _ratio(times: dict, a: str, b: str, digits: int) -> str:
+    """times[a] / times[b] to ``digits`` decimals for the tables; "–" where either is missing."""
+    return f"{times[a] / times[b]:.{digits}f}" if times.get(a) and times.get(b) else "–"
+
+
+def _table_head(title: str, columns: list[str]) -> list[str]:
+    """A report section's title and the head of its Markdown table (names, then the rule)."""
+    return ["", f"## {title}", "", f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
+
+
 def markdown(data: dict) -> str:
     """The run as Markdown tables: main (ms and the ratios that the targets name), calibrate."""
     m = data["machine"]
@@ -405,39 +416,30 @@ def markdown(data: dict) -> str:
         "",
         f"GPU: {m['gpu']} ({m['gpu_memory_gb']} GiB, {m['multiprocessors']} SMs), CUDA "
         f"{m['cuda']}, torch {m['torch']}; started {data['started']}.",
-        "",
     ]
     main = [r for r in data["rows"] if r["section"] == "main"]
-    lines += [
-        "## Longformer (window ±256 + 16 sinks), (1, 8, n, 64)",
-        "",
-        "| dtype | n | who | mode | ms | peak MiB |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines += _table_head(
+        "Longformer (window ±256 + 16 sinks), (1, 8, n, 64)",
+        ["dtype", "n", "who", "mode", "ms", "peak MiB"],
+    )
     for r in main:
         t = r.get("skipped") or f"{r['time_s'] * 1e3:.3f}"
         lines.append(
             f"| {r['dtype']} | {r['n']} | {r['who']} | {r['mode']} | {t} | "
             f"{r.get('peak_mb', float('nan')):.0f} |"
         )
-    lines += [
-        "",
-        "## Ratios",
-        "",
-        "| dtype | n | mode | flex engine / flex direct | "
-        "SDPA dense / flex engine | entmax15 / flex engine | package / entmax15 |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines += _table_head(
+        "Ratios",
+        ["dtype", "n", "mode", "flex engine / flex direct", "SDPA dense / flex engine",
+         "entmax15 / flex engine", "package / entmax15"],
+    )  # fmt: skip
     for dtype, n, mode in sorted({(r["dtype"], r["n"], r["mode"]) for r in main}):
         t = {
             r["who"].split(" (")[0]: r.get("time_s")
             for r in main
             if (r["dtype"], r["n"], r["mode"]) == (dtype, n, mode)
         }
-
-        def ratio(a, b, t=t):
-            return f"{t[a] / t[b]:.3f}" if t.get(a) and t.get(b) else "–"
-
+        ratio = functools.partial(_ratio, t, digits=3)
         lines.append(
             f"| {dtype} | {n} | {mode} | {ratio('sparseattn flex', 'flex direct')} | "
             f"{ratio('sdpa dense', 'sparseattn flex')} | "
@@ -446,24 +448,19 @@ def markdown(data: dict) -> str:
         )
     ent = [r for r in data["rows"] if r["section"] == "entmax"]
     if ent:
-        lines += [
-            "",
-            "## Sparse maps (bf16, (1, 8, n, 64), ms; targets at n = 32768, fwd+bwd)",
-            "",
-            "| n | mode | longformer entmax15 (auto) | / softmax flex (≤ 2) | causal entmax15 | "
-            "/ SDPA causal (≤ 1.2) | / AdaSplash causal (< 1) | dense entmax15 | / SDPA dense | "
-            "/ AdaSplash dense |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
+        lines += _table_head(
+            "Sparse maps (bf16, (1, 8, n, 64), ms; targets at n = 32768, fwd+bwd)",
+            ["n", "mode", "longformer entmax15 (auto)", "/ softmax flex (≤ 2)", "causal entmax15",
+             "/ SDPA causal (≤ 1.2)", "/ AdaSplash causal (< 1)", "dense entmax15",
+             "/ SDPA dense", "/ AdaSplash dense"],
+        )  # fmt: skip
         for n, mode in sorted({(r["n"], r["mode"]) for r in ent}):
             t = {r["who"]: r.get("time_s") for r in ent if (r["n"], r["mode"]) == (n, mode)}
 
             def ms(a, t=t):
                 return f"{t[a] * 1e3:.2f}" if t.get(a) else "–"
 
-            def ratio(a, b, t=t):
-                return f"{t[a] / t[b]:.2f}" if t.get(a) and t.get(b) else "–"
-
+            ratio = functools.partial(_ratio, t, digits=2)
             lines.append(
                 f"| {n} | {mode} | {ms('longformer entmax15')} | "
                 f"{ratio('longformer entmax15', 'longformer softmax (flex)')} | "
@@ -475,13 +472,11 @@ def markdown(data: dict) -> str:
             )
     cal = [r for r in data["rows"] if r["section"] == "calibrate"]
     if cal:
-        lines += [
-            "",
-            "## Calibration of `auto` (bf16, forward+backward, ms)",
-            "",
-            "| n | pattern | map | fill | dense | block | gather | flex | auto picks | fastest |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
+        lines += _table_head(
+            "Calibration of `auto` (bf16, forward+backward, ms)",
+            ["n", "pattern", "map", "fill", "dense", "block", "gather", "flex", "auto picks",
+             "fastest"],
+        )  # fmt: skip
         for n, pat, rho in sorted({(r["n"], r["pattern"], r["map"]) for r in cal}):
             sel = {r["who"]: r for r in cal if (r["n"], r["pattern"], r["map"]) == (n, pat, rho)}
             ms = {e: r["time_s"] * 1e3 for e, r in sel.items() if "time_s" in r}

@@ -46,50 +46,119 @@ EPS = tl.constexpr(2.5e-7)
 
 
 @triton.jit
-def _scores(
-    q,
-    K,
-    kv_base,
-    kb,
-    n_k,
-    midx,
-    MASKS,
-    KPM,
-    kpm_base,
-    row_ok,
-    mul,
-    D: tl.constexpr,
-    BD: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_KPM: tl.constexpr,
-    PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """Scores z = mul · q kᵀ of one (query block, key block) pair, (BLOCK, BLOCK) float32,
-    the bool tile of the entries that are edges (mask tile, key padding, sequence ends) and
-    the key tile k (BLOCK, BD)."""
-    offs = tl.arange(0, BLOCK)
-    dcol = tl.arange(0, BD)
-    cols = kb * BLOCK + offs
-    col_ok = cols < n_k
-    k = tl.load(
-        K + kv_base + cols[:, None] * D + dcol[None, :],
-        mask=col_ok[:, None] & (dcol[None, :] < D),
-        other=0.0,
+def _tile(P, idx, ok, C: tl.constexpr, BC: tl.constexpr):
+    """Rows ``idx`` of the row-major (·, C) matrix at P as a (len(idx), BC) tile: 0 in the
+    rows that are not ``ok`` and in the columns past C (BC is C padded to a power of two)."""
+    col = tl.arange(0, BC)
+    return tl.load(
+        P + idx[:, None] * C + col[None, :], mask=ok[:, None] & (col[None, :] < C), other=0.0
     )
-    s = _mm(q, tl.trans(k), PREC, UPCAST) * mul
-    ok = row_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
+def _put(P, idx, ok, x, C: tl.constexpr, BC: tl.constexpr):
+    """Store the tile x, cast to P's type, into rows ``idx`` of the (·, C) matrix at P (the
+    rows that are ``ok``, the columns below C): the inverse of :func:`_tile`."""
+    col = tl.arange(0, BC)
+    tl.store(
+        P + idx[:, None] * C + col[None, :],
+        x.to(P.dtype.element_ty),
+        mask=ok[:, None] & (col[None, :] < C),
+    )
+
+
+@triton.jit
+def _keys_in(KPM, cols, n_k, HAS_KPM: tl.constexpr):
+    """Which key columns ``cols`` are keys: inside the sequence and, with a key padding mask
+    (KPM at this batch's row), not padding."""
+    col_in = cols < n_k
     if HAS_KPM:
-        kp = tl.load(KPM + kpm_base + cols, mask=col_ok, other=0)
-        ok = ok & (kp != 0)[None, :]
+        kp = tl.load(KPM + cols, mask=col_in, other=0)
+        col_in = col_in & (kp != 0)
+    return col_in
+
+
+@triton.jit
+def _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK: tl.constexpr, PREC: tl.constexpr,
+            UPCAST: tl.constexpr):  # fmt: skip
+    """Scores z = mul · q kᵀ of one (query block, key block) pair, (BLOCK, BLOCK) float32, and
+    the bool tile of the entries that are edges: rows ``row_ok``, key columns ``col_in`` and
+    the pair's mask tile ``midx`` of MASKS (a full block when midx < 0)."""
+    s = _mm(q, tl.trans(k), PREC, UPCAST) * mul
+    offs = tl.arange(0, BLOCK)
     partial = (tl.zeros((BLOCK, BLOCK), tl.int32) + midx) >= 0
     tile = tl.load(
         MASKS + midx.to(tl.int64) * (BLOCK * BLOCK) + offs[:, None] * BLOCK + offs[None, :],
         mask=partial,
         other=1,
     )
-    ok = ok & (tile != 0)
-    return s, ok, k
+    ok = row_ok[:, None] & col_in[None, :] & (tile != 0)
+    return s, ok
+
+
+@triton.jit
+def _scores(
+    p, PAIR_KB, PAIR_MASK, MASKS, q, K, KPM, row_ok, n_k, mul,
+    D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """:func:`_scored` for the layout's pair ``p`` of a query block q: its scores, the bool
+    tile of its edges (mask tile, key padding, sequence ends), the key tile k (BLOCK, BD)
+    loaded from K (this key/value head's keys) and the key columns."""
+    cols = tl.load(PAIR_KB + p) * BLOCK + tl.arange(0, BLOCK)
+    k = _tile(K, cols, cols < n_k, D, BD)
+    col_in = _keys_in(KPM, cols, n_k, HAS_KPM)
+    s, ok = _scored(q, k, row_ok, col_in, MASKS, tl.load(PAIR_MASK + p), mul, BLOCK, PREC, UPCAST)
+    return s, ok, k, cols
+
+
+@triton.jit
+def _excess(s, ok, tau):
+    """d = [z − τ]₊ on the edges, 0 elsewhere (τ per row, absolute)."""
+    return tl.maximum(tl.where(ok, s - tau[:, None], 0.0), 0.0)
+
+
+@triton.jit
+def _grads(s, ok, tau, do, v, delta, R, MODE: tl.constexpr, PREC: tl.constexpr,
+           UPCAST: tl.constexpr):  # fmt: skip
+    """The backward of one tile: d = [z − τ]₊ and ds = g ⊙ (dp − δ), dp = dO vᵀ."""
+    d = _excess(s, ok, tau)
+    dp = _mm(do, tl.trans(v), PREC, UPCAST)
+    return d, _slopes(d, R, MODE) * (dp - delta[:, None])
+
+
+@triton.jit
+def _row_block(GIDX, ROW_PTR, K, V, KPM, H, HKV, nbq, n_q, n_k, D: tl.constexpr,
+               DV: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """What a program of a query block (grid (nbq, B·H)) works on: its query block qb and
+    batch·head bh, the range [start, end) of its row's pairs in its layout graph, its query
+    rows and which are inside the sequence, and K, V and KPM moved to its key/value head
+    (b·HKV + h // (H / HKV)) and batch."""
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    bkv = b * HKV + h // (H // HKV)
+    g = tl.load(GIDX + bh)
+    start = tl.load(ROW_PTR + g * nbq + qb)
+    end = tl.load(ROW_PTR + g * nbq + qb + 1)
+    rows = qb * BLOCK + tl.arange(0, BLOCK)
+    K_h = K + bkv.to(tl.int64) * n_k * D
+    V_h = V + bkv.to(tl.int64) * n_k * DV
+    KPM_b = KPM + b.to(tl.int64) * n_k
+    return qb, bh, start, end, rows, rows < n_q, K_h, V_h, KPM_b
+
+
+@triton.jit
+def _grad_rows(Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D: tl.constexpr, DV: tl.constexpr,
+               BD: tl.constexpr, BDV: tl.constexpr):  # fmt: skip
+    """What the backward reads of query rows ``rows`` of batch·head bh: q, dO, τ (+inf past
+    the end: no weights) and δ."""
+    q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
+    do = _tile(DO + bh.to(tl.int64) * n_q * DV, rows, row_ok, DV, BDV)
+    tau = tl.load(TAU + bh.to(tl.int64) * n_q + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + bh.to(tl.int64) * n_q + rows, mask=row_ok, other=0.0)
+    return q, do, tau, delta
 
 
 @triton.jit
@@ -155,67 +224,19 @@ def _start(x, R, BLOCK: tl.constexpr, MODE: tl.constexpr, STEPS: tl.constexpr):
 
 @triton.jit
 def _forward(
-    Q,
-    K,
-    V,
-    O,
-    TAU,
-    GV,
-    NZ,
-    TMAX,
-    PASSES,
-    ROW_PTR,
-    PAIR_KB,
-    PAIR_MASK,
-    MASKS,
-    GIDX,
-    KPM,
-    n_q,
-    n_k,
-    H,
-    HKV,
-    nbq,
-    n_pairs,
-    mul,
-    AM1,
-    R,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BD: tl.constexpr,
-    BDV: tl.constexpr,
-    BLOCK: tl.constexpr,
-    MODE: tl.constexpr,
-    HAS_KPM: tl.constexpr,
-    NEED_GRAD: tl.constexpr,
-    MAX_IT: tl.constexpr,
-    TOPK: tl.constexpr,
-    PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    qb = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    bkv = b * HKV + h // (H // HKV)
-    g = tl.load(GIDX + bh)
-    start = tl.load(ROW_PTR + g * nbq + qb)
-    end = tl.load(ROW_PTR + g * nbq + qb + 1)
-
-    offs = tl.arange(0, BLOCK)
-    dcol = tl.arange(0, BD)
-    vcol = tl.arange(0, BDV)
-    rows = qb * BLOCK + offs
-    row_ok = rows < n_q
-    q_base = bh.to(tl.int64) * n_q * D
-    kv_base = bkv.to(tl.int64) * n_k * D
-    v_base = bkv.to(tl.int64) * n_k * DV
-    kpm_base = b.to(tl.int64) * n_k
-    pair_base = bh.to(tl.int64) * n_pairs
-    q = tl.load(
-        Q + q_base + rows[:, None] * D + dcol[None, :],
-        mask=row_ok[:, None] & (dcol[None, :] < D),
-        other=0.0,
+    Q, K, V, O, TAU, GV, NZ, TMAX, PASSES,
+    ROW_PTR, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    n_q, n_k, H, HKV, nbq, n_pairs,
+    mul, AM1, R,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, NEED_GRAD: tl.constexpr,
+    MAX_IT: tl.constexpr, TOPK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    qb, bh, start, end, rows, row_ok, K_h, V_h, KPM_b = _row_block(
+        GIDX, ROW_PTR, K, V, KPM, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
     )
+    pair_base = bh.to(tl.int64) * n_pairs
+    q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
 
     # pass 0: row max m, number of keys n of every row, each tile's largest score, and the
     # TOPK largest of each row's per-tile maxima (a subset of the row: a start for τ)
@@ -224,10 +245,8 @@ def _forward(
     slot = tl.arange(0, TOPK)
     top = tl.full((BLOCK, TOPK), float("-inf"), tl.float32)
     for p in range(start, end):
-        kb = tl.load(PAIR_KB + p)
-        midx = tl.load(PAIR_MASK + p)
-        s, ok, k = _scores(
-            q, K, kv_base, kb, n_k, midx, MASKS, KPM, kpm_base, row_ok, mul,
+        s, ok, k, cols = _scores(
+            p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
             D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
         )  # fmt: skip
         s = tl.where(ok, s, float("-inf"))
@@ -258,10 +277,8 @@ def _forward(
         floor = tl.min(tl.where(has & ~done, m + (lo if MODE == 0 else tau), float("inf")), 0)
         for p in range(start, end):
             if tl.load(TMAX + pair_base + p) > floor:
-                kb = tl.load(PAIR_KB + p)
-                midx = tl.load(PAIR_MASK + p)
-                s, ok, k = _scores(
-                    q, K, kv_base, kb, n_k, midx, MASKS, KPM, kpm_base, row_ok, mul,
+                s, ok, k, cols = _scores(
+                    p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
                     D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
                 )  # fmt: skip
                 x = tl.where(ok, s - m[:, None], float("-inf"))
@@ -313,21 +330,14 @@ def _forward(
     for p in range(start, end):
         nz = tl.load(TMAX + pair_base + p) > floor
         if nz:  # else no row has a weight in this tile: skip both products
-            kb = tl.load(PAIR_KB + p)
-            midx = tl.load(PAIR_MASK + p)
-            s, ok, k = _scores(
-                q, K, kv_base, kb, n_k, midx, MASKS, KPM, kpm_base, row_ok, mul,
+            s, ok, k, cols = _scores(
+                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
                 D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
             )  # fmt: skip
-            d = tl.maximum(tl.where(ok, s - tau_abs[:, None], 0.0), 0.0)
+            d = _excess(s, ok, tau_abs)
             nz = tl.max(tl.max(d, 1), 0) > 0
             if nz:
-                cols = kb * BLOCK + offs
-                v = tl.load(
-                    V + v_base + cols[:, None] * DV + vcol[None, :],
-                    mask=(cols < n_k)[:, None] & (vcol[None, :] < DV),
-                    other=0.0,
-                )
+                v = _tile(V_h, cols, cols < n_k, DV, BDV)
                 w = _weights(d, R, MODE)
                 p_sum += tl.sum(w, 1)
                 acc += _mm(w.to(v.dtype), v, PREC, UPCAST)
@@ -340,166 +350,64 @@ def _forward(
     if MODE == 0:  # τ to float precision: renormalise, as bisection does
         acc = acc / tl.where(p_sum > 0, p_sum, 1.0)[:, None]
     o_base = bh.to(tl.int64) * n_q * DV
-    o_mask = row_ok[:, None] & (vcol[None, :] < DV)
-    tl.store(
-        O + o_base + rows[:, None] * DV + vcol[None, :], acc.to(O.dtype.element_ty), mask=o_mask
-    )
+    _put(O + o_base, rows, row_ok, acc, DV, BDV)
     tl.store(TAU + bh.to(tl.int64) * n_q + rows, tau_abs, mask=row_ok)
     tl.store(PASSES + bh.to(tl.int64) * nbq + qb, it + tl.zeros((), tl.int32))
     if NEED_GRAD:
         g_acc = g_acc / tl.where(g_sum > 0, g_sum, 1.0)[:, None]
-        tl.store(GV + o_base + rows[:, None] * DV + vcol[None, :], g_acc, mask=o_mask)
+        _put(GV + o_base, rows, row_ok, g_acc, DV, BDV)
 
 
 @triton.jit
 def _backward_dq(
-    Q,
-    K,
-    V,
-    DO,
-    DQ,
-    TAU,
-    DELTA,
-    NZ,
-    ROW_PTR,
-    PAIR_KB,
-    PAIR_MASK,
-    MASKS,
-    GIDX,
-    KPM,
-    n_q,
-    n_k,
-    H,
-    HKV,
-    nbq,
-    n_pairs,
-    mul,
-    scale,
-    R,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BD: tl.constexpr,
-    BDV: tl.constexpr,
-    BLOCK: tl.constexpr,
-    MODE: tl.constexpr,
-    HAS_KPM: tl.constexpr,
-    PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    qb = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    bkv = b * HKV + h // (H // HKV)
-    g = tl.load(GIDX + bh)
-    start = tl.load(ROW_PTR + g * nbq + qb)
-    end = tl.load(ROW_PTR + g * nbq + qb + 1)
-
-    offs = tl.arange(0, BLOCK)
-    dcol = tl.arange(0, BD)
-    vcol = tl.arange(0, BDV)
-    rows = qb * BLOCK + offs
-    row_ok = rows < n_q
-    q_base = bh.to(tl.int64) * n_q * D
-    o_base = bh.to(tl.int64) * n_q * DV
-    kv_base = bkv.to(tl.int64) * n_k * D
-    v_base = bkv.to(tl.int64) * n_k * DV
-    kpm_base = b.to(tl.int64) * n_k
-    q_mask = row_ok[:, None] & (dcol[None, :] < D)
-    q = tl.load(Q + q_base + rows[:, None] * D + dcol[None, :], mask=q_mask, other=0.0)
-    do = tl.load(
-        DO + o_base + rows[:, None] * DV + vcol[None, :],
-        mask=row_ok[:, None] & (vcol[None, :] < DV),
-        other=0.0,
+    Q, K, V, DO, DQ, TAU, DELTA, NZ,
+    ROW_PTR, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    n_q, n_k, H, HKV, nbq, n_pairs,
+    mul, scale, R,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    qb, bh, start, end, rows, row_ok, K_h, V_h, KPM_b = _row_block(
+        GIDX, ROW_PTR, K, V, KPM, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
     )
-    tau = tl.load(TAU + bh.to(tl.int64) * n_q + rows, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + bh.to(tl.int64) * n_q + rows, mask=row_ok, other=0.0)
+    q, do, tau, delta = _grad_rows(Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D, DV, BD, BDV)
     dq = tl.zeros((BLOCK, BD), tl.float32)
     for p in range(start, end):
         if tl.load(NZ + bh.to(tl.int64) * n_pairs + p) != 0:
-            kb = tl.load(PAIR_KB + p)
-            midx = tl.load(PAIR_MASK + p)
-            s, ok, k = _scores(
-                q, K, kv_base, kb, n_k, midx, MASKS, KPM, kpm_base, row_ok, mul,
+            s, ok, k, cols = _scores(
+                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
                 D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
             )  # fmt: skip
-            d = tl.maximum(tl.where(ok, s - tau[:, None], 0.0), 0.0)
-            cols = kb * BLOCK + offs
-            col_ok = cols < n_k
-            v = tl.load(
-                V + v_base + cols[:, None] * DV + vcol[None, :],
-                mask=col_ok[:, None] & (vcol[None, :] < DV),
-                other=0.0,
-            )
-            dp = _mm(do, tl.trans(v), PREC, UPCAST)
-            ds = _slopes(d, R, MODE) * (dp - delta[:, None])
+            v = _tile(V_h, cols, cols < n_k, DV, BDV)
+            d, ds = _grads(s, ok, tau, do, v, delta, R, MODE, PREC, UPCAST)
             dq += _mm(ds.to(k.dtype), k, PREC, UPCAST)
-    tl.store(
-        DQ + q_base + rows[:, None] * D + dcol[None, :],
-        (dq * scale).to(DQ.dtype.element_ty),
-        mask=q_mask,
-    )
+    _put(DQ + bh.to(tl.int64) * n_q * D, rows, row_ok, dq * scale, D, BD)
 
 
 @triton.jit
 def _backward_dkdv(
-    Q,
-    K,
-    V,
-    DO,
-    DK,
-    DV_,
-    TAU,
-    DELTA,
-    NZ,
-    COL_PTR,
-    COL_PAIR,
-    COL_QB,
-    PAIR_MASK,
-    MASKS,
-    GIDX,
-    KPM,
-    n_q,
-    n_k,
-    H,
-    HKV,
-    nbk,
-    n_pairs,
-    mul,
-    scale,
-    R,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BD: tl.constexpr,
-    BDV: tl.constexpr,
-    BLOCK: tl.constexpr,
-    GROUP: tl.constexpr,
-    MODE: tl.constexpr,
-    HAS_KPM: tl.constexpr,
-    PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
+    Q, K, V, DO, DK, DV_, TAU, DELTA, NZ,
+    COL_PTR, COL_PAIR, COL_QB, PAIR_MASK, MASKS, GIDX, KPM,
+    n_q, n_k, H, HKV, nbk, n_pairs,
+    mul, scale, R,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BLOCK: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
     kb = tl.program_id(0)
     bkv = tl.program_id(1)
     b = bkv // HKV
     kvh = bkv % HKV
 
     offs = tl.arange(0, BLOCK)
-    dcol = tl.arange(0, BD)
-    vcol = tl.arange(0, BDV)
     cols = kb * BLOCK + offs
     col_ok = cols < n_k
-    kv_base = bkv.to(tl.int64) * n_k * D
-    v_base = bkv.to(tl.int64) * n_k * DV
-    kpm_base = b.to(tl.int64) * n_k
-    k_mask = col_ok[:, None] & (dcol[None, :] < D)
-    v_mask = col_ok[:, None] & (vcol[None, :] < DV)
-    k = tl.load(K + kv_base + cols[:, None] * D + dcol[None, :], mask=k_mask, other=0.0)
-    v = tl.load(V + v_base + cols[:, None] * DV + vcol[None, :], mask=v_mask, other=0.0)
-    col_in = col_ok
-    if HAS_KPM:
-        kp = tl.load(KPM + kpm_base + cols, mask=col_ok, other=0)
-        col_in = col_in & (kp != 0)
+    K_h = K + bkv.to(tl.int64) * n_k * D
+    V_h = V + bkv.to(tl.int64) * n_k * DV
+    k = _tile(K_h, cols, col_ok, D, BD)
+    v = _tile(V_h, cols, col_ok, DV, BDV)
+    col_in = _keys_in(KPM + b.to(tl.int64) * n_k, cols, n_k, HAS_KPM)
     dk = tl.zeros((BLOCK, BD), tl.float32)
     dv = tl.zeros((BLOCK, BDV), tl.float32)
     for t in tl.static_range(GROUP):
@@ -507,49 +415,19 @@ def _backward_dkdv(
         g = tl.load(GIDX + bh)
         start = tl.load(COL_PTR + g * nbk + kb)
         end = tl.load(COL_PTR + g * nbk + kb + 1)
-        q_base = bh.to(tl.int64) * n_q * D
-        o_base = bh.to(tl.int64) * n_q * DV
         for c in range(start, end):
             pair = tl.load(COL_PAIR + c)
             if tl.load(NZ + bh.to(tl.int64) * n_pairs + pair) != 0:
-                qb = tl.load(COL_QB + c)
-                midx = tl.load(PAIR_MASK + pair)
-                rows = qb * BLOCK + offs
+                rows = tl.load(COL_QB + c) * BLOCK + offs
                 row_ok = rows < n_q
-                q = tl.load(
-                    Q + q_base + rows[:, None] * D + dcol[None, :],
-                    mask=row_ok[:, None] & (dcol[None, :] < D),
-                    other=0.0,
+                q, do, tau, delta = _grad_rows(
+                    Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D, DV, BD, BDV
                 )
-                do = tl.load(
-                    DO + o_base + rows[:, None] * DV + vcol[None, :],
-                    mask=row_ok[:, None] & (vcol[None, :] < DV),
-                    other=0.0,
-                )
-                tau = tl.load(TAU + bh.to(tl.int64) * n_q + rows, mask=row_ok, other=float("inf"))
-                delta = tl.load(DELTA + bh.to(tl.int64) * n_q + rows, mask=row_ok, other=0.0)
-                s = _mm(q, tl.trans(k), PREC, UPCAST) * mul
-                partial = (tl.zeros((BLOCK, BLOCK), tl.int32) + midx) >= 0
-                tile = tl.load(
-                    MASKS
-                    + midx.to(tl.int64) * (BLOCK * BLOCK)
-                    + offs[:, None] * BLOCK
-                    + offs[None, :],
-                    mask=partial,
-                    other=1,
-                )
-                ok = row_ok[:, None] & col_in[None, :] & (tile != 0)
-                d = tl.maximum(tl.where(ok, s - tau[:, None], 0.0), 0.0)
+                midx = tl.load(PAIR_MASK + pair)
+                s, ok = _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK, PREC, UPCAST)
+                d, ds = _grads(s, ok, tau, do, v, delta, R, MODE, PREC, UPCAST)
                 w = _weights(d, R, MODE)
                 dv += _mm(tl.trans(w.to(do.dtype)), do, PREC, UPCAST)
-                dp = _mm(do, tl.trans(v), PREC, UPCAST)
-                ds = _slopes(d, R, MODE) * (dp - delta[:, None])
                 dk += _mm(tl.trans(ds.to(q.dtype)), q, PREC, UPCAST)
-    tl.store(
-        DK + kv_base + cols[:, None] * D + dcol[None, :],
-        (dk * scale).to(DK.dtype.element_ty),
-        mask=k_mask,
-    )
-    tl.store(
-        DV_ + v_base + cols[:, None] * DV + vcol[None, :], dv.to(DV_.dtype.element_ty), mask=v_mask
-    )
+    _put(DK + bkv.to(tl.int64) * n_k * D, cols, col_ok, dk * scale, D, BD)
+    _put(DV_ + bkv.to(tl.int64) * n_k * DV, cols, col_ok, dv, DV, BDV)

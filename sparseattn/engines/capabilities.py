@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -230,14 +231,7 @@ def reasons(
     return found
 
 
-def unsupported(
-    engine: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    prob_map: ProbabilityMap | None,
-    dropout_p: float = 0.0,
-    score_mod: bool = False,
-) -> str | None:
-    """None if ``engine`` can compute this call, else why not (its reasons, joined)."""
-    return "; ".join(reasons(engine, q, k, v, prob_map, dropout_p, score_mod)) or None
+def unsupported(engine: str, *call: Any) -> str | None:
+    """None if ``engine`` can compute this call (q, k, v, prob_map[, dropout_p[, score_mod]], as
+    :func:`reasons` takes them), else why not (its reasons, joined)."""
+    return "; ".join(reasons(engine, *call)) or None

@@ -28,6 +28,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -348,10 +349,8 @@ def _launch_forward(
     row (B, H, n_q) float32, Σ g v / Σ g (B, H, n_q, d_v) and the non-zero flags int8
     (B·H, pairs) — the last two only with ``need_grad`` — and the threshold passes each
     program took, int32 (B·H, nbq)."""
-    kern = _kernels()
-    bsz, heads, n_q, d = q.shape
-    hkv, n_k, dv = k.shape[1], k.shape[2], v.shape[-1]
-    b, pairs, dev = layout.block, max(1, layout.pairs), q.device
+    bsz, heads, n_q = q.shape[:3]
+    dv, pairs, dev = v.shape[-1], max(1, layout.pairs), q.device
     out = torch.empty(bsz, heads, n_q, dv, dtype=q.dtype, device=dev)
     tau = torch.empty(bsz, heads, n_q, dtype=torch.float32, device=dev)
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)
@@ -361,15 +360,14 @@ def _launch_forward(
     if need_grad:  # Σ g v / Σ g per row, and whether each (pair, head) holds a non-zero
         gv = torch.empty(bsz, heads, n_q, dv, dtype=torch.float32, device=dev)
         nz = torch.empty(bsz * heads, pairs, dtype=torch.int8, device=dev)
-    kern._forward[(layout.nbq, bsz * heads)](
+    _kernels()._forward[(layout.nbq, bsz * heads)](
         q, k, v, out, tau, gv, nz, tmax, passes,
         layout.row_ptr, layout.pair_kb, layout.pair_mask, layout.masks, gidx,
         dummy.to(torch.int8) if kpm is None else kpm,
-        n_q, n_k, heads, hkv, layout.nbq, pairs,
+        *_sizes(q, k), layout.nbq, pairs,
         scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0),
-        D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BLOCK=b, MODE=_mode(alpha),
-        HAS_KPM=kpm is not None, NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK,
-        PREC=_precision(q), UPCAST=_upcast(q), num_warps=4 if b <= 64 else 8,
+        NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK,
+        **_constants(q, v, layout.block, alpha, kpm is not None),
     )  # fmt: skip
     return out, tau, gv, nz, passes
 
@@ -378,20 +376,12 @@ class _EntmaxAttention(torch.autograd.Function):
     """Fused α-entmax attention on a block layout; backward by the closed form (module doc)."""
 
     @staticmethod
-    def forward(
-        ctx: FunctionCtx,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        layout: BlockLayout,
-        gidx: Tensor,
-        kpm: Tensor | None,
-        alpha: float,
-        scale: float,
-        need_grad: bool,
-    ) -> Tensor:
+    def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, *launch: Any) -> Tensor:
+        """``launch``: the arguments of :func:`_launch_forward` after q, k, v (layout, gidx,
+        kpm, alpha, scale, need_grad)."""
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, tau, gv, nz, _ = _launch_forward(q, k, v, layout, gidx, kpm, alpha, scale, need_grad)
+        out, tau, gv, nz, _ = _launch_forward(q, k, v, *launch)
+        layout, gidx, kpm, alpha, scale, need_grad = launch
         kpm_t = torch.zeros(1, dtype=torch.int8, device=q.device) if kpm is None else kpm
         if need_grad:
             ctx.save_for_backward(q, k, v, tau, gv, nz)
@@ -405,31 +395,41 @@ class _EntmaxAttention(torch.autograd.Function):
         kern = _kernels()
         q, k, v, tau, gv, nz = ctx.saved_tensors
         layout, alpha, scale = ctx.layout, ctx.alpha, ctx.scale
-        bsz, heads, n_q, d = q.shape
-        hkv, n_k, dv = k.shape[1], k.shape[2], v.shape[-1]
-        b = layout.block
+        n_q, n_k, heads, hkv = sizes = _sizes(q, k)
+        bsz = q.shape[0]
         do = grad_out.to(q.dtype).contiguous()
         delta = (do.float() * gv).sum(-1).contiguous()  # δ_i = Σ_j g dp / Σ_j g
         dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        common = dict(
-            D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BLOCK=b, MODE=_mode(alpha),
-            HAS_KPM=ctx.has_kpm, PREC=_precision(q), UPCAST=_upcast(q),
-            num_warps=4 if b <= 64 else 8,
-        )  # fmt: skip
+        common = _constants(q, v, layout.block, alpha, ctx.has_kpm)
         mul, r = scale * (alpha - 1.0), 1.0 / (alpha - 1.0)
         kern._backward_dq[(layout.nbq, bsz * heads)](
             q, k, v, do, dq, tau, delta, nz,
             layout.row_ptr, layout.pair_kb, layout.pair_mask, layout.masks, ctx.gidx, ctx.kpm,
-            n_q, n_k, heads, hkv, layout.nbq, nz.shape[1], mul, scale, r, **common,
+            *sizes, layout.nbq, nz.shape[1], mul, scale, r, **common,
         )  # fmt: skip
         kern._backward_dkdv[(layout.nbk, bsz * hkv)](
             q, k, v, do, dk, dvv, tau, delta, nz,
             layout.col_ptr, layout.col_pair, layout.col_qb, layout.pair_mask, layout.masks,
             ctx.gidx, ctx.kpm,
-            n_q, n_k, heads, hkv, layout.nbk, nz.shape[1], mul, scale, r,
+            *sizes, layout.nbk, nz.shape[1], mul, scale, r,
             GROUP=heads // hkv, **common,
         )  # fmt: skip
         return dq, dk, dvv, None, None, None, None, None, None
+
+
+def _sizes(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
+    """The kernels' size arguments n_q, n_k, H, HKV."""
+    return q.shape[2], k.shape[2], q.shape[1], k.shape[1]
+
+
+def _constants(q: Tensor, v: Tensor, block: int, alpha: float, has_kpm: bool) -> dict:
+    """The compile-time arguments all three kernels take, and their warps."""
+    d, dv = q.shape[-1], v.shape[-1]
+    return dict(
+        D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BLOCK=block, MODE=_mode(alpha),
+        HAS_KPM=has_kpm, PREC=_precision(q), UPCAST=_upcast(q),
+        num_warps=4 if block <= 64 else 8,
+    )  # fmt: skip
 
 
 def _pow2(x: int) -> int:

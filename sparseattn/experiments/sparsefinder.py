@@ -57,9 +57,11 @@ from ..predict.pipeline import (
     METHODS,
     FittedPredictors,
     fit_layers,
+    open_run,
     plot_recall,
     summarise_sweeps,
-    sweep_method,
+    sweep_methods,
+    threaded,
 )
 from ..predict.predictors import (
     FixedParts,
@@ -67,13 +69,10 @@ from ..predict.predictors import (
 from ..predict.teacher import TeacherConfig, load_teacher, teacher_folder
 from ..progress import tqdm
 from ..results import (
-    StepClock,
     atomic_write,
     machine_facts,
     read_json,
-    run_folder,
     save_figure,
-    torch_threads,
     write_json,
 )
 from .runner import run_name_digest
@@ -617,31 +616,14 @@ def _plot_downstream(rows: dict, reference: dict, gold: float, path: Path) -> No
 # --------------------------------------------------------------------------- run
 def run(config: SparsefinderConfig) -> dict:
     """Run (or resume) the whole pipeline; returns the summary (with ``folder``)."""
-    config = config.validate()
-    with torch_threads(config.threads):
-        return _run(config)
+    return threaded(config, _run)
 
 
 def _run(config: SparsefinderConfig) -> dict:
-    folder = run_folder(Path(config.out_dir) / config.run_name(), config.identity())
-    paths = {
-        name: folder / f"{name}.json"
-        for name in (
-            "teacher",
-            "gold",
-            "fits",
-            "sweep",
-            "downstream",
-            "timing",
-            "padding",
-            "summary",
-        )
-    }
-    clock = StepClock(folder / "steps.json")
+    names = ("teacher", "gold", "fits", "sweep", "downstream", "timing", "padding", "summary")
+    folder, paths, clock, sweeps, down = open_run(config, names)
     step = clock.step
     fits_path = folder / "fits.pt"
-    sweeps: dict = read_json(paths["sweep"]) or {}
-    down: dict = read_json(paths["downstream"]) or {"reference": None, "methods": {}}
     down_todo = [
         (m, kn)
         for m, knobs in config.downstream_knobs
@@ -709,13 +691,9 @@ def _run(config: SparsefinderConfig) -> dict:
                 },
             )
         fitted = FittedPredictors(fits, config)
-        for method in sweep_todo:
-            bar.set_postfix_str(f"sweep {method}")
-            with step(f"sweep {method}"):
-                sweeps[method] = sweep_method(fitted, method, data.test)
-            write_json(paths["sweep"], sweeps)
-            bar.update(1)
-        sweeps = {m: sweeps[m] for m in METHODS if m in sweeps}
+        sweeps = sweep_methods(
+            fitted, sweep_todo, data.test, sweeps, paths["sweep"], step, bar, METHODS
+        )
         if down_todo:
             sets = _downstream_sets(data, config)
             ref = _teacher_reference(data, sets)

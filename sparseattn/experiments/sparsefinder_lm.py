@@ -49,13 +49,10 @@ from ..predict.pattern import PredictedPattern
 from ..predict.predictors import FixedParts
 from ..progress import tqdm
 from ..results import (
-    StepClock,
     atomic_write,
     machine_facts,
     read_json,
-    run_folder,
     save_figure,
-    torch_threads,
     write_json,
 )
 from . import lm
@@ -506,23 +503,15 @@ def _plot_downstream(summary: dict, path: Path) -> None:
 # --------------------------------------------------------------------------- run
 def run(config: DecoderSparsefinderConfig) -> dict:
     """Run (or resume) the decoder pipeline; returns the summary (with ``folder``)."""
-    config = config.validate()
-    with torch_threads(config.threads):
-        return _run(config)
+    return pipeline.threaded(config, _run)
 
 
 def _run(config: DecoderSparsefinderConfig) -> dict:
     load_start = os.getloadavg()
-    folder = run_folder(Path(config.out_dir) / config.run_name(), config.identity())
-    paths = {
-        name: folder / f"{name}.json"
-        for name in ("teacher", "gold", "fits", "sweep", "downstream", "summary")
-    }
-    clock = StepClock(folder / "steps.json")
+    names = ("teacher", "gold", "fits", "sweep", "downstream", "summary")
+    folder, paths, clock, sweeps, down = pipeline.open_run(config, names)
     step = clock.step
     fits_path = folder / "fits.pt"
-    sweeps: dict = read_json(paths["sweep"]) or {}
-    down: dict = read_json(paths["downstream"]) or {"reference": None, "methods": {}}
     sweep_todo = [m for m in DECODER_METHODS if m not in sweeps]
     down_todo = [
         (m, kn, w)
@@ -582,13 +571,9 @@ def _run(config: DecoderSparsefinderConfig) -> dict:
             )
         bar.update(1)
         fitted = pipeline.FittedPredictors(fits, config)
-        for method in sweep_todo:
-            bar.set_postfix_str(f"sweep {method}")
-            with step(f"sweep {method}"):
-                sweeps[method] = pipeline.sweep_method(fitted, method, test, causal=True)
-            write_json(paths["sweep"], sweeps)
-            bar.update(1)
-        sweeps = {m: sweeps[m] for m in DECODER_METHODS if m in sweeps}
+        sweeps = pipeline.sweep_methods(
+            fitted, sweep_todo, test, sweeps, paths["sweep"], step, bar, DECODER_METHODS, True
+        )
         if down_todo:
             with step("downstream full teacher"):
                 down["reference"] = lm.evaluate(model, dense().causal(), valid, config.teacher)

@@ -15,12 +15,13 @@ rows, ``chunk_block`` and ``chunk_clusters``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ..results import save_figure
+from ..results import StepClock, read_json, run_folder, save_figure, torch_threads, write_json
 from . import baselines as bl
 from . import predictors as pr
 from .evaluate import best_at_least, dominance, frontier_value, pareto_frontier, sweep
@@ -33,10 +34,13 @@ __all__ = [
     "METHODS",
     "FittedPredictors",
     "fit_layers",
+    "open_run",
     "plot_recall",
     "summarise_sweeps",
     "sweep_method",
+    "sweep_methods",
     "sweep_points",
+    "threaded",
 ]
 
 #: Method name → (label in plots and tables, knob name).
@@ -245,6 +249,47 @@ def sweep_method(
                 w = int(knob)
             points.append({"knob": knob, "window": w, **res})
     return points
+
+
+def sweep_methods(
+    fitted: FittedPredictors,
+    todo: list[str],
+    test: list[LayerGraphs],
+    sweeps: dict[str, list[dict]],
+    path: Path,
+    step: Callable,
+    bar: Any,
+    order: Iterable[str],
+    causal: bool = False,
+) -> dict[str, list[dict]]:
+    """:func:`sweep_method` for each method of ``todo`` into ``sweeps``: one ``step`` and one
+    ``bar`` update each, ``sweeps`` rewritten to ``path`` after each (a run resumes from it).
+    Returns the swept methods in the order of ``order``."""
+    for method in todo:
+        bar.set_postfix_str(f"sweep {method}")
+        with step(f"sweep {method}"):
+            sweeps[method] = sweep_method(fitted, method, test, causal)
+        write_json(path, sweeps)
+        bar.update(1)
+    return {m: sweeps[m] for m in order if m in sweeps}
+
+
+def open_run(config: Any, names: Sequence[str]) -> tuple[Path, dict, StepClock, dict, dict]:
+    """The folder of a pipeline run (``config.out_dir`` / its run name, its identity pinned),
+    the paths of its JSON results ``names`` (``<name>.json``; among them ``sweep`` and
+    ``downstream``), its step clock, and what an earlier run left: the sweeps and the
+    downstream points (``{"reference": None, "methods": {}}`` when none)."""
+    folder = run_folder(Path(config.out_dir) / config.run_name(), config.identity())
+    paths = {name: folder / f"{name}.json" for name in names}
+    down = read_json(paths["downstream"]) or {"reference": None, "methods": {}}
+    return folder, paths, StepClock(folder / "steps.json"), read_json(paths["sweep"]) or {}, down
+
+
+def threaded(config: Any, body: Callable[[Any], dict]) -> dict:
+    """``body(config.validate())`` with ``config.threads`` torch threads (restored after)."""
+    config = config.validate()
+    with torch_threads(config.threads):
+        return body(config)
 
 
 def sweep_points(rows: list[dict]) -> list[tuple[float, float]]:
