@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
+from tiny_models import BART, GEMMA2, T5, tiny_model
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
@@ -20,75 +20,18 @@ import sparseattn as sa
 from sparseattn import hf
 
 TOL = 2e-5
-DEVICE = torch.device("cpu")  # the run's device (--device), set for each test below
 
 
-@pytest.fixture(autouse=True)
-def _run_device(device):
-    global DEVICE
-    DEVICE = device
+def _gemma2(device):
+    return tiny_model("Gemma2Config", "Gemma2ForCausalLM", **GEMMA2).to(device)
 
 
-def _gemma2():
-    torch.manual_seed(0)
-    config = transformers.Gemma2Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=100,
-        max_position_embeddings=128,
-        sliding_window=12,  # layer 0 slides, layer 1 is global
-        attn_logit_softcapping=2.0,  # small: the capping changes the scores here
-        final_logit_softcapping=None,
-        query_pre_attn_scalar=16,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    return transformers.AutoModelForCausalLM.from_config(config).eval().to(DEVICE)
+def _t5(device):
+    return tiny_model("T5Config", "T5ForConditionalGeneration", **T5).to(device)
 
 
-def _t5():
-    torch.manual_seed(0)
-    config = transformers.T5Config(
-        vocab_size=100,
-        d_model=64,
-        d_kv=16,
-        d_ff=96,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=20,
-        dropout_rate=0.0,  # gradients compared across engines
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    return transformers.T5ForConditionalGeneration(config).eval().to(DEVICE)
-
-
-def _bart():
-    torch.manual_seed(0)
-    config = transformers.BartConfig(
-        vocab_size=100,
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=96,
-        decoder_ffn_dim=96,
-        max_position_embeddings=128,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-        decoder_start_token_id=2,
-    )
-    return transformers.BartForConditionalGeneration(config).eval().to(DEVICE)
+def _bart(device):
+    return tiny_model("BartConfig", "BartForConditionalGeneration", **BART).to(device)
 
 
 def _batch():
@@ -156,69 +99,61 @@ def _cross_ids(model) -> set[int]:
     return {id(m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names}
 
 
-def _real(mask: torch.Tensor) -> torch.Tensor:
-    return mask.bool()
-
-
-def test_gemma2_dense_equals_original_and_window_equals_reference():
-    model = _gemma2()
+def _window_and_reference(model, w, ids, mask, dec=None, engine="auto"):
+    """Logits of ``model`` sparsified with window(w) on ``engine``, and of the reference
+    kernel with the same window (``model`` is left sparsified)."""
     original = model.config._attn_implementation
-    ids, mask = _batch()
-    expected = _run(model, ids, mask)
-    hf.sparsify(model, sa.dense())
-    got = _run(model, ids, mask)
-    assert float((got - expected)[_real(mask)].abs().max()) < TOL
-    hf.restore(model)
-
-    # window(8) in a decoder: its causal part, |i − j| ≤ 4 with j ≤ i (∩ layer 0's slide)
-    model.set_attn_implementation(_register_reference("ref_gemma2", 8, set()))
-    want = _run(model, ids, mask)
-    model.set_attn_implementation(original)
-    hf.sparsify(model, sa.window(8))
-    got = _run(model, ids, mask)
-    assert float((got - want)[_real(mask)].abs().max()) < TOL
-    assert float((got - expected)[_real(mask)].abs().max()) > 1e-3  # the window matters
-
-
-def test_gemma2_softcap_reaches_every_engine():
-    """Soft-capping is applied whichever engine runs the layer (the capped scores differ
-    from the uncapped ones at this cap)."""
-    model = _gemma2()
-    original = model.config._attn_implementation
-    ids, mask = _batch()
-    model.set_attn_implementation(_register_reference("ref_gemma2_w", 8, set()))
-    want = _run(model, ids, mask)
-    model.set_attn_implementation(original)
-    for engine in ("dense", "block", "gather"):
-        hf.sparsify(model, sa.window(8), engine=engine)
-        got = _run(model, ids, mask)
-        assert float((got - want)[_real(mask)].abs().max()) < TOL, engine
-
-
-def test_t5_dense_equals_original_and_window_equals_reference():
-    model = _t5()
-    original = model.config._attn_implementation
-    ids, mask = _batch()
-    dec = ids[:, :12]
-    expected = _run(model, ids, mask, dec)
-    assert len(hf.layer_names(model)) == 4  # 2 encoder + 2 decoder self-attention layers
-    hf.sparsify(model, sa.dense())
-    got = _run(model, ids, mask, dec)
-    assert float((got - expected).abs().max()) < TOL
-    hf.restore(model)
-
-    model.set_attn_implementation(_register_reference("ref_t5", 6, _cross_ids(model)))
+    model.set_attn_implementation(_register_reference(f"ref_{w}", w, _cross_ids(model)))
     want = _run(model, ids, mask, dec)
     model.set_attn_implementation(original)
-    hf.sparsify(model, sa.window(6))
+    hf.sparsify(model, sa.window(w), engine=engine)
+    return _run(model, ids, mask, dec), want
+
+
+def _dense_equals_original(model, ids, mask, dec=None):
+    """Logits of the original model; asserts that the dense pattern gives the same."""
+    expected = _run(model, ids, mask, dec)
+    hf.sparsify(model, sa.dense())
     got = _run(model, ids, mask, dec)
+    real = mask.bool() if dec is None else torch.ones_like(got[..., 0], dtype=torch.bool)
+    assert float((got - expected)[real].abs().max()) < TOL
+    hf.restore(model)
+    return expected
+
+
+def test_gemma2_dense_equals_original_and_window_equals_reference(device):
+    model = _gemma2(device)
+    ids, mask = _batch()
+    expected = _dense_equals_original(model, ids, mask)
+    # window(8) in a decoder: its causal part, |i − j| ≤ 4 with j ≤ i (∩ layer 0's slide)
+    got, want = _window_and_reference(model, 8, ids, mask)
+    real = mask.bool()
+    assert float((got - want)[real].abs().max()) < TOL
+    assert float((got - expected)[real].abs().max()) > 1e-3  # the window matters
+
+
+@pytest.mark.parametrize("engine", ["dense", "block", "gather"])
+def test_gemma2_softcap_reaches_every_engine(device, engine):
+    """Soft-capping is applied whichever engine runs the layer (at this cap the capped
+    scores differ from the uncapped ones)."""
+    ids, mask = _batch()
+    got, want = _window_and_reference(_gemma2(device), 8, ids, mask, engine=engine)
+    assert float((got - want)[mask.bool()].abs().max()) < TOL
+
+
+def test_t5_dense_equals_original_and_window_equals_reference(device):
+    model = _t5(device)
+    ids, mask = _batch()
+    assert len(hf.layer_names(model)) == 4  # 2 encoder + 2 decoder self-attention layers
+    expected = _dense_equals_original(model, ids, mask, ids[:, :12])
+    got, want = _window_and_reference(model, 6, ids, mask, ids[:, :12])
     assert float((got - want).abs().max()) < TOL
     assert float((got - expected).abs().max()) > 1e-3
 
 
-def test_t5_position_bias_gets_its_gradient():
+def test_t5_position_bias_gets_its_gradient(device):
     """The relative attention embedding (layer 0's) trains through the sparse engines."""
-    model = _t5().train()
+    model = _t5(device).train()
     ids, mask = _batch()
     emb = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
     grads = {}
@@ -231,11 +166,10 @@ def test_t5_position_bias_gets_its_gradient():
     torch.testing.assert_close(grads["block"], grads["dense"], atol=1e-6, rtol=1e-4)
 
 
-def test_layers_are_named_and_cross_attention_stays_exact():
+def test_layers_are_named_and_cross_attention_stays_exact(device):
     """BART with a pattern on every layer: the decoder's encoder_attn modules are not layers
     (cross-attention keeps every encoder key); layers= picks by the names listed."""
-    model = _bart()
-    original = model.config._attn_implementation
+    model = _bart(device)
     names = hf.layer_names(model)
     assert names == [
         "model.encoder.layers.0.self_attn",
@@ -244,20 +178,15 @@ def test_layers_are_named_and_cross_attention_stays_exact():
         "model.decoder.layers.1.self_attn",
     ]
     ids, mask = _batch()
-    dec = ids[:, :12]
-    model.set_attn_implementation(_register_reference("ref_bart", 6, _cross_ids(model)))
-    want = _run(model, ids, mask, dec)
-    model.set_attn_implementation(original)
-    hf.sparsify(model, sa.window(6))
-    got = _run(model, ids, mask, dec)
+    got, want = _window_and_reference(model, 6, ids, mask, ids[:, :12])
     assert float((got - want).abs().max()) < TOL
     hf.restore(model)
     hf.sparsify(model, sa.window(6), layers=[names.index("model.decoder.layers.1.self_attn")])
     assert sorted(hf.layer_specs(model)) == [3]
 
 
-def test_methods_without_score_mod_are_refused():
-    model = _gemma2()
+def test_methods_without_score_mod_are_refused(device):
+    model = _gemma2(device)
     ids, mask = _batch()
 
     def method(q, k, v, pattern, **kwargs):  # no score_mod parameter

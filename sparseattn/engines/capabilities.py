@@ -212,26 +212,19 @@ SPECS: dict[str, EngineSpec] = {
 ENGINES: dict[str, Callable[..., Tensor]] = {name: spec.run for name, spec in SPECS.items()}
 
 
-def reasons(
-    engine: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    prob_map: ProbabilityMap | None,
-    dropout_p: float = 0.0,
-    score_mod: bool = False,
-) -> list[str]:
-    """Why ``engine`` cannot compute this call: its declared reasons, then (if none) its finer
-    check on the tensors; empty when it can."""
+def reasons(engine: str, *call: Any) -> list[str]:
+    """Why ``engine`` cannot compute this call — (q, k, v, prob_map[, dropout_p[, score_mod]]),
+    as :meth:`Request.of` takes them —: its declared reasons, then (if none) its finer check on
+    the tensors; empty when it can."""
     spec = SPECS[engine]
-    found = spec.not_supported_reasons(Request.of(q, k, v, prob_map, dropout_p, score_mod))
+    found = spec.not_supported_reasons(Request.of(*call))
     if not found and spec.refuses is not None:
-        finer = spec.refuses(q, k, v, prob_map, dropout_p)
+        finer = spec.refuses(*call[:5])
         found = [] if finer is None else [finer]
     return found
 
 
 def unsupported(engine: str, *call: Any) -> str | None:
-    """None if ``engine`` can compute this call (q, k, v, prob_map[, dropout_p[, score_mod]], as
-    :func:`reasons` takes them), else why not (its reasons, joined)."""
+    """None if ``engine`` can compute this call (as :func:`reasons` takes it), else why not
+    (its reasons, joined)."""
     return "; ".join(reasons(engine, *call)) or None

@@ -214,6 +214,19 @@ def eager_attention(
     return torch.matmul(p, v).transpose(1, 2).contiguous()
 
 
+def _exact_attention(module, q, k, v, mask, scaling, dropout, score_mod, kwargs):
+    """A layer left exact: transformers' SDPA kernel, or the eager formula where the model
+    modifies its scores (which SDPA cannot take). Returns (output, None) as a kernel does."""
+    if score_mod is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    causal = _is_causal(module, kwargs)
+    return eager_attention(module, q, k, v, mask, scaling, dropout, score_mod, causal), None
+
+
 def _is_causal(module: nn.Module, kwargs: dict) -> bool:
     """A call is causal when the model says so (``is_causal`` kwarg, else the module's flag)."""
     flag = kwargs.get("is_causal")
@@ -234,24 +247,16 @@ def attention_forward(
     kv_heads, n_k, d) → (batch, n_q, heads, d). Decoder calls (``module.is_causal``) apply the
     layer's pattern causally with queries at n_k − n_q … n_k − 1 (a KV cache).
 
-    Non-configured layers run torch SDPA (exact) unless attention is being captured."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    Non-configured layers run torch SDPA (exact; the eager formula where the model modifies
+    its scores) unless attention is being captured."""
     if kwargs.get("s_aux") is not None:
         raise ValueError("sparseattn attention does not support attention sinks ('s_aux')")
     score_mod = model_score_mod(kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "position_bias")}
     hook = module.__dict__.get("_sparseattn")
+    exact = (module, query, key, value, attention_mask, scaling, dropout, score_mod, kwargs)
     if hook is None:  # an attention module sparsify did not configure (cross-attention)
-        if score_mod is not None:
-            causal = _is_causal(module, kwargs)
-            out = eager_attention(
-                module, query, key, value, attention_mask, scaling, dropout, score_mod, causal
-            )
-            return out, None
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return _exact_attention(*exact)
     state, layer, value_proj = hook
     hidden_states = module.__dict__.pop("_sparseattn_input", None)
     capture = state.capture
@@ -263,15 +268,7 @@ def attention_forward(
     if spec is None and not capturing:
         edges = account(state, layer, None, query, key, view, _EXACT)
         state.nonzero[layer] = state.nonzero.get(layer, 0.0) + edges
-        if score_mod is not None:
-            causal = _is_causal(module, kwargs)
-            out = eager_attention(
-                module, query, key, value, attention_mask, scaling, dropout, score_mod, causal
-            )
-            return out, None
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return _exact_attention(*exact)
     spec = spec or _EXACT
     if score_mod is not None:
         if not _takes_score_mod(spec.method):
