@@ -4,9 +4,13 @@
 
 A tiny random Llama sparsified with ``sliding_window(64, sinks=4)`` generates T tokens, once with
 ``hf.window_cache`` and once with a full ``DynamicCache`` (same pattern, no eviction); compare
-``tokens_window_<T>.pt`` with ``tokens_full_<T>.pt`` (``torch.equal``).
+``tokens_window_<T>.pt`` with ``tokens_full_<T>.pt`` (``torch.equal``). An optional third
+argument names a folder for ``<mode>.json``: the numbers, the machine and a SHA-256 of the
+tokens (equal hashes: equal tokens), e.g. ``python scripts/gen_memory.py 32768 window
+docs/results/causal/gen-memory-32768``.
 """
 
+import hashlib
 import resource
 import sys
 import time
@@ -17,6 +21,7 @@ from transformers import DynamicCache
 
 import sparseattn as sa
 from sparseattn import hf
+from sparseattn.results import machine_facts, write_json
 
 
 def rss_mib() -> float:
@@ -65,6 +70,13 @@ def main() -> None:
     torch.save(tokens, f"tokens_{mode}_{T}.pt")
     print("T", T, "torch", torch.__version__, "transformers", transformers.__version__)
     print(mode, stats)
+    if len(sys.argv) > 3:
+        digest = hashlib.sha256(tokens.numpy().tobytes()).hexdigest()
+        facts = {"T": T, "mode": mode, "transformers": transformers.__version__}
+        write_json(
+            f"{sys.argv[3]}/{mode}.json",
+            {**facts, **stats, "tokens_sha256": digest, "machine": machine_facts()},
+        )
 
 
 if __name__ == "__main__":
