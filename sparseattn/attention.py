@@ -43,10 +43,21 @@ __all__ = [
     "resolve_graph",
 ]
 
-#: Largest score matrix (B·H·n_q·n_k entries) for which ``auto`` uses the dense engine.
-DENSE_LIMIT = 1 << 22
+#: Largest score matrix (B·H·n_q·n_k entries) for which ``auto`` may pick the dense engine on
+#: CPU: a memory cap, not the speed rule (that compares costs, :func:`choose_engine`). For
+#: softmax without dropout the dense engine runs SDPA's fused CPU kernel, which holds the graph's
+#: n_q × n_k mask and not the scores; where it materialises the scores (other maps, dropout) the
+#: cap is DENSE_LIMIT // 32 = 2²² entries (16 MiB of fp32).
+DENSE_LIMIT = 1 << 27
 #: The same on a GPU (provisional, not yet measured there: docs/benchmarks.md, "GPU").
 GPU_DENSE_LIMIT = 1 << 24
+#: Cost of one score entry of the dense engine (SDPA's fused kernel) in scored block entries at
+#: b = 64, forward: 0.6–0.9 on the AMD EPYC, 0.5–0.8 on the Intel Xeon (d = 64; docs/engines.md,
+#: "The `auto` rule").
+DENSE_ENTRY_COST = 0.7
+#: The same for forward + backward (units of ``ENTRY_COST_TRAIN``): 0.3–0.9, mostly near 0.45, over
+#: the grid of ``sparseattn bench auto`` (docs/benchmarks.md, "The `auto` grid").
+DENSE_ENTRY_COST_TRAIN = 0.45
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool = False) -> None:
@@ -148,45 +159,78 @@ def choose_engine(
     :mod:`sparseattn.engines.capabilities`; an unknown map, ``prob_map=None``, rules out the
     softmax-only ``flex``). Among them, by the cost measurements of the input's device:
 
-    1. ``dense`` while the full score matrix is small (B·H·n_q·n_k ≤ DENSE_LIMIT entries on
-       CPU, GPU_DENSE_LIMIT on a GPU).
-    2. On a GPU, ``flex`` wherever it qualifies (softmax: one fused kernel, forward and
-       backward), and ``triton`` (α-entmax, sparsemax: fused kernels) wherever it qualifies.
-    3. The block layout at the block size the block engine would choose scores
-       ``work`` = pairs·b² entries per graph, of which ``fill`` = E / work are edges. A scored
-       block entry costs ~4–8 ns, a gathered edge ~60–110 ns (fp32, d = 64, CPU), so
-       ``block`` wins unless ``fill`` < BLOCK_MIN_FILL = 1/15 (scattered graphs): then
-       ``gather``, where it qualifies.
-    4. On CPU, ``flex`` only where its estimated cost, FLEX_ENTRY_COST × its work at block
-       128, is below the block engine's. On the measured CPUs it never is.
+    * On CPU the least estimated cost per graph, in scored block entries (every engine's cost
+      grows as B·H, so the comparison is per graph): ``block`` pairs·b²·ENTRY_COST[b] at the
+      block size b the block engine will choose (``ENTRY_COST_TRAIN`` when a backward will
+      follow), ``gather`` E / BLOCK_MIN_FILL (a gathered edge costs 12 block entries), ``dense``
+      n_q·n_k·DENSE_ENTRY_COST (0.7; ``DENSE_ENTRY_COST_TRAIN`` = 0.45 with a backward: SDPA's
+      fused kernel scores an entry for less than a block entry), the latter only while
+      B·H·n_q·n_k ≤ DENSE_LIMIT (2²⁷; DENSE_LIMIT // 32 where the dense engine materialises
+      the scores). ``flex`` replaces ``block`` only where
+      its estimated cost, FLEX_ENTRY_COST × its work at block 128, is lower: on the measured
+      CPUs it never is.
+    * On a GPU: ``dense`` while B·H·n_q·n_k ≤ GPU_DENSE_LIMIT, then ``flex`` wherever it
+      qualifies (softmax: one fused kernel, forward and backward), then ``triton`` (α-entmax,
+      sparsemax: fused kernels), then ``block`` or ``gather`` by the same costs.
+
+    The decision is cached on the graph per request (shapes, dtype, map, training, dropout).
     """
+    cache = graph.cached(("auto",), dict)
+    train = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    key = None
+    if prob_map is None or prob_map.alpha is None:
+        what = None if prob_map is None else (prob_map.name, tuple(prob_map.params.items()))
+        key = (q.device.type, q.dtype, tuple(q.shape), tuple(k.shape), what, train)
+        key += (bool(dropout_p), DENSE_LIMIT, GPU_DENSE_LIMIT)
+        try:
+            if key in cache:
+                return cache[key]
+        except TypeError:  # a map parameter that is not hashable: no caching
+            key = None
     from .engines import SPECS, reasons
     from .engines.flex import FLEX_BLOCK, FLEX_ENTRY_COST
-    from .engines.layout import BLOCK_MIN_FILL, ENTRY_COST, choose_block, count_pairs
+    from .engines.layout import (
+        BLOCK_MIN_FILL,
+        ENTRY_COST,
+        ENTRY_COST_TRAIN,
+        choose_block,
+        count_pairs,
+    )
 
     ok = {name for name in SPECS if not reasons(name, q, k, k, prob_map, dropout_p, score_mod)}
     bsz, heads, n_q, _ = q.shape
+    n_k = k.shape[-2]
     gpu = q.device.type != "cpu"
-    limit = GPU_DENSE_LIMIT if gpu else DENSE_LIMIT
-    if "dense" in ok and bsz * heads * n_q * k.shape[-2] <= limit:
-        return "dense"
-    if gpu and "flex" in ok:
-        return "flex"
-    if gpu and "triton" in ok:
-        return "triton"
-    cache = graph.cached(("auto",), dict)
-    if "block_work" not in cache:
-        b = choose_block(graph)
-        cache["block_work"] = count_pairs(graph, b) * b * b * ENTRY_COST[b]
-        cache["fill"] = graph.col.numel() / (count_pairs(graph, b) * b * b)
-    if cache["fill"] < BLOCK_MIN_FILL and "gather" in ok:
-        return "gather"
-    if not gpu and "flex" in ok:
+    chosen = None
+    if gpu:
+        if "dense" in ok and bsz * heads * n_q * n_k <= GPU_DENSE_LIMIT:
+            chosen = "dense"
+        elif "flex" in ok:
+            chosen = "flex"
+        elif "triton" in ok:
+            chosen = "triton"
+    if chosen is None:
+        if ("work", train) not in cache:
+            b = choose_block(graph, train)
+            table = ENTRY_COST_TRAIN if train else ENTRY_COST
+            cache[("work", train)] = count_pairs(graph, b) * b * b * table[b]
+        graphs = max(1, math.prod(graph.batch_shape))  # a per-head graph holds H graphs
+        costs = {"block": cache[("work", train)] / graphs}
+        if "gather" in ok:
+            costs["gather"] = graph.col.numel() / graphs / BLOCK_MIN_FILL
+        fused = prob_map is not None and prob_map.is_softmax and not dropout_p
+        limit = DENSE_LIMIT if fused else DENSE_LIMIT // 32
+        if not gpu and "dense" in ok and bsz * heads * n_q * n_k <= limit:
+            costs["dense"] = n_q * n_k * (DENSE_ENTRY_COST_TRAIN if train else DENSE_ENTRY_COST)
+        chosen = min(costs, key=costs.get)
+    if chosen == "block" and not gpu and "flex" in ok:
         if "flex_work" not in cache:
             cache["flex_work"] = count_pairs(graph, FLEX_BLOCK) * FLEX_BLOCK**2 * FLEX_ENTRY_COST
-        if cache["flex_work"] < cache["block_work"]:
-            return "flex"
-    return "block"
+        if cache["flex_work"] < cache[("work", train)]:
+            chosen = "flex"
+    if key is not None:
+        cache[key] = chosen
+    return chosen
 
 
 def _autocasting(t: Tensor) -> bool:

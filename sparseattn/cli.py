@@ -865,7 +865,9 @@ def sparsefinder_decoder(
 @app.command()
 def bench(
     suite: str = typer.Argument(
-        "full", help="full or quick (engines on ready graphs), user or user-quick (the user path)"
+        "full",
+        help="full or quick (engines on ready graphs), user or user-quick (the user path), "
+        "auto or auto-quick (engine='auto' against every engine over a grid of n and batch)",
     ),
     quick: bool = typer.Option(False, "--quick", help="the quick suite (under 2 minutes)"),
     run: str = typer.Option("", help="run name (default: the suite name and the date)"),
@@ -885,9 +887,13 @@ def bench(
     BERT with hf.sparsify against its sdpa implementation. `full` and `quick` time the engines
     on ready graphs against SDPA, compiled FlexAttention and the entmax package. `gpu` and
     `gpu-quick` (or --device cuda) time the engines on a CUDA GPU in bf16 and fp32 against SDPA
-    (FlashAttention), FlexAttention called directly and the entmax package."""
+    (FlashAttention), FlexAttention called directly and the entmax package. `auto` and
+    `auto-quick` time forward + backward of sparse_attention with engine='auto' and with every
+    engine over lengths, batch sizes and the named patterns, one thread, and list the cells
+    where auto is more than 1.3x the fastest."""
     from pathlib import Path
 
+    from .bench.autogrid import AUTO_SUITES, PATTERNS, run_auto_suite
     from .bench.gpu import GPU_SUITES, run_gpu_suite
     from .bench.kernels import SUITES, run_suite
     from .bench.userpath import USER_SUITES, run_user_suite
@@ -899,7 +905,7 @@ def bench(
         name = {"full": "gpu", "quick": "gpu-quick"}.get(name, name)
         if name not in GPU_SUITES:
             raise typer.BadParameter(f"--device cuda runs {sorted(GPU_SUITES)}, not {name!r}")
-    known_suites = sorted([*SUITES, *USER_SUITES, *GPU_SUITES])
+    known_suites = sorted([*SUITES, *USER_SUITES, *GPU_SUITES, *AUTO_SUITES])
     if name not in known_suites:
         raise typer.BadParameter(f"suite must be one of {known_suites}, got {name!r}")
     if name in GPU_SUITES:
@@ -911,10 +917,13 @@ def bench(
     if lengths and min(lengths) < 1:
         raise typer.BadParameter(f"ns must be lengths >= 1, got {lengths}")
     patterns_ = tuple(x.strip() for x in only.split(",") if x.strip()) or None
-    known = ("longformer", "bigbird", "strided", "random")
-    if patterns_ and (name not in SUITES or any(p not in known for p in patterns_)):
+    known = PATTERNS if name in AUTO_SUITES else ("longformer", "bigbird", "strided", "random")
+    if patterns_ and (
+        name not in (*SUITES, *AUTO_SUITES) or any(p not in known for p in patterns_)
+    ):
         raise typer.BadParameter(
-            f"only must name patterns among {list(known)} (kernel suites only), got {patterns_}"
+            f"only must name patterns among {list(known)} (kernel and auto suites only), "
+            f"got {patterns_}"
         )
     run_dir = Path(out) / (run or f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     start = time.perf_counter()
@@ -925,6 +934,9 @@ def bench(
     elif name in GPU_SUITES:
         run_gpu_suite(GPU_SUITES[name], run_dir, log=log, ns=lengths)
         figure = "gpu.png"
+    elif name in AUTO_SUITES:
+        run_auto_suite(AUTO_SUITES[name], run_dir, log=log, ns=lengths, patterns=patterns_)
+        figure = "autogrid.png"
     else:
         run_suite(SUITES[name], run_dir, log=log, ns=lengths, patterns=patterns_)
         figure = "bench.png"

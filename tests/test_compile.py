@@ -76,7 +76,7 @@ def _stream(compiled: nn.Module, model: nn.Module, lengths: list[int]) -> list[i
 
 
 def test_compiled_model_equals_eager_with_bounded_graphs(fresh_dynamo, monkeypatch):
-    # a small DENSE_LIMIT makes `auto` move from the dense to the block engine inside the stream
+    # a small DENSE_LIMIT makes `auto` move from the dense engine to another inside the stream
     monkeypatch.setattr(attention_module, "DENSE_LIMIT", 2 * H * 48 * 48)
     model = _model()
     compiled = torch.compile(model, backend="aot_eager")

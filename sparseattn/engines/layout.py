@@ -47,10 +47,11 @@ ENTRY_COST = {16: 1.6, 32: 1.1, 64: 1.0, 128: 0.92}
 #: small blocks relatively dearer when training).
 ENTRY_COST_TRAIN = {16: 2.2, 32: 1.2, 64: 1.0, 128: 0.85}
 
-#: Below this fraction of useful entries in the block layout ``engine="auto"`` gathers instead:
-#: ~60–110 ns per gathered edge against ~4–8 ns per scored block entry (1-thread CPU time, fp32,
-#: d = 64, softmax; docs/engines.md, "auto rule"), break-even near 1/15.
-BLOCK_MIN_FILL = 1 / 15
+#: Below this fraction of useful entries in the block layout (weighted by ``ENTRY_COST``)
+#: ``engine="auto"`` gathers instead: a gathered edge costs about 1 / BLOCK_MIN_FILL = 12 scored
+#: block entries (~60–110 ns against ~4–8 ns forward at d = 64 on both measured CPUs; 9–14
+#: forward + backward at d = 16–64 on the AMD EPYC; docs/benchmarks.md, "The `auto` grid").
+BLOCK_MIN_FILL = 1 / 12
 
 
 @dataclass
