@@ -152,6 +152,7 @@ def choose_engine(
     prob_map: ProbabilityMap | None = None,
     dropout_p: float = 0.0,
     score_mod: bool = False,
+    key_padding: bool = False,
 ) -> str:
     """The ``auto`` rule (docs/engines.md; constants measured in docs/benchmarks.md).
 
@@ -159,21 +160,22 @@ def choose_engine(
     :mod:`sparseattn.engines.capabilities`; an unknown map, ``prob_map=None``, rules out the
     softmax-only ``flex``). Among them, by the cost measurements of the input's device:
 
-    * On CPU the least estimated cost per graph, in scored block entries (every engine's cost
-      grows as B·H, so the comparison is per graph): ``block`` pairs·b²·ENTRY_COST[b] at the
-      block size b the block engine will choose (``ENTRY_COST_TRAIN`` when a backward will
-      follow), ``gather`` E / BLOCK_MIN_FILL (a gathered edge costs 12 block entries), ``dense``
-      n_q·n_k·DENSE_ENTRY_COST (0.7; ``DENSE_ENTRY_COST_TRAIN`` = 0.45 with a backward: SDPA's
-      fused kernel scores an entry for less than a block entry), the latter only while
-      B·H·n_q·n_k ≤ DENSE_LIMIT (2²⁷; DENSE_LIMIT // 32 where the dense engine materialises
-      the scores). ``flex`` replaces ``block`` only where
-      its estimated cost, FLEX_ENTRY_COST × its work at block 128, is lower: on the measured
-      CPUs it never is.
+    * On CPU the least estimated cost per graph, in scored block entries (every engine's
+      cost grows as B·H, so the comparison is per graph): ``block`` pairs·b²·ENTRY_COST[b] at
+      the block size b the block engine will choose (``ENTRY_COST_TRAIN`` when a backward
+      will follow), ``gather`` E / BLOCK_MIN_FILL (a gathered edge costs 12 block entries),
+      ``dense`` n_q·n_k·DENSE_ENTRY_COST (0.7; ``DENSE_ENTRY_COST_TRAIN`` = 0.45 with a
+      backward: SDPA's fused kernel scores an entry for less than a block entry), the latter
+      only while B·H·n_q·n_k ≤ DENSE_LIMIT (2²⁷; DENSE_LIMIT // 32 where the dense engine
+      materialises the scores). ``flex`` replaces ``block`` only where its estimated cost,
+      FLEX_ENTRY_COST × its work at block 128, is lower: on the measured CPUs it never is.
     * On a GPU: ``dense`` while B·H·n_q·n_k ≤ GPU_DENSE_LIMIT, then ``flex`` wherever it
       qualifies (softmax: one fused kernel, forward and backward), then ``triton`` (α-entmax,
       sparsemax: fused kernels), then ``block`` or ``gather`` by the same costs.
 
-    The decision is cached on the graph per request (shapes, dtype, map, training, dropout).
+    ``score_mod`` and ``key_padding`` say whether the call has a score modifier and a key
+    padding mask (the dense engine then materialises the scores). The decision is cached on
+    the graph per request (shapes, dtype, map, training, dropout, modifier, padding).
     """
     cache = graph.cached(("auto",), dict)
     train = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
@@ -181,7 +183,7 @@ def choose_engine(
     if prob_map is None or prob_map.alpha is None:
         what = None if prob_map is None else (prob_map.name, tuple(prob_map.params.items()))
         key = (q.device.type, q.dtype, tuple(q.shape), tuple(k.shape), what, train)
-        key += (bool(dropout_p), DENSE_LIMIT, GPU_DENSE_LIMIT)
+        key += (bool(dropout_p), score_mod, key_padding, DENSE_LIMIT, GPU_DENSE_LIMIT)
         try:
             if key in cache:
                 return cache[key]
@@ -218,7 +220,8 @@ def choose_engine(
         costs = {"block": cache[("work", train)] / graphs}
         if "gather" in ok:
             costs["gather"] = graph.col.numel() / graphs / BLOCK_MIN_FILL
-        fused = prob_map is not None and prob_map.is_softmax and not dropout_p
+        fused = prob_map is not None and prob_map.is_softmax
+        fused = fused and not (dropout_p or score_mod or key_padding)
         limit = DENSE_LIMIT if fused else DENSE_LIMIT // 32
         if not gpu and "dense" in ok and bsz * heads * n_q * n_k <= limit:
             costs["dense"] = n_q * n_k * (DENSE_ENTRY_COST_TRAIN if train else DENSE_ENTRY_COST)
@@ -353,7 +356,9 @@ def sparse_attention(
     stack = groups > 1 and score_mod is None and _can_group(pattern, rho, engine, q, k)
     if stack:
         graph = resolve_graph(pattern, q, k)
-        chosen = choose_engine(graph, q, k, rho, dropout_p) if engine == "auto" else engine
+        chosen = engine
+        if engine == "auto":
+            chosen = choose_engine(graph, q, k, rho, dropout_p, key_padding=valid is not None)
         if SPECS[chosen].gqa:  # the engine reads the shared key/value heads itself
             return _attend(q, k, v, graph, rho, chosen, scale, valid, dropout_p)
         grouped_q, grouped = group_queries(q, graph, k.shape[1])
@@ -403,7 +408,7 @@ def _attend(
         return _check_overflow(out, scale)
     graph = resolve_graph(pattern, q, k)
     if engine == "auto":
-        engine = choose_engine(graph, q, k, rho, dropout_p, modded)
+        engine = choose_engine(graph, q, k, rho, dropout_p, modded, valid is not None)
     else:
         reason = unsupported(engine, q, k, v, rho, dropout_p, modded)
         if reason is not None:

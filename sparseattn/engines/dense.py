@@ -33,9 +33,10 @@ def dense_attention(
     ``key_padding_mask`` (B, n_k), True for real keys; ``score_mod`` as in
     ``sparse_attention`` (autograd reaches what it reads).
     """
-    mask = graph.to(q.device).to_dense()  # the device copy is cached: no host → device copy
-    if mask.dim() < q.dim():  # SDPA on CPU runs a 3-D (H, n_q, n_k) mask ~3x slower than
-        mask = mask.reshape((1,) * (q.dim() - mask.dim()) + mask.shape)  # (1, H, n_q, n_k)
+    # the mask, 4-D on q's device, cached on the graph (auto picks dense for small score
+    # matrices, where building it costs as much as the attention); SDPA on CPU runs a 3-D
+    # (H, n_q, n_k) mask ~3x slower than (1, H, n_q, n_k)
+    mask = graph.cached(("dense_mask", q.device), lambda: _mask4d(graph.to(q.device)))
     if key_padding_mask is None and prob_map.is_softmax and score_mod is None:
         # every row has a key (checked by the API), so SDPA's fused kernel is exact here
         return F.scaled_dot_product_attention(
@@ -53,3 +54,9 @@ def dense_attention(
     if dropout_p:
         weights = F.dropout(weights, dropout_p)
     return (weights @ v.to(dtype)).to(q.dtype)
+
+
+def _mask4d(graph: AttentionGraph) -> Tensor:
+    """The graph's dense mask as (…, n_q, n_k) with 4 dims."""
+    mask = graph.to_dense()
+    return mask.reshape((1,) * (4 - mask.dim()) + mask.shape)
