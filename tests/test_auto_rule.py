@@ -90,8 +90,10 @@ def test_bench_auto_quick_runs_and_reports(tmp_path, capsys):
     rows = [r for r in data["rows"] if "ms" in r]
     assert {(r["n"], r["batch"]) for r in rows} == {(64, 1), (128, 1), (64, 32), (128, 32)}
     for r in rows:
-        assert set(r["ms"]) == {"auto", "dense", "block", "gather", "rows"}
-        assert r["picked"] in r["ms"] and r["ratio"] > 0
+        # every engine at the first length; later, one more than 3x the fastest may be skipped
+        if r["n"] == 64:
+            assert set(r["ms"]) == {"auto", "dense", "block", "gather", "rows"}
+        assert "auto" in r["ms"] and r["ratio"] > 0
         assert r["fastest"] != "auto"
     table = (run / "results.md").read_text()
     assert "| window | 64 | 1 | 16 |" in table and "misses" in table

@@ -69,7 +69,8 @@ def test_every_engine_and_map_stays_on_the_device(guard, engine, rho):
         pytest.skip("FlexAttention computes softmax only")
     pattern = sa.bigbird(8, 2, 1, 8)  # window, global tokens (isin), random blocks (a table)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 40, 8, generator=gen).to(CUDA).requires_grad_() for _ in "qkv")
+    # head dim 16: FlexAttention's GPU kernels refuse smaller ones (declared by the engine)
+    q, k, v = (torch.randn(2, 3, 40, 16, generator=gen).to(CUDA).requires_grad_() for _ in "qkv")
     out = sa.sparse_attention(q, k, v, pattern, prob_map=rho, engine=engine)
     assert on_device(out)
     out.sum().backward()
@@ -91,7 +92,7 @@ def test_key_padding_and_the_module_stay_on_the_device(guard):
     assert on_device(out)
     with guard.no_copies("the module's second call"):
         layer(x, key_padding_mask=pad)
-    q, window = torch.randn(2, 2, 24, 8).to(CUDA), sa.window(6)  # one pattern: cached graphs
+    q, window = torch.randn(2, 2, 24, 16).to(CUDA), sa.window(6)  # one pattern: cached graphs
     for engine, rho in [(e, "sparsemax") for e in ("block", "gather", "dense", "rows")] + [
         ("flex", "softmax")
     ]:
