@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 25 in one prepared device call, under 8 minutes in all:
-#   1. the CUDA test suite, `pytest tests --device cuda -m "not slow" -n 8` (pytest-xdist is in
-#      the GPU image; the whole suite took 120 s that way on the H100, against 200 s for 59%
-#      of it on one worker);
-#   2. `sparseattn bench gpu-quick` (or the suite named), which writes results.json,
-#      results.md and gpu.png.
+# The GPU checks of issues 25 and 26 in one prepared device call, under 8 minutes in all:
+#   1. `sparseattn bench gpu-quick` (or the suite named), which writes results.json,
+#      results.md and gpu.png (rows are saved as they come: a timeout keeps them);
+#   2. the CUDA test suite, `pytest tests --device cuda -m "not slow" -n 8` (pytest-xdist is in
+#      the GPU image; the whole suite took 112 s that way on an H200, 120 s on an H100).
 # Everything it writes lands in $OUT (at most 8 files come back): machine.txt, pytest.log
 # (one line per failure, -rfE), junit.xml, bench.log and the bench folder's three files.
 #
 # Usage (repository root, on the GPU machine):
-#   scripts/gpu_check.sh [TEST_SECONDS [BENCH_SUITE [BENCH_SECONDS]]]     defaults: 240 gpu-quick 180
+#   scripts/gpu_check.sh [TEST_SECONDS [BENCH_SUITE [BENCH_SECONDS [WORKERS]]]]
+#   defaults: 240 gpu-quick 180 8
 # The device tool's call: run(command="scripts/gpu_check.sh", carry=[".whl"], timeout_s=540).
 # Wheels for the project's pins that the image lacks (transformers 5.24, entmax 1.3) and the
 # AdaSplash baseline of the bench's sparse-map section travel in .whl/ (ignored by git via
@@ -21,7 +21,7 @@
 # its tests skip with that reason.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-tests_s=${1:-240}; suite=${2:-gpu-quick}; bench_s=${3:-180}; out=${OUT:-/tmp/out}
+tests_s=${1:-240}; suite=${2:-gpu-quick}; bench_s=${3:-180}; workers=${4:-8}; out=${OUT:-/tmp/out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -35,17 +35,17 @@ fi
 torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   python3 -c "import entmax; print('entmax', entmax.__version__)" 2>&1 | tail -1
 } 2>&1 | tee "$out/machine.txt"
-if [ "$tests_s" -gt 0 ]; then
-  start=$(date +%s)
-  timeout "$tests_s" python3 -m pytest tests --device cuda -m "not slow" -o addopts="" -q \
-    -n 8 -p no:cacheprovider --timeout 120 -rfE --junitxml="$out/junit.xml" \
-    >"$out/pytest.log" 2>&1
-  echo "pytest: exit $? after $(( $(date +%s) - start )) s" | tee -a "$out/pytest.log"
-  grep -E "^(FAILED|ERROR)|passed|failed" "$out/pytest.log" | tail -40
-fi
 if [ "$suite" != none ]; then
   timeout "$bench_s" python3 -m sparseattn.cli bench "$suite" --out "$out" --run "$suite" \
     >"$out/bench.log" 2>&1
   echo "bench: exit $?" | tee -a "$out/bench.log"
-  tail -40 "$out/bench.log"
+  tail -60 "$out/bench.log"
+fi
+if [ "$tests_s" -gt 0 ]; then
+  start=$(date +%s)
+  timeout "$tests_s" python3 -m pytest tests --device cuda -m "not slow" -o addopts="" -q \
+    -n "$workers" -p no:cacheprovider --timeout 120 -rfE --junitxml="$out/junit.xml" \
+    >"$out/pytest.log" 2>&1
+  echo "pytest: exit $? after $(( $(date +%s) - start )) s" | tee -a "$out/pytest.log"
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/pytest.log" | tail -40
 fi

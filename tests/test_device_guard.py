@@ -121,6 +121,8 @@ def test_bench_gpu_runs_end_to_end_at_tiny_sizes(guard, tmp_path):
         package_max_n=256,
         calibrate_ns=(256,),
         entmax_ns=(256,),
+        tiles_ns=(256,),
+        tile_blocks=(32,),
         samples=1,
         min_sample_s=0.0,
     )

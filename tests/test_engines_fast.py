@@ -341,7 +341,7 @@ def test_flex_key_padding_reuses_the_cached_block_lists(monkeypatch):
     for cut in (150, 60):
         keep = torch.arange(n) < torch.tensor([[cut], [200]])
         out = flex_attention_engine(q, k, v, graph, softmax(), 0.25, keep)
-        mask = graph.to_dense() & keep[:, None, None, :]
+        mask = graph.to_dense().to(q.device) & keep[:, None, None, :]
         torch.testing.assert_close(
             out, reference(q, k, v, mask, softmax(), 0.25), atol=2e-5, rtol=2e-5
         )
@@ -680,7 +680,7 @@ def test_flex_declares_its_gpu_head_dim_limit():
     flex there instead of failing inside the compiler."""
     from sparseattn.engines.flex import flex_refuses
 
-    small = torch.zeros(1, 1, 8, 8)
+    small = torch.zeros(1, 1, 8, 8, device="cpu")
     assert flex_refuses(small, small, small) is None  # the CPU kernel takes them
     on_gpu = type("T", (), {"device": torch.device("cuda"), "shape": small.shape})()
     assert "head dims >= 16" in flex_refuses(on_gpu, on_gpu, on_gpu)

@@ -40,7 +40,7 @@ def eager_flex(q, k, v, block_mask):
 
 
 def sdpa(q, k, v, mask):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device))
 
 
 CASES = [
@@ -133,7 +133,10 @@ def test_element_wise_mask_mod_equals_the_graph(name, causal):
             return
         q_idx = torch.arange(n_q or n, dtype=torch.int32)[:, None]
         kv_idx = torch.arange(n, dtype=torch.int32)[None, :]
-        assert torch.equal(mask_mod(0, 0, q_idx, kv_idx), graph.to_dense()), (n, n_q)
+        assert torch.equal(mask_mod(0, 0, q_idx, kv_idx), graph.to_dense().to(q_idx.device)), (
+            n,
+            n_q,
+        )
 
 
 def test_flex_engine_compiles_a_bounded_number_of_kernels_over_a_stream_of_lengths():

@@ -222,11 +222,14 @@ def test_alpha_above_two():
 
 
 @needs_kernels
+@pytest.mark.parametrize("skip", [True, False], ids=["skip", "visit-all"])
 @pytest.mark.parametrize("name", ["sparsemax", "entmax15"])
-def test_skipped_tiles_and_hard_rows(name):
+def test_skipped_tiles_and_hard_rows(name, skip, monkeypatch):
     """Peaked rows: most (row block, key block) tiles hold no weight, are skipped (flags in
     the backward's buffer) and the result stays exact; tied keys and near-uniform rows (a
-    tiny scale: every key in the support) too."""
+    tiny scale: every key in the support) too; with the threshold passes skipping tiles below
+    the rows' thresholds or visiting every tile (``SKIP_TILES``)."""
+    monkeypatch.setattr(te, "SKIP_TILES", skip)
     alpha, prob_map = MAPS[name]
     n = 64
     q, k, v = inputs(1, 1, n, n, 16, seed=11)
@@ -313,13 +316,16 @@ types = {
 }
 consts = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": 64, "HAS_KPM": True, "UPCAST": False}
 specs = [
-    (kern._forward, {"MODE": 1, "NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": "tf32"}),
+    (kern._forward, {"MODE": 1, "NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": "tf32",
+                     "SKIP": True}),
     (kern._backward_dkdv, {"MODE": 0, "GROUP": 2, "PREC": "tf32"}),
 ]
 if sys.argv[1] == "all":
     specs += [
-        (kern._forward, {"MODE": m, "NEED_GRAD": g, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": p})
-        for m, g, p in [(0, False, "ieee"), (2, True, "tf32"), (1, False, "ieee")]
+        (kern._forward, {"MODE": m, "NEED_GRAD": g, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": p,
+                         "SKIP": skip})
+        for m, g, p, skip in [(0, False, "ieee", True), (2, True, "tf32", False),
+                              (1, False, "ieee", False)]
     ]
     specs += [(kern._backward_dq, {"MODE": m, "PREC": "tf32"}) for m in (0, 1, 2)]
     specs += [(kern._backward_dkdv, {"MODE": m, "GROUP": 1, "PREC": "tf32"}) for m in (1, 2)]

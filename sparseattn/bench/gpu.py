@@ -15,6 +15,10 @@ baselines measured in the same run:
   Triton kernels on the Longformer pattern beside softmax (flex) on the same pattern; causal and
   dense 1.5-entmax over all keys beside SDPA and AdaSplash (when its wheel is installed); the
   entmax package on the full causal scores where they fit.
+* **tiles** — the Triton α-entmax kernels' two free choices (``triton_entmax.DEFAULT_BLOCK``
+  and ``SKIP_TILES``): tiles of 32, 64 and 128 rows, with the threshold passes skipping the
+  tiles below every open row's threshold or visiting all; bf16 1.5-entmax, causal over all keys
+  and Longformer.
 * **calibrate** — the ``auto`` rule's evidence: dense (masked SDPA), block, gather and flex for
   softmax and dense/block/gather for 1.5-entmax on Longformer, BigBird and random graphs at
   short n, forward+backward.
@@ -58,6 +62,8 @@ class GpuSuite:
     package_max_n: int = 32768
     calibrate_ns: tuple[int, ...] = (1024, 4096, 16384)
     entmax_ns: tuple[int, ...] = (4096, 8192, 16384, 32768, 65536, 131072)
+    tiles_ns: tuple[int, ...] = (8192, 32768)
+    tile_blocks: tuple[int, ...] = (32, 64, 128)
     samples: int = 5
     min_sample_s: float = 0.02
 
@@ -66,7 +72,6 @@ GPU_SUITES = {
     "gpu": GpuSuite("gpu"),
     "gpu-quick": GpuSuite(
         "gpu-quick",
-        ns=(8192,),
         fp32_ns=(),
         package_max_n=8192,
         calibrate_ns=(2048,),
@@ -143,6 +148,8 @@ def run_gpu_suite(
     for dtype in (torch.bfloat16, torch.float32):
         for n in suite.ns if dtype == torch.bfloat16 else suite.fp32_ns:
             _main(suite, rows, log, n, dtype)
+    for n in suite.tiles_ns:
+        _tiles(suite, rows, log, n)
     for n in suite.entmax_ns:
         _entmax(suite, rows, log, n)
     for n in suite.calibrate_ns:
@@ -360,6 +367,30 @@ def _entmax(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
         )
 
 
+def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
+    """1.5-entmax (bf16) by the Triton kernels with each tile size and with and without tile
+    skipping in the threshold passes, causal over all keys and on the Longformer pattern."""
+    import sparseattn as sa
+
+    from ..engines import triton_entmax as te
+
+    (q, k, v), g = _inputs(suite, n, torch.bfloat16, grad=True)
+    cases = {"causal": sa.dense().causal(), "longformer": sa.longformer(suite.window, suite.sinks)}
+    default = (te.DEFAULT_BLOCK["cuda"], te.SKIP_TILES)
+    for name, pattern in cases.items():
+        fn = lambda p=pattern: sa.sparse_attention(q, k, v, p, prob_map="entmax15")  # noqa: E731
+        for block in suite.tile_blocks:
+            for skip in (True, False):
+                who = f"block {block}, {'skip' if skip else 'visit all'}"
+                key = {"section": "tiles", "dtype": "bfloat16", "n": n, "pattern": name}
+                te.DEFAULT_BLOCK["cuda"], te.SKIP_TILES = block, skip
+                try:
+                    for mode, call in (("fwd", _fwd(fn)), ("fwd+bwd", _fwd_bwd(fn, (q, k, v), g))):
+                        _record(suite, rows, log, {**key, "who": who, "mode": mode}, call)
+                finally:
+                    te.DEFAULT_BLOCK["cuda"], te.SKIP_TILES = default
+
+
 def _calibrate(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     import sparseattn as sa
 
@@ -470,6 +501,19 @@ def markdown(data: dict) -> str:
                 f"{ms('dense entmax15 (ours)')} | {ratio('dense entmax15 (ours)', 'dense sdpa')} | "
                 f"{ratio('dense entmax15 (ours)', 'dense adasplash')} |"
             )
+    tiles = [r for r in data["rows"] if r["section"] == "tiles"]
+    if tiles:
+        lines += _table_head(
+            "Triton 1.5-entmax kernels: tile and tile skipping (bf16, (1, 8, n, 64), ms)",
+            ["n", "pattern", "choice", "fwd", "fwd+bwd"],
+        )
+        for n, pat, who in dict.fromkeys((r["n"], r["pattern"], r["who"]) for r in tiles):
+            sel = {r["mode"]: r for r in tiles if (r["n"], r["pattern"], r["who"]) == (n, pat, who)}
+            cells = [
+                f"{sel[m]['time_s'] * 1e3:.2f}" if "time_s" in sel.get(m, {}) else "–"
+                for m in ("fwd", "fwd+bwd")
+            ]
+            lines.append(f"| {n} | {pat} | {who} | {' | '.join(cells)} |")
     cal = [r for r in data["rows"] if r["section"] == "calibrate"]
     if cal:
         lines += _table_head(

@@ -17,9 +17,10 @@ partial block's tile, key padding or the sequence ends take no part). Three kern
   the threshold); any other α by safeguarded Newton on ‖[x − τ]₊‖_r − 1 (r > 1) or Σ[x − τ]₊^r −
   1 (r < 1) inside the bracket [−1, −n^{1−α}] (bisection when a step leaves it) to float
   precision. τ only grows, so tiles whose largest score lies below every open row's m + τ are
-  skipped. A last pass accumulates p·V over the tiles that hold a non-zero (the others skip the
-  value product) and, when gradients are needed, g·V with g = p^{2−α}, Σg and one byte per (row
-  block, key block) pair: whether the pair holds a non-zero weight.
+  skipped (``SKIP``; without it the passes visit every tile, a loop without a branch, whose
+  loads Triton can pipeline). A last pass accumulates p·V over the tiles that hold a non-zero
+  (the others skip the value product) and, when gradients are needed, g·V with g = p^{2−α},
+  Σg and one byte per (row block, key block) pair: whether the pair holds a non-zero weight.
 * ``_backward_dq``: one program per (query block, batch·head); ``_backward_dkdv``: one per (key
   block, batch·kv head), looping over the query heads of its GQA group and over the query blocks
   that visit the key block (the layout's columns). Both reuse τ and skip the pairs without
@@ -231,6 +232,7 @@ def _forward(
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, NEED_GRAD: tl.constexpr,
     MAX_IT: tl.constexpr, TOPK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    SKIP: tl.constexpr,
 ):  # fmt: skip
     qb, bh, start, end, rows, row_ok, K_h, V_h, KPM_b = _row_block(
         GIDX, ROW_PTR, K, V, KPM, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
@@ -276,7 +278,10 @@ def _forward(
         # score is below every open row's m + τ holds none of their supports: skip it
         floor = tl.min(tl.where(has & ~done, m + (lo if MODE == 0 else tau), float("inf")), 0)
         for p in range(start, end):
-            if tl.load(TMAX + pair_base + p) > floor:
+            visit = True
+            if SKIP:  # a branch per tile: its loads cannot be pipelined
+                visit = tl.load(TMAX + pair_base + p) > floor
+            if visit:
                 s, ok, k, cols = _scores(
                     p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
                     D, BD, BLOCK, HAS_KPM, PREC, UPCAST,

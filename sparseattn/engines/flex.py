@@ -257,12 +257,14 @@ def _padded(mask_mod, key_ok: Tensor):
 
 
 @functools.cache
-def _compiled(dynamic: bool):
-    """Compiled ``flex_attention``: length-generic (``dynamic``) for element-wise mask_mods,
-    whose constants are tensors, so that one kernel serves every length; specialised per
-    shape where the mask_mod looks up a tensor (a table, the key padding: torch 2.13's
-    length-generic CPU kernel then indexes out of bounds in the padding of the last block,
-    or fails to compile)."""
+def _compiled(dynamic: bool | None):
+    """Compiled ``flex_attention``. For element-wise mask_mods, whose constants are tensors,
+    ``dynamic=None``: torch's default, as a user's own ``torch.compile(flex_attention)``: a
+    kernel specialised to the first length (the fastest on a GPU), then one length-generic
+    kernel once a second length arrives, which serves every later length. Specialised per
+    shape (``False``) where the mask_mod looks up a tensor (a table, the key padding: torch
+    2.13's length-generic CPU kernel then indexes out of bounds in the padding of the last
+    block, or fails to compile)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=dynamic)
@@ -305,7 +307,7 @@ def flex_attention_engine(
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
         # a score_mod's Python constants (softcap's c) fail as dynamic floats: one kernel
         # per shape there
-        out = _compiled(generic and score_mod is None)(
+        out = _compiled(None if generic and score_mod is None else False)(
             q,
             k,
             v,

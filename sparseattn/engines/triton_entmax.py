@@ -65,6 +65,10 @@ TOPK = 8
 #: For α − 1 below this the maps compute in float64 (``maps._WIDEN_BELOW``); the kernels
 #: compute in float32, so they refuse such α.
 MIN_ALPHA_GAP = 1e-3
+#: Whether the threshold passes skip the tiles below every open row's threshold (a branch per
+#: tile) or visit every tile (no branch: the loads pipeline). Which is faster on a GPU depends
+#: on how many tiles the rows skip; ``sparseattn bench gpu`` measures both.
+SKIP_TILES = True
 #: Largest head dim (registers of one tile).
 MAX_HEAD_DIM = 256
 
@@ -366,7 +370,7 @@ def _launch_forward(
         dummy.to(torch.int8) if kpm is None else kpm,
         *_sizes(q, k), layout.nbq, pairs,
         scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0),
-        NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK,
+        NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK, SKIP=SKIP_TILES,
         **_constants(q, v, layout.block, alpha, kpm is not None),
     )  # fmt: skip
     return out, tau, gv, nz, passes

@@ -144,7 +144,11 @@ class Pattern(abc.ABC):
         BoolTensor of their broadcast shape. This is FlexAttention's ``mask_mod`` with n bound.
         """
         check_positive("n", n)
-        q_idx, kv_idx = torch.broadcast_tensors(torch.as_tensor(q_idx), torch.as_tensor(kv_idx))
+        # a Python int index joins the other index's device
+        dev = next((t.device for t in (q_idx, kv_idx) if isinstance(t, Tensor)), None)
+        q_idx, kv_idx = torch.broadcast_tensors(
+            torch.as_tensor(q_idx, device=dev), torch.as_tensor(kv_idx, device=dev)
+        )
         inside = (q_idx >= 0) & (q_idx < n) & (kv_idx >= 0) & (kv_idx < n)
         return inside & self._allows(q_idx.long(), kv_idx.long(), n)
 
