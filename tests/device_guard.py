@@ -179,6 +179,11 @@ class DeviceGuard(TorchFunctionMode):
         # compiled FlexAttention on a CPU that poses as a GPU: the eager implementation
         patch(flex, "_compiled", lambda dynamic: _eager_flex)
         patch(bench_gpu, "_user_compiled_flex", lambda flex_attention: _eager_flex)
+        patch(
+            bench_gpu,
+            "_user_block_mask",
+            lambda create, mask_mod, n, device: create(mask_mod, None, None, n, n, device=device),
+        )
         # the Triton kernels would launch on the CPU memory behind the simulated GPU
         triton = SPECS["triton"]
         stack.callback(SPECS.__setitem__, "triton", triton)

@@ -145,15 +145,23 @@ def run_gpu_suite(
     }
     rows = ResumableRows(out_dir / "results.json", header)
     log(f"machine: {header['machine']}")
-    for dtype in (torch.bfloat16, torch.float32):
-        for n in suite.ns if dtype == torch.bfloat16 else suite.fp32_ns:
-            _main(suite, rows, log, n, dtype)
-    for n in suite.tiles_ns:
-        _tiles(suite, rows, log, n)
-    for n in suite.entmax_ns:
-        _entmax(suite, rows, log, n)
-    for n in suite.calibrate_ns:
-        _calibrate(suite, rows, log, n)
+    # the flex engine and "flex direct" compile the same function, flex_attention, whose
+    # recompiles dynamo counts together; at its limit (8) dynamo runs it eagerly from then on
+    # for every caller (unfused: n² scores). Each section starts from fresh caches instead.
+    limit = max(64, torch._dynamo.config.recompile_limit)
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        for dtype in (torch.bfloat16, torch.float32):
+            for n in suite.ns if dtype == torch.bfloat16 else suite.fp32_ns:
+                torch._dynamo.reset()
+                _main(suite, rows, log, n, dtype)
+        for n in suite.tiles_ns:
+            _tiles(suite, rows, log, n)
+        for n in suite.entmax_ns:
+            torch._dynamo.reset()
+            _entmax(suite, rows, log, n)
+        for n in suite.calibrate_ns:
+            torch._dynamo.reset()
+            _calibrate(suite, rows, log, n)
     rows.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     write_json(out_dir / "results.json", rows.data)
     (out_dir / "results.md").write_text(markdown(rows.data))
@@ -265,9 +273,15 @@ def _flex_by_hand(suite: GpuSuite, q, k, v, scale: float) -> Callable[[], object
     def longformer(b, h, i, j):
         return ((i - j).abs() <= half) | (i < sinks) | (j < sinks)
 
-    block_mask = create_block_mask(longformer, None, None, n, n, device=q.device)
+    block_mask = _user_block_mask(create_block_mask, longformer, n, q.device)
     compiled = _user_compiled_flex(flex_attention)
     return lambda: compiled(q, k, v, block_mask=block_mask, scale=scale)
+
+
+def _user_block_mask(create_block_mask, mask_mod, n: int, device) -> object:
+    """``create_block_mask`` compiled (``_compile``), as a user at long lengths needs it: block
+    by block, without the n × n mask (128 GiB at n = 131072)."""
+    return create_block_mask(mask_mod, None, None, n, n, device=device, _compile=True)
 
 
 _USER_FLEX: list = []

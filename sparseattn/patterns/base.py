@@ -161,12 +161,14 @@ class Pattern(abc.ABC):
         Every constant of the predicate — the pattern's parameters, n and the query offset
         n − n_q — is a 0-d tensor on ``device``, not a Python int: a compiled kernel guards
         Python ints of a closure by value, so int constants would compile one kernel per length
-        and per pattern, while tensors are kernel inputs and one kernel serves them all.
+        and per pattern, while tensors are kernel inputs and one kernel serves them all. They
+        are int32, FlexAttention's index dtype: int64 constants would promote every index
+        operation of the kernel's partial blocks to 64 bits (n < 2³¹).
         """
         dev = torch.device("cpu") if device is None else torch.device(device)
 
         def const(x: int) -> Tensor:
-            return torch.full((), x, dtype=torch.long, device=dev)  # a fill, no host copy
+            return torch.full((), x, dtype=torch.int32, device=dev)  # a fill, no host copy
 
         pred = self._predicate(const(n), const, n)
         if pred is None:
