@@ -162,6 +162,33 @@ def test_longformer_partial_blocks(name):
     check(out, q, k, v, _dense_mask(graph, 1, 1), alpha, 0.3)
 
 
+def test_mask_tiles_are_packed_row_bits():
+    """``pack_rows``: bit c % 64 of word c // 64 of a row is its column c (bit 63, the sign
+    bit, and the second word of 128-wide tiles included)."""
+    gen = torch.Generator().manual_seed(0)
+    for block in te.BLOCKS:
+        masks = torch.rand(3, block, block, generator=gen) < 0.5
+        words = te.pack_rows(masks)
+        assert words.shape == (3, block, -(-block // 64)) and words.dtype == torch.int64
+        c = torch.arange(block)
+        bits = (words[..., c // 64] >> (c % 64)) & 1
+        assert torch.equal(bits.bool(), masks)
+
+
+@pytest.mark.parametrize("block", [64, 128])
+@needs_kernels
+def test_partial_blocks_of_wide_tiles(block):
+    """Partial pairs at the widest tiles: mask words whose top bit is set (64) and the second
+    word of a row (128)."""
+    n = 200
+    graph = sa.longformer(90, 2).graph(n)
+    layout = te.graph_layout(graph, block)
+    assert int((layout.pair_mask >= 0).sum()) > 0
+    q, k, v = inputs(1, 1, n, n, 16, seed=4)
+    out = te.triton_entmax_attention(q, k, v, graph, sa.entmax(1.5), 0.4, block=block)
+    check(out, q, k, v, _dense_mask(graph, 1, 1), 1.5, 0.4)
+
+
 @needs_kernels
 def test_key_padding_and_empty_rows():
     """Padded keys get no weight; a batch whose keys are all padding gives zeros (and zero
@@ -312,7 +339,7 @@ types = {
     **dict.fromkeys(("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_"), "*bf16"),
     **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX"), "*fp32"),
     **dict.fromkeys(("NZ", "KPM"), "*i8"),
-    "MASKS": "*u8",
+    "MASKS": "*i64",
 }
 consts = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": 64, "HAS_KPM": True, "UPCAST": False}
 specs = [

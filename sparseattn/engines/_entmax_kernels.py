@@ -84,16 +84,26 @@ def _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK: tl.constexpr, PREC: t
             UPCAST: tl.constexpr):  # fmt: skip
     """Scores z = mul · q kᵀ of one (query block, key block) pair, (BLOCK, BLOCK) float32, and
     the bool tile of the entries that are edges: rows ``row_ok``, key columns ``col_in`` and
-    the pair's mask tile ``midx`` of MASKS (a full block when midx < 0)."""
+    the pair's mask tile ``midx`` of MASKS (a full block when midx < 0).
+
+    A mask tile is one int64 word per row (two for BLOCK = 128): bit c of the row's word is
+    key column c. The tile is built from (BLOCK,) vectors only, so it takes the layout of the
+    scores; a (BLOCK, BLOCK) load would be laid out apart and cost a layout conversion of
+    every tile the scores meet (4× the instructions of a pass, and register spills)."""
     s = _mm(q, tl.trans(k), PREC, UPCAST) * mul
     offs = tl.arange(0, BLOCK)
-    partial = (tl.zeros((BLOCK, BLOCK), tl.int32) + midx) >= 0
-    tile = tl.load(
-        MASKS + midx.to(tl.int64) * (BLOCK * BLOCK) + offs[:, None] * BLOCK + offs[None, :],
-        mask=partial,
-        other=1,
-    )
-    ok = row_ok[:, None] & col_in[None, :] & (tile != 0)
+    partial = (tl.zeros((BLOCK,), tl.int32) + midx) >= 0
+    if BLOCK <= 64:
+        row = MASKS + midx.to(tl.int64) * BLOCK + offs
+        word = tl.load(row, mask=partial, other=-1)[:, None]
+        shift = offs[None, :].to(tl.int64)
+    else:
+        row = MASKS + (midx.to(tl.int64) * BLOCK + offs) * 2
+        low = tl.load(row, mask=partial, other=-1)
+        high = tl.load(row + 1, mask=partial, other=-1)
+        word = tl.where(offs[None, :] < 64, low[:, None], high[:, None])
+        shift = (offs[None, :] % 64).to(tl.int64)
+    ok = row_ok[:, None] & col_in[None, :] & (((word >> shift) & 1) != 0)
     return s, ok
 
 

@@ -107,8 +107,9 @@ class BlockLayout:
             ``row_ptr[g·nbq + i] : row_ptr[g·nbq + i + 1]``.
         pair_kb: int32[P], the key block of each pair (ascending within a row block).
         pair_mask: int32[P], −1 for a full pair, else its index into ``masks``.
-        masks: uint8[P_partial, b, b], 1 where (query offset, key offset) of a partial pair
-            is an edge.
+        masks: int64[P_partial, b, ⌈b / 64⌉], the element masks of the partial pairs as
+            row bits: bit c % 64 of word c // 64 of row r is 1 where (query offset r, key
+            offset c) is an edge (:func:`pack_rows`).
         col_ptr: int32[G·nbk + 1], the same pairs by key block (the backward's dK, dV).
         col_pair: int32[P], pair index of each column entry; col_qb: int32[P], its query block.
     """
@@ -187,11 +188,22 @@ def _from_pairs(
         row_ptr.to(i32),
         kb.to(i32),
         part.to(i32),
-        masks.to(torch.uint8).contiguous(),
+        pack_rows(masks),
         col_ptr.to(i32),
         order.to(i32),
         (rb % nbq)[order].to(i32),
     )
+
+
+def pack_rows(masks: Tensor) -> Tensor:
+    """bool (P, b, b) element masks → int64 (P, b, ⌈b / 64⌉) row words: bit c % 64 of word
+    c // 64 of row r is ``masks[p, r, c]`` (bit 63 is the sign bit)."""
+    p, b, _ = masks.shape
+    words = -(-b // 64)
+    padded = torch.zeros(p, b, words * 64, dtype=torch.long)
+    padded[..., :b] = masks
+    shifts = torch.arange(64, dtype=torch.long)
+    return (padded.view(p, b, words, 64) << shifts).sum(-1).contiguous()  # distinct bits: OR
 
 
 def dense_layout(n_q: int, n_k: int, block: int) -> BlockLayout:
@@ -200,7 +212,7 @@ def dense_layout(n_q: int, n_k: int, block: int) -> BlockLayout:
     nbq, nbk = -(-n_q // block), -(-n_k // block)
     rb = torch.arange(nbq).repeat_interleave(nbk)
     kb = torch.arange(nbk).repeat(nbq)
-    none = torch.zeros(0, block, block, dtype=torch.uint8)
+    none = torch.zeros(0, block, block, dtype=torch.bool)
     return _from_pairs(rb, kb, torch.full_like(rb, -1), none, 1, n_q, n_k, block)
 
 
@@ -238,9 +250,9 @@ def graph_layout(graph: AttentionGraph, block: int) -> BlockLayout:
         partial = ~pairs.full
         part = torch.full_like(pairs.keys, -1)
         part[partial] = torch.arange(int(partial.sum()))
-        masks = torch.zeros(int(partial.sum()), block, block, dtype=torch.uint8)
+        masks = torch.zeros(int(partial.sum()), block, block, dtype=torch.bool)
         if pairs.e_pair is not None and pairs.e_pair.numel():
-            masks[part[pairs.e_pair], pairs.e_q, pairs.e_k] = 1
+            masks[part[pairs.e_pair], pairs.e_q, pairs.e_k] = True
         graphs = max(1, math.prod(graph.batch_shape))
         return _from_pairs(
             pairs.keys // nbk, pairs.keys % nbk, part, masks, graphs, graph.n_q, graph.n_k, block
