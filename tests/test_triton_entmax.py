@@ -341,7 +341,8 @@ types = {
     **dict.fromkeys(("NZ", "KPM"), "*i8"),
     "MASKS": "*i64",
 }
-consts = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": 64, "HAS_KPM": True, "UPCAST": False}
+consts = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": 64, "HAS_KPM": True, "UPCAST": False,
+          "PARTIAL": True}
 specs = [
     (kern._forward, {"MODE": 1, "NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": "tf32",
                      "SKIP": True}),

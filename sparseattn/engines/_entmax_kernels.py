@@ -8,19 +8,19 @@ appendix B.3; Peters et al. 2019, whose closed form of α-entmax this is): for e
 with j running over the key blocks the row's query block visits (elements masked out by a
 partial block's tile, key padding or the sequence ends take no part). Three kernels:
 
-* ``_forward``: one program per (query block, batch·head). Pass 0 finds each row's max m_i,
-  number of keys and each tile's largest score; then τ (shifted by m, so τ ∈ [−1, −n^{1−α}]) by
-  passes over the row's key tiles, each pass recomputing the tile's scores: sparsemax (α = 2) by
-  Newton from the left = Michelot's iteration; 1.5-entmax by Newton from the left on G(τ) = ‖[x
-  − τ]₊‖₂ − 1, with the closed form on the current support S, τ_S = τ + (ΣS d − sqrt((ΣS d)² −
-  |S|(ΣS d² − 1)))/|S|, accepted when max_{x∉S} x ≤ τ_S ≤ min_{x∈S} x (then f(τ_S) = 1: τ_S is
-  the threshold); any other α by safeguarded Newton on ‖[x − τ]₊‖_r − 1 (r > 1) or Σ[x − τ]₊^r −
-  1 (r < 1) inside the bracket [−1, −n^{1−α}] (bisection when a step leaves it) to float
-  precision. τ only grows, so tiles whose largest score lies below every open row's m + τ are
-  skipped (``SKIP``; without it the passes visit every tile, a loop without a branch, whose
-  loads Triton can pipeline). A last pass accumulates p·V over the tiles that hold a non-zero
-  (the others skip the value product) and, when gradients are needed, g·V with g = p^{2−α},
-  Σg and one byte per (row block, key block) pair: whether the pair holds a non-zero weight.
+* ``_forward``: one program per (query block, batch·head). Pass 0 finds each row's max m_i, number
+  of keys and each tile's largest score; then τ (shifted by m, so τ ∈ [−1, −n^{1−α}]) by passes over
+  the row's key tiles, each pass recomputing the tile's scores: sparsemax (α = 2) by Newton from the
+  left = Michelot's iteration; 1.5-entmax by Newton from the left on G(τ) = ‖[x − τ]₊‖₂ − 1, with
+  the closed form on the current support S, τ_S = τ + (ΣS d − sqrt((ΣS d)² − |S|(ΣS d² − 1)))/|S|,
+  accepted when τ ≤ τ_S ≤ min_{x∈S} x (the scores outside S are ≤ τ, so then f(τ_S) = 1: τ_S is the
+  threshold); any other α by safeguarded Newton on ‖[x − τ]₊‖_r − 1 (r > 1) or Σ[x − τ]₊^r − 1 (r <
+  1) inside the bracket [−1, −n^{1−α}] (bisection when a step leaves it) to float precision. τ only
+  grows, so tiles whose largest score lies below every open row's m + τ are skipped (``SKIP``;
+  without it the passes visit every tile, a loop without a branch, whose loads Triton can pipeline).
+  A last pass accumulates p·V over the tiles that hold a non-zero (the others skip the value
+  product) and, when gradients are needed, g·V with g = p^{2−α}, Σg and one byte per (row block, key
+  block) pair: whether the pair holds a non-zero weight.
 * ``_backward_dq``: one program per (query block, batch·head); ``_backward_dkdv``: one per (key
   block, batch·kv head), looping over the query heads of its GQA group and over the query blocks
   that visit the key block (the layout's columns). Both reuse τ and skip the pairs without
@@ -80,8 +80,8 @@ def _keys_in(KPM, cols, n_k, HAS_KPM: tl.constexpr):
 
 
 @triton.jit
-def _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK: tl.constexpr, PREC: tl.constexpr,
-            UPCAST: tl.constexpr):  # fmt: skip
+def _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK: tl.constexpr, PARTIAL: tl.constexpr,
+            PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """Scores z = mul · q kᵀ of one (query block, key block) pair, (BLOCK, BLOCK) float32, and
     the bool tile of the entries that are edges: rows ``row_ok``, key columns ``col_in`` and
     the pair's mask tile ``midx`` of MASKS (a full block when midx < 0).
@@ -89,21 +89,22 @@ def _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK: tl.constexpr, PREC: t
     A mask tile is one int64 word per row (two for BLOCK = 128): bit c of the row's word is
     key column c. The tile is built from (BLOCK,) vectors only, so it takes the layout of the
     scores; a (BLOCK, BLOCK) load would be laid out apart and cost a layout conversion of
-    every tile the scores meet (4× the instructions of a pass, and register spills)."""
+    every tile the scores meet. Full pairs skip the bits (a scalar branch), and layouts
+    without partial pairs (``PARTIAL`` False: the dense layout) leave them out."""
     s = _mm(q, tl.trans(k), PREC, UPCAST) * mul
-    offs = tl.arange(0, BLOCK)
-    partial = (tl.zeros((BLOCK,), tl.int32) + midx) >= 0
-    if BLOCK <= 64:
-        row = MASKS + midx.to(tl.int64) * BLOCK + offs
-        word = tl.load(row, mask=partial, other=-1)[:, None]
-        shift = offs[None, :].to(tl.int64)
-    else:
-        row = MASKS + (midx.to(tl.int64) * BLOCK + offs) * 2
-        low = tl.load(row, mask=partial, other=-1)
-        high = tl.load(row + 1, mask=partial, other=-1)
-        word = tl.where(offs[None, :] < 64, low[:, None], high[:, None])
-        shift = (offs[None, :] % 64).to(tl.int64)
-    ok = row_ok[:, None] & col_in[None, :] & (((word >> shift) & 1) != 0)
+    ok = row_ok[:, None] & col_in[None, :]
+    if PARTIAL:  # noqa: SIM102 (a compile-time test, then a run-time one)
+        if midx >= 0:
+            offs = tl.arange(0, BLOCK)
+            if BLOCK <= 64:
+                word = tl.load(MASKS + midx.to(tl.int64) * BLOCK + offs)[:, None]
+                shift = offs[None, :].to(tl.int64)
+            else:
+                row = MASKS + (midx.to(tl.int64) * BLOCK + offs) * 2
+                low, high = tl.load(row), tl.load(row + 1)
+                word = tl.where(offs[None, :] < 64, low[:, None], high[:, None])
+                shift = (offs[None, :] % 64).to(tl.int64)
+            ok = ok & (((word >> shift) & 1) != 0)
     return s, ok
 
 
@@ -111,7 +112,7 @@ def _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK: tl.constexpr, PREC: t
 def _scores(
     p, PAIR_KB, PAIR_MASK, MASKS, q, K, KPM, row_ok, n_k, mul,
     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """:func:`_scored` for the layout's pair ``p`` of a query block q: its scores, the bool
     tile of its edges (mask tile, key padding, sequence ends), the key tile k (BLOCK, BD)
@@ -119,7 +120,8 @@ def _scores(
     cols = tl.load(PAIR_KB + p) * BLOCK + tl.arange(0, BLOCK)
     k = _tile(K, cols, cols < n_k, D, BD)
     col_in = _keys_in(KPM, cols, n_k, HAS_KPM)
-    s, ok = _scored(q, k, row_ok, col_in, MASKS, tl.load(PAIR_MASK + p), mul, BLOCK, PREC, UPCAST)
+    midx = tl.load(PAIR_MASK + p)
+    s, ok = _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK, PARTIAL, PREC, UPCAST)
     return s, ok, k, cols
 
 
@@ -209,6 +211,27 @@ def _slopes(d, R, MODE: tl.constexpr):
 
 
 @triton.jit
+def _insert(top, t, TOPK: tl.constexpr):
+    """``t`` (BLOCK,) inserted into ``top``, a tuple of TOPK (BLOCK,) vectors in descending
+    order per row, the smallest dropping out: compares and swaps, no reduction."""
+    out = ()
+    for j in tl.static_range(TOPK):
+        out = out + (tl.maximum(top[j], t),)
+        t = tl.minimum(top[j], t)
+    return out
+
+
+@triton.jit
+def _stack(top, BLOCK: tl.constexpr, TOPK: tl.constexpr):
+    """The tuple of TOPK (BLOCK,) vectors as one (BLOCK, TOPK) tile, column j = top[j]."""
+    slot = tl.arange(0, TOPK)
+    out = tl.full((BLOCK, TOPK), float("-inf"), tl.float32)
+    for j in tl.static_range(TOPK):
+        out = tl.where(slot[None, :] == j, top[j][:, None], out)
+    return out
+
+
+@triton.jit
 def _start(x, R, BLOCK: tl.constexpr, MODE: tl.constexpr, STEPS: tl.constexpr):
     """A lower bound τ₀ ≥ −1 of the threshold from a subset of each row's scores, x (BLOCK, K)
     shifted by the row max (−inf for empty slots). Dropping entries only lowers the threshold,
@@ -240,7 +263,8 @@ def _forward(
     n_q, n_k, H, HKV, nbq, n_pairs,
     mul, AM1, R,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, NEED_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
+    NEED_GRAD: tl.constexpr,
     MAX_IT: tl.constexpr, TOPK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     SKIP: tl.constexpr,
 ):  # fmt: skip
@@ -254,26 +278,25 @@ def _forward(
     # TOPK largest of each row's per-tile maxima (a subset of the row: a start for τ)
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     cnt = tl.zeros((BLOCK,), tl.float32)
-    slot = tl.arange(0, TOPK)
-    top = tl.full((BLOCK, TOPK), float("-inf"), tl.float32)
+    top = ()  # TOPK (BLOCK,) vectors, descending: (BLOCK,) vectors stay in the scores' layout
+    for _ in tl.static_range(TOPK):
+        top = top + (tl.full((BLOCK,), float("-inf"), tl.float32),)
     for p in range(start, end):
         s, ok, k, cols = _scores(
             p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
-            D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
+            D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
         )  # fmt: skip
         s = tl.where(ok, s, float("-inf"))
         t = tl.max(s, 1)
         m = tl.maximum(m, t)
-        cnt += tl.sum(ok.to(tl.float32), 1)
+        cnt += tl.sum((s > float("-inf")).to(tl.float32), 1)  # from s: in its layout
         tl.store(TMAX + pair_base + p, tl.max(t, 0))  # the tile's largest score
-        low = tl.min(top, 1)  # t replaces the first smallest slot when larger
-        first = tl.min(tl.where(top == low[:, None], slot[None, :], TOPK), 1)
-        top = tl.where((slot[None, :] == first[:, None]) & (t > low)[:, None], t[:, None], top)
+        top = _insert(top, t, TOPK)
     has = cnt > 0
     m = tl.where(has, m, 0.0)
 
     # threshold τ of x = z − m: f(−1) ≥ 0 ≥ f(−n^{1−α}); start at the subset's lower bound
-    tau = _start(top - m[:, None], R, BLOCK, MODE, TOPK)
+    tau = _start(_stack(top, BLOCK, TOPK) - m[:, None], R, BLOCK, MODE, TOPK)
     lo = tau
     hi = tl.where(has, -tl.exp2(-AM1 * tl.log2(tl.maximum(cnt, 1.0))), 0.0)
     done = ~has
@@ -283,7 +306,6 @@ def _forward(
         s1 = tl.zeros((BLOCK,), tl.float32)
         s2 = tl.zeros((BLOCK,), tl.float32)
         x_in = tl.full((BLOCK,), float("inf"), tl.float32)
-        x_out = tl.full((BLOCK,), float("-inf"), tl.float32)
         # τ only grows (Newton from the left; for α > 2 the bracket's lo): a tile whose largest
         # score is below every open row's m + τ holds none of their supports: skip it
         floor = tl.min(tl.where(has & ~done, m + (lo if MODE == 0 else tau), float("inf")), 0)
@@ -294,7 +316,7 @@ def _forward(
             if visit:
                 s, ok, k, cols = _scores(
                     p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
-                    D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
+                    D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
                 )  # fmt: skip
                 x = tl.where(ok, s - m[:, None], float("-inf"))
                 pos = x > tau[:, None]
@@ -307,15 +329,16 @@ def _forward(
                     s1 += tl.sum(d, 1)
                     s2 += tl.sum(d * d, 1)
                     x_in = tl.minimum(x_in, tl.min(tl.where(pos, x, float("inf")), 1))
-                    x_out = tl.maximum(x_out, tl.max(tl.where(ok & ~pos, x, float("-inf")), 1))
         c0 = tl.maximum(c0, 1.0)
+        # the closed form τ_S on S = {x > τ} is exact when S keeps every x ≥ τ_S and no x < τ_S:
+        # the scores outside S are ≤ τ, so τ ≤ τ_S (true from the left) replaces their max
         if MODE == 2:  # Michelot: the Newton step is the closed form on S
             new = tau + (s1 - 1.0) / c0
-            exact = (x_out <= new + EPS) & (new <= x_in + EPS)
+            exact = (tau <= new + EPS) & (new <= x_in + EPS)
         elif MODE == 1:
             disc = s1 * s1 - c0 * (s2 - 1.0)
             t_s = tau + (s1 - tl.sqrt(tl.maximum(disc, 0.0))) / c0
-            exact = (disc >= 0) & (x_out <= t_s + EPS) & (t_s <= x_in + EPS)
+            exact = (disc >= 0) & (tau <= t_s + EPS) & (t_s <= x_in + EPS)
             nrm = tl.sqrt(s2)
             new = tl.where(exact, t_s, tau + (nrm - 1.0) * nrm / tl.maximum(s1, 1e-30))
         else:
@@ -347,7 +370,7 @@ def _forward(
         if nz:  # else no row has a weight in this tile: skip both products
             s, ok, k, cols = _scores(
                 p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
-                D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
+                D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
             )  # fmt: skip
             d = _excess(s, ok, tau_abs)
             nz = tl.max(tl.max(d, 1), 0) > 0
@@ -380,7 +403,7 @@ def _backward_dq(
     n_q, n_k, H, HKV, nbq, n_pairs,
     mul, scale, R,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr,
+    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     qb, bh, start, end, rows, row_ok, K_h, V_h, KPM_b = _row_block(
@@ -392,7 +415,7 @@ def _backward_dq(
         if tl.load(NZ + bh.to(tl.int64) * n_pairs + p) != 0:
             s, ok, k, cols = _scores(
                 p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
-                D, BD, BLOCK, HAS_KPM, PREC, UPCAST,
+                D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
             )  # fmt: skip
             v = _tile(V_h, cols, cols < n_k, DV, BDV)
             d, ds = _grads(s, ok, tau, do, v, delta, R, MODE, PREC, UPCAST)
@@ -408,6 +431,7 @@ def _backward_dkdv(
     mul, scale, R,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr,
+    PARTIAL: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     kb = tl.program_id(0)
@@ -439,7 +463,9 @@ def _backward_dkdv(
                     Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D, DV, BD, BDV
                 )
                 midx = tl.load(PAIR_MASK + pair)
-                s, ok = _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK, PREC, UPCAST)
+                s, ok = _scored(
+                    q, k, row_ok, col_in, MASKS, midx, mul, BLOCK, PARTIAL, PREC, UPCAST
+                )
                 d, ds = _grads(s, ok, tau, do, v, delta, R, MODE, PREC, UPCAST)
                 w = _weights(d, R, MODE)
                 dv += _mm(tl.trans(w.to(do.dtype)), do, PREC, UPCAST)

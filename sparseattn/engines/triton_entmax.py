@@ -383,7 +383,7 @@ def _launch_forward(
         *_sizes(q, k), layout.nbq, pairs,
         scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0),
         NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK, SKIP=SKIP_TILES,
-        **_constants(q, v, layout.block, alpha, kpm is not None),
+        **_constants(q, v, layout, alpha, kpm is not None),
     )  # fmt: skip
     return out, tau, gv, nz, passes
 
@@ -416,7 +416,7 @@ class _EntmaxAttention(torch.autograd.Function):
         do = grad_out.to(q.dtype).contiguous()
         delta = (do.float() * gv).sum(-1).contiguous()  # δ_i = Σ_j g dp / Σ_j g
         dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        common = _constants(q, v, layout.block, alpha, ctx.has_kpm)
+        common = _constants(q, v, layout, alpha, ctx.has_kpm)
         mul, r = scale * (alpha - 1.0), 1.0 / (alpha - 1.0)
         kern._backward_dq[(layout.nbq, bsz * heads)](
             q, k, v, do, dq, tau, delta, nz,
@@ -438,13 +438,13 @@ def _sizes(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
     return q.shape[2], k.shape[2], q.shape[1], k.shape[1]
 
 
-def _constants(q: Tensor, v: Tensor, block: int, alpha: float, has_kpm: bool) -> dict:
+def _constants(q: Tensor, v: Tensor, layout: BlockLayout, alpha: float, has_kpm: bool) -> dict:
     """The compile-time arguments all three kernels take, and their warps."""
-    d, dv = q.shape[-1], v.shape[-1]
+    d, dv, block = q.shape[-1], v.shape[-1], layout.block
     return dict(
         D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BLOCK=block, MODE=_mode(alpha),
-        HAS_KPM=has_kpm, PREC=_precision(q), UPCAST=_upcast(q),
-        num_warps=4 if block <= 64 else 8,
+        HAS_KPM=has_kpm, PARTIAL=layout.masks.shape[0] > 0, PREC=_precision(q),
+        UPCAST=_upcast(q), num_warps=4 if block <= 64 else 8,
     )  # fmt: skip
 
 

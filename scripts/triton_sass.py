@@ -1,0 +1,117 @@
+"""Static cost of the Triton α-entmax kernels, without a GPU: compile them for sm_90 (H100,
+H200) with Triton's own ptxas, disassemble with the cuobjdump its wheel carries, and count the
+SASS instructions of each loop (a loop body runs once per (query block, key block) tile).
+
+A proxy for speed where no GPU is at hand: it shows layout conversions (SHFL, shared-memory
+stores), register spills (LDL/STL) and the tensor-core instructions (HGMMA) per tile.
+
+    python scripts/triton_sass.py --out docs/results/engines/triton-sass/sm90.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from sparseattn.engines import _entmax_kernels as kern
+from sparseattn.engines import triton_entmax
+from sparseattn.engines.triton_entmax import MAX_IT, SKIP_TILES, TOPK
+
+TYPES = {
+    **dict.fromkeys(("n_q", "n_k", "H", "HKV", "nbq", "nbk", "n_pairs"), "i32"),
+    **dict.fromkeys(("mul", "scale", "AM1", "R"), "fp32"),
+    **dict.fromkeys(("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_"), "*bf16"),
+    **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX"), "*fp32"),
+    **dict.fromkeys(("NZ", "KPM"), "*i8"),
+    # int64 row words; uint8 tiles before them (so that older commits compile for comparison)
+    "MASKS": "*i64" if hasattr(triton_entmax, "pack_rows") else "*u8",
+}
+COUNTED = ("GMMA", "LDL", "STL", "SHFL", "STS", "LDG")
+
+
+def sass(fn, constexprs: dict, warps: int) -> list[str]:
+    """The kernel's SASS instructions (text after the address), compiled for sm_90."""
+    constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
+    signature = {a: "constexpr" if a in constexprs else TYPES.get(a, "*i32") for a in fn.arg_names}
+    # as a launch specialises them: pointers 16-byte aligned, lengths multiples of 16
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, a in enumerate(fn.arg_names)
+        if a not in constexprs and (signature[a].startswith("*") or a in ("n_q", "n_k"))
+    }
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", text)]
+
+
+def opcode(instruction: str) -> str:
+    """The opcode of a SASS instruction, without its predicate (``@P0``) and modifiers."""
+    return instruction.split()[1 if instruction.startswith("@") else 0].split(".")[0]
+
+
+def loops(ins: list[str]) -> list[tuple[int, int]]:
+    """(first, last) instruction index of each loop: a branch back to an earlier address."""
+    out = []
+    for i, t in enumerate(ins):
+        m = re.search(r"BRA\s+0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) // 16 <= i:
+            out.append((int(m.group(1), 16) // 16, i))
+    return sorted(o for o in out if o[1] > o[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--mode", type=int, default=1, help="2 sparsemax, 1 1.5-entmax, 0 other α")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    base = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": args.block, "HAS_KPM": False,
+            "UPCAST": False, "MODE": args.mode, "PREC": "tf32"}  # fmt: skip
+    kernels = {
+        "forward": (
+            kern._forward,
+            {"NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": TOPK, "SKIP": SKIP_TILES},
+        ),  # fmt: skip
+        "backward dq": (kern._backward_dq, {}),
+        "backward dk dv": (kern._backward_dkdv, {"GROUP": 1}),
+    }
+    warps = 4 if args.block <= 64 else 8
+    lines = [
+        f"# python scripts/triton_sass.py --block {args.block} --mode {args.mode} "
+        f"(triton {triton.__version__}, sm_90, bf16, d = 64, {warps} warps)"
+    ]
+    for partial in (True, False):
+        lines.append(
+            "layouts with partial pairs (PARTIAL): each loop holds the branch of the mask bits"
+            if partial
+            else "the dense layout (no partial pairs): what a full pair runs"
+        )
+        for name, (fn, extra) in kernels.items():
+            ins = sass(fn, {**base, **extra, "PARTIAL": partial}, warps)
+            lines.append(f"{name}: {len(ins)} instructions")
+            for first, last in loops(ins):
+                body = ins[first : last + 1]
+                counts = ", ".join(f"{k} {sum(k in opcode(t) for t in body)}" for k in COUNTED)
+                lines.append(f"  loop {first}-{last}: {len(body)} instructions; {counts}")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
