@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/sparseattn tour
 
+# The Triton kernels run under Triton's interpreter in a process of their own: the interpreter
+# must be on before triton is imported, and importing torch's FlexAttention imports triton.
 # The device guard (tests/device_guard.py) then re-runs a chosen set on a GPU simulated on the
 # CPU (~1.5 minutes on 2 cores): every engine x map x pattern forward and backward and the
 # module (test_attention), half precision, flex, training and hf.sparsify (test_gpu), encoders
@@ -31,6 +33,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check sparseattn tests
 	$(PY) -m pytest
 	$(PY) -m pytest --device guard -p no:cacheprovider $(GUARDED)
+	TRITON_INTERPRET=1 $(PY) -m pytest -p no:cacheprovider tests/test_triton_entmax.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sparseattn tests

@@ -34,6 +34,8 @@ TYPES = {
     "MASKS": "*i64" if hasattr(triton_entmax, "pack_rows") else "*u8",
 }
 COUNTED = ("GMMA", "LDL", "STL", "SHFL", "STS", "LDG")
+#: The forward's tile loops in program order.
+TILE_LOOPS = {"forward": ["forward, pass 0", "forward, threshold pass", "forward, last pass"]}
 
 
 def sass(fn, constexprs: dict, warps: int) -> list[str]:
@@ -68,7 +70,7 @@ def loops(ins: list[str]) -> list[tuple[int, int]]:
         m = re.search(r"BRA\s+0x([0-9a-f]+)", t)
         if m and int(m.group(1), 16) // 16 <= i:
             out.append((int(m.group(1), 16) // 16, i))
-    return sorted(o for o in out if o[1] > o[0])
+    return sorted(o for o in out if o[1] > o[0])  # (a branch to itself ends the program)
 
 
 def main() -> None:
@@ -92,6 +94,7 @@ def main() -> None:
         f"# python scripts/triton_sass.py --block {args.block} --mode {args.mode} "
         f"(triton {triton.__version__}, sm_90, bf16, d = 64, {warps} warps)"
     ]
+    per_tile = {}  # (kernel, loop name) -> instructions, for partial and full pairs
     for partial in (True, False):
         lines.append(
             "layouts with partial pairs (PARTIAL): each loop holds the branch of the mask bits"
@@ -101,10 +104,22 @@ def main() -> None:
         for name, (fn, extra) in kernels.items():
             ins = sass(fn, {**base, **extra, "PARTIAL": partial}, warps)
             lines.append(f"{name}: {len(ins)} instructions")
-            for first, last in loops(ins):
+            found = loops(ins)
+            for first, last in found:
                 body = ins[first : last + 1]
                 counts = ", ".join(f"{k} {sum(k in opcode(t) for t in body)}" for k in COUNTED)
                 lines.append(f"  loop {first}-{last}: {len(body)} instructions; {counts}")
+            # tile loops: the innermost (the forward's threshold passes sit in a while loop)
+            tiles = [(f, e) for f, e in found if not any(f < g and h < e for g, h in found)]
+            names = TILE_LOOPS.get(name, [name])
+            for label, (first, last) in zip(names, tiles, strict=False):
+                per_tile.setdefault(label, []).append(last - first + 1)
+    lines += [
+        "",
+        "| loop (one tile) | partial pair (static) | full pair |",
+        "|---|---:|---:|",
+        *(f"| {label} | {n[0]} | {n[1]} |" for label, n in per_tile.items()),
+    ]
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:
