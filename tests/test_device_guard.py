@@ -123,6 +123,8 @@ def test_bench_gpu_runs_end_to_end_at_tiny_sizes(guard, tmp_path):
         entmax_ns=(256,),
         tiles_ns=(256,),
         tile_blocks=(32,),
+        module_ns=(256,),
+        embed_dim=64,
         samples=1,
         min_sample_s=0.0,
     )
@@ -133,4 +135,7 @@ def test_bench_gpu_runs_end_to_end_at_tiny_sizes(guard, tmp_path):
         if "skipped" in r and r["skipped"] != "adasplash missing"  # an optional baseline
     ]
     assert not skipped
+    sections = {r["section"] for r in data["rows"]}
+    assert sections == {"main", "module", "tiles", "entmax", "calibrate"}
     assert (tmp_path / "results.md").exists() and (tmp_path / "gpu.png").exists()
+    assert "Training step" in (tmp_path / "results.md").read_text()

@@ -19,6 +19,8 @@ baselines measured in the same run:
   and ``SKIP_TILES``): tiles of 32, 64 and 128 rows, with the threshold passes skipping the
   tiles below every open row's threshold or visiting all; bf16 1.5-entmax, causal over all keys
   and Longformer.
+* **module** — one training step (forward + backward) of ``SparseAttention(512, 8,
+  pattern=longformer(512, 16))`` against ``nn.MultiheadAttention(512, 8)`` on (1, n, 512), bf16.
 * **calibrate** — the ``auto`` rule's evidence: dense (masked SDPA), block, gather and flex for
   softmax and dense/block/gather for 1.5-entmax on Longformer, BigBird and random graphs at
   short n, forward+backward.
@@ -63,6 +65,8 @@ class GpuSuite:
     calibrate_ns: tuple[int, ...] = (1024, 4096, 16384)
     entmax_ns: tuple[int, ...] = (4096, 8192, 16384, 32768, 65536, 131072)
     tiles_ns: tuple[int, ...] = (8192, 32768)
+    module_ns: tuple[int, ...] = (8192, 32768)
+    embed_dim: int = 512
     tile_blocks: tuple[int, ...] = (32, 64, 128)
     samples: int = 5
     min_sample_s: float = 0.02
@@ -154,6 +158,9 @@ def run_gpu_suite(
             for n in suite.ns if dtype == torch.bfloat16 else suite.fp32_ns:
                 torch._dynamo.reset()
                 _main(suite, rows, log, n, dtype)
+        for n in suite.module_ns:
+            torch._dynamo.reset()
+            _module(suite, rows, log, n)
         for n in suite.tiles_ns:
             _tiles(suite, rows, log, n)
         for n in suite.entmax_ns:
@@ -381,6 +388,34 @@ def _entmax(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
         )
 
 
+def _module(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
+    """One training step (forward + backward, no optimizer) of the layer against
+    ``nn.MultiheadAttention`` of the same width and heads, bf16, x of shape (1, n, E)."""
+    import sparseattn as sa
+
+    e, h = suite.embed_dim, suite.heads
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(1, n, e, generator=gen, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(1, n, e, generator=gen, device="cuda", dtype=torch.bfloat16)
+    pattern = sa.longformer(suite.window, suite.sinks)
+    ours = sa.SparseAttention(e, h, pattern=pattern).to("cuda", torch.bfloat16)
+    mha = torch.nn.MultiheadAttention(e, h, batch_first=True).to("cuda", torch.bfloat16)
+
+    def step(layer):
+        def call():
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+            out = layer(x) if layer is ours else layer(x, x, x, need_weights=False)[0]
+            out.backward(grad)
+
+        return call
+
+    x.requires_grad_(True)
+    base = {"section": "module", "dtype": "bfloat16", "n": n, "mode": "train step"}
+    for who, layer in (("SparseAttention", ours), ("nn.MultiheadAttention", mha)):
+        _record(suite, rows, log, {**base, "who": who}, step(layer))
+
+
 def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     """1.5-entmax (bf16) by the Triton kernels with each tile size and with and without tile
     skipping in the threshold passes, causal over all keys and on the Longformer pattern."""
@@ -515,6 +550,17 @@ def markdown(data: dict) -> str:
                 f"{ms('dense entmax15 (ours)')} | {ratio('dense entmax15 (ours)', 'dense sdpa')} | "
                 f"{ratio('dense entmax15 (ours)', 'dense adasplash')} |"
             )
+    module = {(r["n"], r["who"]): r.get("time_s") for r in data["rows"] if r["section"] == "module"}
+    if module:
+        lines += _table_head(
+            "Training step (forward + backward), bf16, (1, n, 512), 8 heads, ms",
+            ["n", "SparseAttention (longformer)", "nn.MultiheadAttention", "speed-up"],
+        )
+        for n in sorted({n for n, _ in module}):
+            t = {who: module.get((n, who)) for who in ("SparseAttention", "nn.MultiheadAttention")}
+            cells = [f"{v * 1e3:.2f}" if v else "–" for v in t.values()]
+            ratio = _ratio(t, "nn.MultiheadAttention", "SparseAttention", 2)
+            lines.append(f"| {n} | {' | '.join(cells)} | {ratio} |")
     tiles = [r for r in data["rows"] if r["section"] == "tiles"]
     if tiles:
         lines += _table_head(
