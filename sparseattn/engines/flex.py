@@ -256,18 +256,41 @@ def _padded(mask_mod, key_ok: Tensor):
     return padded
 
 
+def _flex(q, k, v, score_mod, block_mask, scale, enable_gqa):
+    """``flex_attention`` in a code object of the engine's own, which is what gets compiled:
+    dynamo counts recompiles per code object and, past its limit, runs that code uncompiled
+    (unfused: n × n scores) for every caller — a user's own compiled ``flex_attention`` and
+    the engine thus do not spend each other's recompiles."""
+    return _FLEX[0](
+        q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+_FLEX: list = []
+
+
 @functools.cache
 def _compiled(dynamic: bool | None):
-    """Compiled ``flex_attention``. For element-wise mask_mods, whose constants are tensors,
+    """Compiled :func:`_flex`. For element-wise mask_mods, whose constants are tensors,
     ``dynamic=None``: torch's default, as a user's own ``torch.compile(flex_attention)``: a
     kernel specialised to the first length (the fastest on a GPU), then one length-generic
     kernel once a second length arrives, which serves every later length. Specialised per
     shape (``False``) where the mask_mod looks up a tensor (a table, the key padding: torch
     2.13's length-generic CPU kernel then indexes out of bounds in the padding of the last
     block, or fails to compile)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=dynamic)
+        _FLEX.append(flex_attention)
+    return torch.compile(_flex, dynamic=dynamic)
+
+
+@functools.cache
+def _recompile_limit():
+    """dynamo's recompile limit raised to at least 64 while the engine runs (a context manager
+    made once: building one per call cost ~20 µs of host time). Tables compile one kernel per
+    (shape, table bucket), and past the limit torch silently runs an unfused O(n²) version."""
+    return torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit))
 
 
 def flex_attention_engine(
@@ -302,20 +325,11 @@ def flex_attention_engine(
     block_mask, generic = _cached_block_mask(graph, block, q.device)
     if key_padding_mask is not None:
         block_mask, generic = _padded_block_mask(graph, block_mask, key_padding_mask), False
-    # tables: one kernel per (shape, table bucket); allow more than dynamo's default 8
-    # recompiles, past which torch silently runs an unfused O(n²) implementation
-    with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+    with _recompile_limit():
         # a score_mod's Python constants (softcap's c) fail as dynamic floats: one kernel
         # per shape there
-        out = _compiled(None if generic and score_mod is None else False)(
-            q,
-            k,
-            v,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=k.shape[1] != q.shape[1],
-        )
+        dynamic = None if generic and score_mod is None else False
+        out = _compiled(dynamic)(q, k, v, score_mod, block_mask, scale, k.shape[1] != q.shape[1])
     if key_padding_mask is not None:  # rows whose keys are all padding: zeros (maps' rule)
         out = out.nan_to_num(0.0)
     return out
