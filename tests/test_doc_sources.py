@@ -145,6 +145,22 @@ def test_connectivity_table_numbers_come_from_the_kept_reports(n: int) -> None:
         assert cells[6].strip("*") == ("yes" if report["satisfied"] else "no"), spec
 
 
+def test_copying_default_sweep_numbers_come_from_the_kept_cells() -> None:
+    """docs/experiments.md's default-sweep table: every accuracy is its kept cell JSON's."""
+    from sparseattn.experiments.copying import COLUMNS as columns  # the table's order
+
+    folder = ROOT / "docs/results/copying/bidir-n64-d64-w8-cb96ed44"
+    rows = _table_after("experiments.md", "bidir-n64-d64-w8-cb96ed44/ (regenerate")
+    assert len(rows) == 4
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        depth = int(cells[0].removesuffix("-layer"))
+        for column, cell in zip(columns, cells[1:], strict=True):
+            got = json.loads((folder / f"cells/{column}-L{depth}.json").read_text())
+            assert (got["column"], got["depth"]) == (column, depth)
+            assert cell == f"{got['accuracy']:.2%}", (column, depth, cell, got["accuracy"])
+
+
 def test_the_checker_sees_a_missing_or_a_bare_lost_source(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text(
