@@ -17,14 +17,16 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/sparseattn tour
 
-# The Triton kernels run under Triton's interpreter in a process of their own: the interpreter
-# must be on before triton is imported, and importing torch's FlexAttention imports triton.
-# The device guard (tests/device_guard.py) then re-runs a chosen set on a GPU simulated on the
-# CPU (~1.5 minutes on 2 cores): every engine x map x pattern forward and backward and the
-# module (test_attention), half precision, flex, training and hf.sparsify (test_gpu), encoders
-# (test_hf), MCA in a BERT (test_montecarlo), DAM (test_learned_mask), decoders with generate
-# and GQA (a slice of test_hf_decoders). tests/test_device_guard.py is in the plain run.
-GUARDED := tests/test_attention.py tests/test_gpu.py tests/test_hf.py tests/test_montecarlo.py \
+# The device guard (tests/device_guard.py) re-runs a chosen set on a GPU simulated on the CPU
+# (~4 minutes on 2 cores): every engine x map x pattern forward and backward and the module
+# (test_attention), causal patterns and queries at an offset (test_causal), half precision,
+# flex, training and hf.sparsify (test_gpu), encoders (test_hf), MCA in a BERT
+# (test_montecarlo), DAM (test_learned_mask), score modifiers, decoders with generate and GQA
+# (a slice of test_hf_decoders). tests/test_device_guard.py is in the plain run.
+# The Triton kernels then run under Triton's interpreter in a process of their own: the
+# interpreter must be on before triton is imported, and importing FlexAttention imports triton.
+GUARDED := tests/test_attention.py tests/test_causal.py tests/test_gpu.py tests/test_hf.py \
+	tests/test_montecarlo.py \
 	tests/test_learned_mask.py tests/test_score_mods.py tests/test_hf_score_mods.py \
 	"tests/test_hf_decoders.py::test_sparse_generation_equals_full_recompute_at_every_step" \
 	"tests/test_hf_decoders.py::test_head_split_with_grouped_query_heads_equals_full_recompute"

@@ -57,6 +57,10 @@ _TAG = "_device_guard_on"  # True: on the device; False: on the host; absent: un
 _FROM_HOST = {torch.tensor, torch.as_tensor}
 #: Calls that take tensors of different devices by design.
 _CROSS = {torch.Tensor.copy_, torch.Tensor.__setitem__}
+#: Views of their inputs, one output per input (or of the first input): each output stays
+#: where its own input is, as on CUDA, where broadcasting a 0-d host tensor against a device
+#: tensor gives a host view of the broadcast shape (which the next op then refuses).
+_VIEWS_OF_INPUTS = {torch.broadcast_tensors, torch.Tensor.expand_as}
 #: Calls that only compare metadata (``module.to`` asks this of a parameter and its copy).
 _METADATA = {torch._has_compatible_shallow_copy_type}
 _REAL_GENERATOR = torch.Generator
@@ -231,6 +235,12 @@ class DeviceGuard(TorchFunctionMode):
                 self._check_generator(func, kwargs)
         inputs = _tensors((args, kwargs))
         where = [on_device(t) for t in inputs]
+        if func in _VIEWS_OF_INPUTS:
+            out = func(*args, **kwargs)
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            for view, w in zip(outs, where, strict=False):
+                _set(view, w)
+            return out
         if func in _CROSS:
             self._cross(func, args)
         elif True in where and func not in _METADATA and not _traced(func):

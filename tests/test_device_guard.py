@@ -44,6 +44,12 @@ def test_the_guard_raises_where_cuda_would(guard):
     x.copy_(host)
     assert torch.equal(x.cpu(), host)
     assert on_device(torch.nn.Linear(3, 2).to(CUDA).weight)
+    # a 0-dim host tensor broadcast against a device tensor is a host view of the full shape
+    # (the H200 run found `Pattern.allows(n - 1, kv_idx, n)` making such a view)
+    scalar, row = torch.broadcast_tensors(torch.as_tensor(3), x[0])
+    assert not on_device(scalar) and on_device(row)
+    with pytest.raises(RuntimeError, match="same device"):
+        scalar & row.long()
 
 
 def test_the_guard_counts_host_to_device_copies(guard):
