@@ -200,9 +200,9 @@ def pack_rows(masks: Tensor) -> Tensor:
     c // 64 of row r is ``masks[p, r, c]`` (bit 63 is the sign bit)."""
     p, b, _ = masks.shape
     words = -(-b // 64)
-    padded = torch.zeros(p, b, words * 64, dtype=torch.long)
+    padded = torch.zeros(p, b, words * 64, dtype=torch.long, device=masks.device)
     padded[..., :b] = masks
-    shifts = torch.arange(64, dtype=torch.long)
+    shifts = torch.arange(64, dtype=torch.long, device=masks.device)
     return (padded.view(p, b, words, 64) << shifts).sum(-1).contiguous()  # distinct bits: OR
 
 
