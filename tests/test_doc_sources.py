@@ -161,6 +161,34 @@ def test_copying_default_sweep_numbers_come_from_the_kept_cells() -> None:
             assert cell == f"{got['accuracy']:.2%}", (column, depth, cell, got["accuracy"])
 
 
+def test_sparsefinder_numbers_come_from_the_kept_run() -> None:
+    """docs/sparsefinder.md's downstream and shared-QK Reformer tables: every number is the kept
+    issue16 run's (`downstream.json`; the w = 1 points of `sweep-points.json`)."""
+    folder = ROOT / "docs/results/sparsefinder/issue16"
+    down = json.loads((folder / "downstream.json").read_text())["methods"]
+    rows = _table_after("sparsefinder.md", "issue16/downstream.json")
+    assert len(rows) == sum(len(knobs) for knobs in down.values())
+    got = [r for knobs in down.values() for r in knobs.values()]
+    for row, r in zip(rows, got, strict=True):
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        assert re.search(rf"\b{r['knob']}\b", cells[0]), (cells[0], r["knob"])
+        want = [
+            f"{r['graph_sparsity']:.3f}",
+            f"{r['embedding_cosine_mean']:.3f} / {r['embedding_cosine_min']:.3f}",
+            f"{r['retrieval_accuracy']:.3f}",
+            f"{r['retrieval_agreement']:.3f}",
+        ]
+        assert cells[1:] == want, (cells[0], cells[1:], want)
+    points = json.loads((folder / "sweep-points.json").read_text())
+    rows = _table_after("sparsefinder.md", "issue16/sweep-points.json")
+    for row, method in zip(rows, ("reformer", "reformer_separate"), strict=True):
+        cells = [c.strip() for c in row.strip().strip("|").split("|")][1:]
+        want = [
+            f"{p['sparsity']:.3f}, {p['recall']:.3f}" for p in points[method] if p["window"] == 1
+        ]
+        assert cells == want, (method, cells, want)
+
+
 def test_the_checker_sees_a_missing_or_a_bare_lost_source(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text(
