@@ -145,19 +145,36 @@ def test_connectivity_table_numbers_come_from_the_kept_reports(n: int) -> None:
         assert cells[6].strip("*") == ("yes" if report["satisfied"] else "no"), spec
 
 
-def test_copying_default_sweep_numbers_come_from_the_kept_cells() -> None:
-    """docs/experiments.md's default-sweep table: every accuracy is its kept cell JSON's."""
-    from sparseattn.experiments.copying import COLUMNS as columns  # the table's order
+@pytest.mark.parametrize(
+    ("run", "columns"),
+    [
+        ("bidir-n64-d64-w8-cb96ed44", None),  # the default sweep: every column
+        ("causal-n64-d64-w8-2edc3566", ("strided-union", "fixed-union", "star")),
+    ],
+)
+def test_copying_n64_numbers_come_from_the_kept_cells(
+    run: str, columns: tuple[str, ...] | None
+) -> None:
+    """docs/experiments.md's n = 64 copying tables (the default sweep; the reduced causal run,
+    tril): every accuracy is its kept cell JSON's, and the kept cells are the table's."""
+    from sparseattn.experiments.copying import COLUMNS  # the table's order
 
-    folder = ROOT / "docs/results/copying/bidir-n64-d64-w8-cb96ed44"
-    rows = _table_after("experiments.md", "bidir-n64-d64-w8-cb96ed44/ (regenerate")
+    columns = COLUMNS if columns is None else columns
+    folder = ROOT / "docs/results/copying" / run
+    config = json.loads((folder / "config.json").read_text())
+    assert config["causal"] == run.startswith("causal")
+    rows = _table_after("experiments.md", f"{run}/ (regenerate")
     assert len(rows) == 4
+    assert len(list(folder.glob("cells/*.json"))) == len(rows) * len(columns)
     for row in rows:
         cells = [c.strip() for c in row.strip().strip("|").split("|")]
         depth = int(cells[0].removesuffix("-layer"))
         for column, cell in zip(columns, cells[1:], strict=True):
             got = json.loads((folder / f"cells/{column}-L{depth}.json").read_text())
             assert (got["column"], got["depth"]) == (column, depth)
+            assert got["causal"] == config["causal"]
+            if got["causal"]:  # the tril reading: eq. (4)/(5) masked to j <= i
+                assert got["pattern"].endswith(".causal()"), got["pattern"]
             assert cell == f"{got['accuracy']:.2%}", (column, depth, cell, got["accuracy"])
 
 
