@@ -126,6 +126,30 @@ def test_mca_accounting_numbers_come_from_the_kept_runs() -> None:
         assert cells[2] == " / ".join(f"{g:+.2f}" for g in gaps)
 
 
+def test_mca_sweep_numbers_come_from_the_kept_run() -> None:
+    """docs/mca.md's α-sweep table: every number is the kept sweep16 run's (`metrics.json`)."""
+    folder = ROOT / "docs/results/mca/sweep16"
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert metrics["passages"] == 16
+    assert metrics["machine"]["torch_threads"] == 1
+    rows = _table_after("mca.md", "sweep16/metrics.json")
+    assert len(rows) == len(metrics["cells"])
+    for row, cell in zip(rows, metrics["cells"], strict=True):
+        assert cell == json.loads((folder / f"cells/alpha_{cell['alpha']:.2f}.json").read_text())
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        assert float(cells[0].strip("*")) == cell["alpha"]
+        assert cells[1].replace("*", "").split(" ")[0] == f"{cell['macs_kept']:.1%}"
+        if "fewer" in cells[1]:
+            assert f"({1 / cell['macs_kept']:.1f}× fewer)" in cells[1], cells[1]
+        seconds = cell["projection_seconds"]
+        assert cells[2].startswith(f"{seconds['sampled'] / seconds['exact']:.1f}× slower")
+        assert cells[3].strip("*") == f"{cell['embedding_cosine_mean']:.4f}"
+        assert cells[4] == f"{cell['retrieval_accuracy']:.3f}"
+        errors = cell["error_vs_bound"]
+        assert cells[5] == " / ".join(f"{errors[la]['mean_error']:.2f}" for la in ("0", "5"))
+        assert cells[6] == " / ".join(f"{errors[la]['bound']:.1f}" for la in ("0", "5"))
+
+
 @pytest.mark.parametrize("n", [256, 4096])
 def test_connectivity_table_numbers_come_from_the_kept_reports(n: int) -> None:
     """docs/analysis.md's Assumption 1 tables: each row's sparsity per layer, hops and verdict
