@@ -243,3 +243,22 @@ def test_the_checker_sees_a_missing_or_a_bare_lost_source(tmp_path: Path) -> Non
         test_every_table_names_its_source(page, 3, None)
     with pytest.raises(AssertionError, match="regenerates"):
         test_every_table_names_its_source(page, 9, "run lost.")
+
+
+def test_sparsefinder_decoder_teacher_numbers_come_from_the_kept_run() -> None:
+    """docs/causal.md's decoder teacher table: the kept decoder-a36d3a67 run's `teacher.json`,
+    whose numbers are the kept teacher's and softmax twin's `cells/dense-s0.json`."""
+    folder = ROOT / "docs/results/sparsefinder/decoder-a36d3a67"
+    teacher = json.loads((folder / "teacher.json").read_text())
+    twin = teacher["softmax_twin"]
+    for cell, sub in ((teacher, "teacher"), (twin, "softmax-twin")):
+        kept = json.loads((folder / sub / "cells/dense-s0.json").read_text())
+        assert (kept["perplexity"], kept["bits_per_byte"]) == (
+            cell["perplexity"],
+            cell["bits_per_byte"],
+        )
+    rows = _table_after("causal.md", "decoder-a36d3a67/teacher.json")
+    assert len(rows) == 2
+    for row, cell in zip(rows, (twin, teacher), strict=True):
+        cells = [c.strip().strip("*") for c in row.strip().strip("|").split("|")]
+        assert cells[1:] == [f"{cell['perplexity']:.3f}", f"{cell['bits_per_byte']:.4f}"]
