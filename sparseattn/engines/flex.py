@@ -288,7 +288,7 @@ def _compiled(dynamic: bool | None):
 @functools.cache
 def _recompile_limit():
     """dynamo's recompile limit raised to at least 64 while the engine runs (a context manager
-    made once: building one per call cost ~20 µs of host time). Tables compile one kernel per
+    made once: building one per call is host time on every call). Tables compile one kernel per
     (shape, table bucket), and past the limit torch silently runs an unfused O(n²) version."""
     return torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit))
 
