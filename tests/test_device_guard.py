@@ -130,6 +130,7 @@ def test_bench_gpu_runs_end_to_end_at_tiny_sizes(guard, tmp_path):
         tiles_ns=(256,),
         tile_blocks=(32,),
         module_ns=(256,),
+        stream_ns=(128, 256),
         embed_dim=64,
         samples=1,
         min_sample_s=0.0,
@@ -142,6 +143,7 @@ def test_bench_gpu_runs_end_to_end_at_tiny_sizes(guard, tmp_path):
     ]
     assert not skipped
     sections = {r["section"] for r in data["rows"]}
-    assert sections == {"main", "module", "tiles", "entmax", "calibrate"}
+    assert sections == {"main", "module", "stream", "tiles", "entmax", "calibrate"}
     assert (tmp_path / "results.md").exists() and (tmp_path / "gpu.png").exists()
-    assert "Training step" in (tmp_path / "results.md").read_text()
+    report = (tmp_path / "results.md").read_text()
+    assert "Training step" in report and "stream of lengths" in report

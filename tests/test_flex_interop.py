@@ -160,6 +160,31 @@ def test_flex_engine_compiles_a_bounded_number_of_kernels_over_a_stream_of_lengt
     assert counters["stats"]["unique_graphs"] - before <= 2
 
 
+def test_flex_engine_specialises_a_bounded_number_of_shapes_on_a_gpu():
+    """Off the CPU, element-wise masks get a kernel per shape for the first STATIC_SHAPES
+    shapes (the fastest kernel), then the length-generic one for every new shape, while the
+    shapes already seen keep theirs; table look-ups always compile per shape; the CPU keeps
+    torch's default. (Meta tensors stand in for a GPU's: only device, shape and strides are
+    read.)"""
+    from sparseattn.engines import flex
+
+    def shapes(n, device="meta"):
+        return [torch.empty(1, 2, n, 8, device=device) for _ in range(3)]
+
+    flex.forget_shapes()
+    try:
+        first = [flex._dynamic(*shapes(n), True) for n in range(1, flex.STATIC_SHAPES + 1)]
+        assert first == [False] * flex.STATIC_SHAPES
+        assert flex._dynamic(*shapes(flex.STATIC_SHAPES + 1), True) is True
+        assert flex._dynamic(*shapes(1), True) is False  # seen: keeps its kernel
+        q, k, v = shapes(3)  # seen, but other strides: a new shape
+        assert flex._dynamic(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, True) is True
+        assert flex._dynamic(*shapes(999), False) is False  # a table: per shape
+        assert flex._dynamic(*shapes(999, "cpu"), True) is None
+    finally:
+        flex.forget_shapes()
+
+
 def test_flex_engine_reads_grouped_key_value_heads_itself():
     """Grouped-query attention on the flex engine: k, v with fewer heads go to FlexAttention
     as they are (its enable_gqa), against the dense reference on repeated k and v."""

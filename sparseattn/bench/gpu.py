@@ -66,6 +66,7 @@ class GpuSuite:
     entmax_ns: tuple[int, ...] = (4096, 8192, 16384, 32768, 65536, 131072)
     tiles_ns: tuple[int, ...] = (8192, 32768)
     module_ns: tuple[int, ...] = (8192, 32768)
+    stream_ns: tuple[int, ...] = (4096, 8192, 16384, 32768)
     embed_dim: int = 512
     tile_blocks: tuple[int, ...] = (32, 64, 128)
     samples: int = 5
@@ -82,12 +83,55 @@ GPU_SUITES = {
         entmax_ns=(8192, 32768),
         samples=3,
     ),
+    # the host's share at short lengths: main and module at 8192, interleaved, and the stream
+    "gpu-overhead": GpuSuite(
+        "gpu-overhead",
+        ns=(8192,),
+        fp32_ns=(),
+        calibrate_ns=(),
+        entmax_ns=(),
+        tiles_ns=(),
+        module_ns=(8192,),
+    ),
 }
 
 
 def cuda_time(fn: Callable[[], object], samples: int, min_sample_s: float) -> dict:
     """Warm-up call (compiles), one call for peak memory, then ``samples`` samples of ``inner``
     back-to-back calls between CUDA events; median seconds per call."""
+    result = cuda_times([fn], samples, min_sample_s)[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def cuda_times(
+    fns: list[Callable[[], object]], samples: int, min_sample_s: float
+) -> list[dict | Exception]:
+    """:func:`cuda_time` of several calls with their samples interleaved (A B C A B C …): at
+    short lengths a call is host-bound (on the H100 host a compiled FlexAttention forward +
+    backward costs 0.8–1.0 ms of host time against 0.6 ms of kernels), and a drift in the
+    host's speed then reaches every call of a comparison alike. A call that fails gives its
+    exception instead of a row."""
+    results: list[dict | Exception] = []
+    for fn in fns:
+        try:
+            results.append(_prepare(fn, min_sample_s))
+        except Exception as err:  # noqa: PERF203 - a baseline that cannot run is a row
+            results.append(err)
+        torch.cuda.empty_cache()
+    for _ in range(samples):
+        for fn, result in zip(fns, results, strict=True):
+            if isinstance(result, dict):
+                result["times_s"].append(_sample(fn, result["inner"]))
+    for result in results:
+        if isinstance(result, dict):
+            result["time_s"] = statistics.median(result["times_s"])
+    return results
+
+
+def _prepare(fn: Callable[[], object], min_sample_s: float) -> dict:
+    """Warm-up call, peak memory of one call, and the number of calls per sample."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
@@ -101,22 +145,18 @@ def cuda_time(fn: Callable[[], object], samples: int, min_sample_s: float) -> di
     once = time.perf_counter() - start
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     inner = max(1, min(100, math.ceil(min_sample_s / max(once, 1e-6))))
-    times = []
-    for _ in range(samples):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3 / inner)
-    return {
-        "time_s": statistics.median(times),
-        "times_s": times,
-        "inner": inner,
-        "peak_mb": peak,
-        "warmup_s": warmup,
-    }
+    return {"times_s": [], "inner": inner, "peak_mb": peak, "warmup_s": warmup}
+
+
+def _sample(fn: Callable[[], object], inner: int) -> float:
+    """Seconds per call over ``inner`` back-to-back calls, by CUDA events."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(inner):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / inner
 
 
 def _gpu_facts() -> dict:
@@ -149,31 +189,41 @@ def run_gpu_suite(
     }
     rows = ResumableRows(out_dir / "results.json", header)
     log(f"machine: {header['machine']}")
-    # the flex engine and "flex direct" compile the same function, flex_attention, whose
-    # recompiles dynamo counts together; at its limit (8) dynamo runs it eagerly from then on
-    # for every caller (unfused: n² scores). Each section starts from fresh caches instead.
+    # dynamo counts recompiles per code object, and past its limit runs that code eagerly
+    # (unfused: n² scores) from then on; each section starts from fresh compiles instead
     limit = max(64, torch._dynamo.config.recompile_limit)
     with torch._dynamo.config.patch(recompile_limit=limit):
         for dtype in (torch.bfloat16, torch.float32):
             for n in suite.ns if dtype == torch.bfloat16 else suite.fp32_ns:
-                torch._dynamo.reset()
+                _fresh_compiles()
                 _main(suite, rows, log, n, dtype)
         for n in suite.module_ns:
-            torch._dynamo.reset()
+            _fresh_compiles()
             _module(suite, rows, log, n)
+        if suite.stream_ns:
+            _fresh_compiles()
+            _stream(suite, rows, log, suite.stream_ns)
         for n in suite.tiles_ns:
             _tiles(suite, rows, log, n)
         for n in suite.entmax_ns:
-            torch._dynamo.reset()
+            _fresh_compiles()
             _entmax(suite, rows, log, n)
         for n in suite.calibrate_ns:
-            torch._dynamo.reset()
+            _fresh_compiles()
             _calibrate(suite, rows, log, n)
     rows.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     write_json(out_dir / "results.json", rows.data)
     (out_dir / "results.md").write_text(markdown(rows.data))
     _plot(rows.data, out_dir / "gpu.png")
     return rows.data
+
+
+def _fresh_compiles() -> None:
+    """Drop every compiled kernel (dynamo's caches and the flex engine's record of them)."""
+    from ..engines.flex import forget_shapes
+
+    torch._dynamo.reset()
+    forget_shapes()
 
 
 def _inputs(suite: GpuSuite, n: int, dtype: torch.dtype, grad: bool):
@@ -187,25 +237,31 @@ def _inputs(suite: GpuSuite, n: int, dtype: torch.dtype, grad: bool):
 
 
 def _record(suite, rows, log, key: dict, fn: Callable[[], object]) -> None:
-    if rows.find(**key):
-        return
-    row = dict(key)
-    try:
-        row.update(cuda_time(fn, suite.samples, suite.min_sample_s))
-    except torch.OutOfMemoryError:
-        row["skipped"] = "out of memory"
-    except Exception as err:  # a baseline that cannot run here is a row, not a crash
-        row["skipped"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-    torch.cuda.empty_cache()
-    rows.add(row)
-    shown = row.get("skipped") or (
-        f"{row['time_s'] * 1e3:10.3f} ms  peak {row['peak_mb']:8.0f} "
-        f"MiB  (warm-up {row['warmup_s']:.1f} s)"
-    )
-    log(
-        f"{key.get('section')} {key.get('dtype')} n={key['n']:6d} "
-        f"{key.get('pattern', '')} {key['who']:22s} {key['mode']:8s} {shown}"
-    )
+    _record_group(suite, rows, log, [(key, fn)])
+
+
+def _record_group(suite, rows, log, keyed: list[tuple[dict, Callable[[], object]]]) -> None:
+    """Time the calls whose rows are not in ``rows`` yet, interleaved (:func:`cuda_times`),
+    and add a row each (a call that cannot run here is a row with the reason, not a crash)."""
+    keyed = [(key, fn) for key, fn in keyed if not rows.find(**key)]
+    results = cuda_times([fn for _, fn in keyed], suite.samples, suite.min_sample_s)
+    for (key, _), result in zip(keyed, results, strict=True):
+        row = dict(key)
+        if isinstance(result, torch.OutOfMemoryError):
+            row["skipped"] = "out of memory"
+        elif isinstance(result, Exception):
+            row["skipped"] = f"{type(result).__name__}: {str(result).splitlines()[0][:200]}"
+        else:
+            row.update(result)
+        rows.add(row)
+        shown = row.get("skipped") or (
+            f"{row['time_s'] * 1e3:10.3f} ms  peak {row['peak_mb']:8.0f} "
+            f"MiB  (warm-up {row['warmup_s']:.1f} s)"
+        )
+        log(
+            f"{key.get('section')} {key.get('dtype')} n={key['n']:6d} "
+            f"{key.get('pattern', '')} {key['who']:22s} {key['mode']:8s} {shown}"
+        )
 
 
 def _fwd(fn):
@@ -260,13 +316,40 @@ def _main(suite: GpuSuite, rows: ResumableRows, log, n: int, dtype: torch.dtype)
         "sparseattn block": ours("block"),
         "sparseattn entmax15": ours("auto", "entmax15"),
     }
-    for who, fn in timed.items():
-        _record(suite, rows, log, {**base, "who": who, "mode": "fwd"}, _fwd(fn))
-        _record(
-            suite, rows, log, {**base, "who": who, "mode": "fwd+bwd"}, _fwd_bwd(fn, (q, k, v), g)
-        )
+    for mode, wrap in (("fwd", _fwd), ("fwd+bwd", lambda fn: _fwd_bwd(fn, (q, k, v), g))):
+        keyed = [({**base, "who": who, "mode": mode}, wrap(fn)) for who, fn in timed.items()]
+        _record_group(suite, rows, log, keyed)
     if dtype == torch.float32:
         _package(suite, rows, log, base, graph, q, k, v, scale)
+
+
+def _stream(suite: GpuSuite, rows: ResumableRows, log, ns: tuple[int, ...]) -> None:
+    """The flex engine over a stream of lengths, as a model meets them: every length of ``ns``
+    called (forward, then forward + backward) from fresh compiles, the last one timed, beside
+    compiled ``flex_attention`` by hand over the same stream (torch's default: a kernel
+    specialised to the first length, one length-generic kernel from the second on)."""
+    import sparseattn as sa
+
+    pattern = sa.longformer(suite.window, suite.sinks)
+
+    def calls_at(n: int) -> dict:
+        (q, k, v), g = _inputs(suite, n, torch.bfloat16, grad=True)
+        ours = lambda: sa.sparse_attention(q, k, v, pattern, engine="flex")  # noqa: E731
+        hand = _flex_by_hand(suite, q, k, v, suite.head_dim**-0.5)
+        return {
+            (who, mode): call
+            for who, fn in (("sparseattn flex", ours), ("flex direct", hand))
+            for mode, call in (("fwd", _fwd(fn)), ("fwd+bwd", _fwd_bwd(fn, (q, k, v), g)))
+        }
+
+    for n in ns[:-1]:
+        for call in calls_at(n).values():
+            call()
+    base = {"section": "stream", "dtype": "bfloat16", "n": ns[-1], "after": list(ns[:-1])}
+    calls = calls_at(ns[-1])
+    for mode in ("fwd", "fwd+bwd"):
+        keyed = [({**base, "who": w, "mode": m}, fn) for (w, m), fn in calls.items() if m == mode]
+        _record_group(suite, rows, log, keyed)
 
 
 def _flex_by_hand(suite: GpuSuite, q, k, v, scale: float) -> Callable[[], object]:
@@ -412,8 +495,8 @@ def _module(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
 
     x.requires_grad_(True)
     base = {"section": "module", "dtype": "bfloat16", "n": n, "mode": "train step"}
-    for who, layer in (("SparseAttention", ours), ("nn.MultiheadAttention", mha)):
-        _record(suite, rows, log, {**base, "who": who}, step(layer))
+    layers = (("SparseAttention", ours), ("nn.MultiheadAttention", mha))
+    _record_group(suite, rows, log, [({**base, "who": who}, step(layer)) for who, layer in layers])
 
 
 def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
@@ -549,6 +632,21 @@ def markdown(data: dict) -> str:
                 f"{ratio('causal entmax15 (ours)', 'causal adasplash')} | "
                 f"{ms('dense entmax15 (ours)')} | {ratio('dense entmax15 (ours)', 'dense sdpa')} | "
                 f"{ratio('dense entmax15 (ours)', 'dense adasplash')} |"
+            )
+    stream = [r for r in data["rows"] if r["section"] == "stream"]
+    if stream:
+        after = ", ".join(str(n) for n in stream[0]["after"])
+        lines += _table_head(
+            f"Over a stream of lengths (bf16, Longformer; timed at n after calls at {after}), ms",
+            ["n", "mode", "flex engine", "flex direct", "engine / direct"],
+        )
+        for n, mode in sorted({(r["n"], r["mode"]) for r in stream}):
+            t = {r["who"]: r.get("time_s") for r in stream if (r["n"], r["mode"]) == (n, mode)}
+            ms = {who: f"{t[who] * 1e3:.3f}" if t.get(who) else "–" for who in t}
+            lines.append(
+                f"| {n} | {mode} | {ms.get('sparseattn flex', '–')} | "
+                f"{ms.get('flex direct', '–')} | "
+                f"{_ratio(t, 'sparseattn flex', 'flex direct', 3)} |"
             )
     module = {(r["n"], r["who"]): r.get("time_s") for r in data["rows"] if r["section"] == "module"}
     if module:

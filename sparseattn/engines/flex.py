@@ -37,6 +37,7 @@ __all__ = [
     "flex_attention_engine",
     "flex_available",
     "flex_refuses",
+    "forget_shapes",
     "graph_block_mask",
 ]
 
@@ -266,23 +267,58 @@ def _flex(q, k, v, score_mod, block_mask, scale, enable_gqa):
     )
 
 
+def _flex_generic(q, k, v, score_mod, block_mask, scale, enable_gqa):
+    """:func:`_flex` under a code object of its own for the length-generic kernel: dynamo
+    tries a code object's cached kernels most recent first, so sharing one would let the
+    generic kernel answer the shapes that have a specialised one."""
+    return _flex(q, k, v, score_mod, block_mask, scale, enable_gqa)
+
+
 _FLEX: list = []
+
+#: On a GPU, how many distinct input shapes (and strides, dtypes) of element-wise masks get a
+#: kernel specialised to them — no bounds checks, the fastest FlexAttention kernel (the
+#: length-generic one cost 1.41× forward and 1.26× forward + backward at n = 8192 on an
+#: H200) — before one length-generic kernel serves every later shape: a model's few training
+#: lengths run at the kernel's speed, a stream of many lengths compiles at most this + 1 times.
+STATIC_SHAPES = 8
+_STATIC_SEEN: set = set()
+
+
+def _dynamic(q: Tensor, k: Tensor, v: Tensor, generic: bool) -> bool | None:
+    """The ``dynamic`` of the kernel for this call. Per shape (``False``) where the mask_mod
+    looks up a tensor (a table, the key padding: torch 2.13's length-generic CPU kernel then
+    indexes out of bounds in the padding of the last block, or fails to compile). Element-wise
+    masks on a GPU: per shape for the first :data:`STATIC_SHAPES` shapes, then length-generic
+    (``True``). On CPU torch's default (``None``: the first shape, then length-generic)."""
+    if not generic:
+        return False
+    if q.device.type == "cpu":
+        return None
+    key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v))
+    if key in _STATIC_SEEN:
+        return False
+    if len(_STATIC_SEEN) < STATIC_SHAPES:
+        _STATIC_SEEN.add(key)
+        return False
+    return True
+
+
+def forget_shapes() -> None:
+    """Forget which shapes got a specialised kernel (:data:`STATIC_SHAPES`); call it with
+    ``torch._dynamo.reset()``, which drops the kernels themselves."""
+    _STATIC_SEEN.clear()
 
 
 @functools.cache
 def _compiled(dynamic: bool | None):
-    """Compiled :func:`_flex`. For element-wise mask_mods, whose constants are tensors,
-    ``dynamic=None``: torch's default, as a user's own ``torch.compile(flex_attention)``: a
-    kernel specialised to the first length (the fastest on a GPU), then one length-generic
-    kernel once a second length arrives, which serves every later length. Specialised per
-    shape (``False``) where the mask_mod looks up a tensor (a table, the key padding: torch
-    2.13's length-generic CPU kernel then indexes out of bounds in the padding of the last
-    block, or fails to compile)."""
+    """Compiled :func:`_flex` (:func:`_flex_generic` for ``dynamic=True``); see
+    :func:`_dynamic`."""
     if not _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
         _FLEX.append(flex_attention)
-    return torch.compile(_flex, dynamic=dynamic)
+    return torch.compile(_flex_generic if dynamic else _flex, dynamic=dynamic)
 
 
 @functools.cache
@@ -328,7 +364,7 @@ def flex_attention_engine(
     with _recompile_limit():
         # a score_mod's Python constants (softcap's c) fail as dynamic floats: one kernel
         # per shape there
-        dynamic = None if generic and score_mod is None else False
+        dynamic = _dynamic(q, k, v, generic and score_mod is None)
         out = _compiled(dynamic)(q, k, v, score_mod, block_mask, scale, k.shape[1] != q.shape[1])
     if key_padding_mask is not None:  # rows whose keys are all padding: zeros (maps' rule)
         out = out.nan_to_num(0.0)
