@@ -49,8 +49,12 @@ __all__ = [
 #: n_q × n_k mask and not the scores; where it materialises the scores (other maps, dropout) the
 #: cap is DENSE_LIMIT // 32 = 2²² entries (16 MiB of fp32).
 DENSE_LIMIT = 1 << 27
-#: The same on a GPU (provisional, not yet measured there: docs/benchmarks.md, "GPU").
-GPU_DENSE_LIMIT = 1 << 24
+#: On a GPU, the largest score matrix for which ``auto`` picks the dense engine (masked SDPA):
+#: at B·H·n² = 2²⁵ (8 heads, n = 2048; H100, bf16, forward + backward) it took 0.25–0.72 ms on
+#: Longformer, BigBird and random graphs against 0.96–1.81 ms for the flex engine, whose
+#: compiled call costs the host ~1 ms there (docs/benchmarks.md, "GPU"). Larger sizes are not
+#: measured: there the fused sparse kernels are the rule.
+GPU_DENSE_LIMIT = 1 << 25
 #: Cost of one score entry of the dense engine (SDPA's fused kernel) in scored block entries at
 #: b = 64, forward: 0.6–0.9 on the AMD EPYC, 0.5–0.8 on the Intel Xeon (d = 64; docs/engines.md,
 #: "The `auto` rule").

@@ -262,3 +262,47 @@ def test_sparsefinder_decoder_teacher_numbers_come_from_the_kept_run() -> None:
     for row, cell in zip(rows, (twin, teacher), strict=True):
         cells = [c.strip().strip("*") for c in row.strip().strip("|").split("|")]
         assert cells[1:] == [f"{cell['perplexity']:.3f}", f"{cell['bits_per_byte']:.4f}"]
+
+
+def _gpu_ms(path: str, **key) -> float:
+    """The time in ms of the one row of a kept ``sparseattn bench gpu`` run matching ``key``."""
+    rows = json.loads((ROOT / "docs/results/gpu/h100-20261127" / path).read_text())["rows"]
+    found = [r for r in rows if all(r.get(k) == v for k, v in key.items())]
+    assert len(found) == 1, (path, key, len(found))
+    return 1e3 * found[0]["time_s"]
+
+
+def test_gpu_h100_numbers_come_from_the_kept_runs() -> None:
+    """docs/benchmarks.md's H100 tables: the flex engine against FlexAttention by hand, the
+    stream, the training step, the sparse maps and the calibration, read back from the runs."""
+    flex = _table_after("benchmarks.md", "h100-20261127/run1-bench.json (")
+    whos = ("flex direct", "sparseattn flex", "sparseattn auto (flex)")
+    for row in flex:
+        n, mode, *cells = [c.strip() for c in row.strip("|").split("|")]
+        main = {"section": "main", "dtype": "bfloat16", "n": int(n), "mode": mode}
+        times = [_gpu_ms("run1-bench.json", **main, who=who) for who in whos]
+        assert cells[:3] == [f"{t:.3f}" for t in times], row
+        assert cells[3] == f"{times[1] / times[0]:.2f}", row
+    stream = _table_after("benchmarks.md", "h100-20261127/run3-overhead.json (")
+    for row in stream:
+        n, mode, ours, hand, ratio = [c.strip() for c in row.strip("|").split("|")]
+        key = {"section": "stream", "n": int(n), "mode": mode}
+        got = [_gpu_ms("run3-overhead.json", **key, who=w) for w in whos[1::-1]]
+        assert [ours, hand, ratio] == [f"{got[0]:.3f}", f"{got[1]:.3f}", f"{got[0] / got[1]:.2f}"]
+    step = {"section": "module", "n": 32768}
+    ours = _gpu_ms("run1-bench.json", **step, who="SparseAttention")
+    mha = _gpu_ms("run1-bench.json", **step, who="nn.MultiheadAttention")
+    assert f"| 32768 | 1 | {ours:.2f} | {mha:.2f} | {mha / ours:.2f} |" in _doc("benchmarks.md")
+    entmax = {"section": "entmax", "n": 32768, "mode": "fwd+bwd"}
+    ent = _gpu_ms("run1-bench.json", **entmax, who="longformer entmax15")
+    soft = _gpu_ms("run1-bench.json", **entmax, who="longformer softmax (flex)")
+    assert f"| 32768 | fwd+bwd | {ent:.2f} | {ent / soft:.2f} |" in _doc("benchmarks.md")
+    cal = {"section": "calibrate", "pattern": "bigbird", "map": "softmax"}
+    dense = _gpu_ms("run1-bench.json", **cal, who="dense")
+    flex_ms = _gpu_ms("run1-bench.json", **cal, who="flex")
+    assert f"| BigBird | 0.189 | {dense:.2f} |" in _doc("benchmarks.md")
+    assert f"{flex_ms:.2f} |" in _doc("benchmarks.md")
+
+
+def _doc(name: str) -> str:
+    return (ROOT / "docs" / name).read_text()
