@@ -28,6 +28,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
+from sparseattn.bench.gpu import with_locality  # noqa: E402
 from sparseattn.engines import triton_entmax as te  # noqa: E402
 
 
@@ -49,10 +50,7 @@ def main() -> None:
     shape = (1, args.heads, args.n, args.d)
     q, k, v = (torch.randn(shape, generator=gen) for _ in range(3))
     if args.local:
-        freq = torch.logspace(0, -torch.log10(torch.tensor(float(args.n))), args.d // 2)
-        angle = torch.arange(args.n)[:, None] * freq
-        pos = torch.cat([angle.cos(), angle.sin()], 1) * (2 / args.d) ** 0.5
-        q, k = (x + args.local * args.d**0.5 * pos for x in (q, k))
+        q, k = with_locality(q, k, args.local)
     q, k, v = (x.to(device) for x in (q, k, v))
     layouts = {
         "dense": te.dense_layout(args.n, args.n, args.block),

@@ -129,6 +129,8 @@ def test_bench_gpu_runs_end_to_end_at_tiny_sizes(guard, tmp_path):
         entmax_ns=(256,),
         tiles_ns=(256,),
         tile_blocks=(32,),
+        tile_warps=(4,),
+        tile_stages=(2,),
         module_ns=(256,),
         stream_ns=(128, 256),
         embed_dim=64,

@@ -43,11 +43,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ..attention import choose_engine
 from ..results import ResumableRows, machine_facts, save_figure, write_json
 
-__all__ = ["GPU_SUITES", "GpuSuite", "run_gpu_suite"]
+__all__ = ["GPU_SUITES", "GpuSuite", "run_gpu_suite", "with_locality"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,10 @@ class GpuSuite:
     stream_ns: tuple[int, ...] = (4096, 8192, 16384, 32768)
     embed_dim: int = 512
     tile_blocks: tuple[int, ...] = (32, 64, 128)
+    tile_warps: tuple[int, ...] = (4, 8)
+    tile_stages: tuple[int, ...] = (2, 3)
+    #: strength of the positional locality of the tiles section's peaked case
+    locality: float = 1.5
     samples: int = 5
     min_sample_s: float = 0.02
 
@@ -501,26 +506,55 @@ def _module(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
 
 def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     """1.5-entmax (bf16) by the Triton kernels with each tile size and with and without tile
-    skipping in the threshold passes, causal over all keys and on the Longformer pattern."""
+    skipping in the threshold passes, then at block 64 with each number of warps and pipeline
+    stages of the suite: causal over all keys, on Gaussian q, k and on q, k with locality (peaked rows,
+    :func:`with_locality`), and on the Longformer pattern."""
     import sparseattn as sa
 
     from ..engines import triton_entmax as te
 
     (q, k, v), g = _inputs(suite, n, torch.bfloat16, grad=True)
-    cases = {"causal": sa.dense().causal(), "longformer": sa.longformer(suite.window, suite.sinks)}
-    default = (te.DEFAULT_BLOCK["cuda"], te.SKIP_TILES)
-    for name, pattern in cases.items():
-        fn = lambda p=pattern: sa.sparse_attention(q, k, v, p, prob_map="entmax15")  # noqa: E731
-        for block in suite.tile_blocks:
-            for skip in (True, False):
-                who = f"block {block}, {'skip' if skip else 'visit all'}"
-                key = {"section": "tiles", "dtype": "bfloat16", "n": n, "pattern": name}
-                te.DEFAULT_BLOCK["cuda"], te.SKIP_TILES = block, skip
-                try:
-                    for mode, call in (("fwd", _fwd(fn)), ("fwd+bwd", _fwd_bwd(fn, (q, k, v), g))):
-                        _record(suite, rows, log, {**key, "who": who, "mode": mode}, call)
-                finally:
-                    te.DEFAULT_BLOCK["cuda"], te.SKIP_TILES = default
+    ql, kl = (x.detach().requires_grad_(True) for x in with_locality(q, k, suite.locality))
+    causal = sa.dense().causal()
+    cases = {
+        "causal": (causal, (q, k, v)),
+        "causal, local": (causal, (ql, kl, v)),
+        "longformer": (sa.longformer(suite.window, suite.sinks), (q, k, v)),
+    }
+    knobs = [
+        (f"block {block}, {'skip' if skip else 'visit all'}", block, skip, None, None)
+        for block in suite.tile_blocks
+        for skip in (True, False)
+    ] + [
+        (f"block 64, warps {warps}, stages {stages}", 64, te.SKIP_TILES, warps, stages)
+        for warps in suite.tile_warps
+        for stages in suite.tile_stages
+    ]
+    default = (te.DEFAULT_BLOCK["cuda"], te.SKIP_TILES, dict(te.WARPS), te.STAGES)
+    for name, (pattern, inputs) in cases.items():
+        fn = lambda p=pattern, i=inputs: sa.sparse_attention(*i, p, prob_map="entmax15")  # noqa: E731
+        for who, block, skip, warps, stages in knobs:
+            key = {"section": "tiles", "dtype": "bfloat16", "n": n, "pattern": name}
+            te.DEFAULT_BLOCK["cuda"], te.SKIP_TILES, te.STAGES = block, skip, stages
+            te.WARPS[block] = warps or default[2][block]
+            try:
+                for mode, call in (("fwd", _fwd(fn)), ("fwd+bwd", _fwd_bwd(fn, inputs, g))):
+                    _record(suite, rows, log, {**key, "who": who, "mode": mode}, call)
+            finally:
+                te.DEFAULT_BLOCK["cuda"], te.SKIP_TILES, te.STAGES = default[0], default[1], None
+                te.WARPS.update(default[2])
+
+
+def with_locality(q: Tensor, k: Tensor, strength: float) -> tuple[Tensor, Tensor]:
+    """q and k plus ``strength``·sqrt(d)·e(i), e(i) sinusoids of d/2 frequencies from 1 to 1/n
+    with e(i)·e(j) = mean_f cos(ω_f (i − j)): scores that favour nearby keys, as attention
+    with locality does (most far tiles then hold no weight). q, k: (..., n, d), d even."""
+    n, d = q.shape[-2], q.shape[-1]
+    freq = torch.logspace(0, -math.log10(n), d // 2, device=q.device)
+    angle = torch.arange(n, device=q.device)[:, None] * freq
+    pos = torch.cat([angle.cos(), angle.sin()], 1) * (2 / d) ** 0.5
+    pos = (strength * d**0.5 * pos).to(q.dtype)
+    return q.detach() + pos, k.detach() + pos
 
 
 def _calibrate(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
@@ -662,7 +696,7 @@ def markdown(data: dict) -> str:
     tiles = [r for r in data["rows"] if r["section"] == "tiles"]
     if tiles:
         lines += _table_head(
-            "Triton 1.5-entmax kernels: tile and tile skipping (bf16, (1, 8, n, 64), ms)",
+            "Triton 1.5-entmax kernels: tile, skipping, warps, stages (bf16, (1, 8, n, 64), ms)",
             ["n", "pattern", "choice", "fwd", "fwd+bwd"],
         )
         for n, pat, who in dict.fromkeys((r["n"], r["pattern"], r["who"]) for r in tiles):

@@ -69,6 +69,11 @@ MIN_ALPHA_GAP = 1e-3
 #: tile) or visit every tile (no branch: the loads pipeline). Which is faster on a GPU depends
 #: on how many tiles the rows skip; ``sparseattn bench gpu`` measures both.
 SKIP_TILES = True
+#: Warps per program for each block size, and software-pipelining stages of the tile loops
+#: (None: Triton's default). Not tuned yet: ``sparseattn bench gpu``'s tiles section times
+#: 4 and 8 warps and 2 and 3 stages at block 64 so that the next GPU run can set them.
+WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
+STAGES: int | None = None
 #: Largest head dim (registers of one tile).
 MAX_HEAD_DIM = 256
 
@@ -444,7 +449,8 @@ def _constants(q: Tensor, v: Tensor, layout: BlockLayout, alpha: float, has_kpm:
     return dict(
         D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BLOCK=block, MODE=_mode(alpha),
         HAS_KPM=has_kpm, PARTIAL=layout.masks.shape[0] > 0, PREC=_precision(q),
-        UPCAST=_upcast(q), num_warps=4 if block <= 64 else 8,
+        UPCAST=_upcast(q), num_warps=WARPS[block],
+        **({} if STAGES is None else {"num_stages": STAGES}),
     )  # fmt: skip
 
 
