@@ -9,9 +9,9 @@
 #
 # Usage (repository root, on the GPU machine):
 #   scripts/gpu_check.sh [TEST_SECONDS [BENCH_SUITE [BENCH_SECONDS [WORKERS]]]]
-#   defaults: 150 gpu-quick 330 12 (the suite took 112 s with 8 and with 12 workers on an H200;
-#   gpu-quick without AdaSplash about 5 minutes, estimated: its last run, 142 s, had no module
-#   section, no n = 131072 and no per-section recompiles)
+#   defaults: 150 gpu-quick 330 12 (the suite took 131 s with 12 workers on an H100, 112 s on
+#   an H200; gpu-quick without AdaSplash took 227 s on the H100 before the stream section, the
+#   peaked tiles case and the warps x stages sweep were added: about 5 minutes now, estimated)
 # The device tool's call: run(command="scripts/gpu_check.sh", carry=[".whl"], timeout_s=540);
 # the machine's start adds about 45 s of device time. With the adasplash wheel in .whl/ the
 # bench's entmax section also times AdaSplash, whose Triton autotuning takes 30-80 s per

@@ -86,6 +86,7 @@ GPU_SUITES = {
         package_max_n=8192,
         calibrate_ns=(2048,),
         entmax_ns=(8192, 32768),
+        tiles_ns=(32768,),
         samples=3,
     ),
     # the host's share at short lengths: main and module at 8192, interleaved, and the stream
