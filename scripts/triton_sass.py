@@ -1,6 +1,8 @@
 """Static cost of the Triton α-entmax kernels, without a GPU: compile them for sm_90 (H100,
 H200) with Triton's own ptxas, disassemble with the cuobjdump its wheel carries, and count the
-SASS instructions of each loop (a loop body runs once per (query block, key block) tile).
+SASS instructions of each loop (a loop body runs once per (query block, key block) tile). A loop
+with a branch holds both paths; the forward's branch on whole tiles (every entry an edge: no
+mask select) is counted path by path by forcing it one way.
 
 A proxy for speed where no GPU is at hand: it shows layout conversions (SHFL, shared-memory
 stores), register spills (LDL/STL) and the tensor-core instructions (HGMMA) per tile.
@@ -16,13 +18,16 @@ import re
 import subprocess
 import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # the variants below share a cache key
 
-from sparseattn.engines import _entmax_kernels as kern
-from sparseattn.engines import triton_entmax
-from sparseattn.engines.triton_entmax import MAX_IT, SKIP_TILES, TOPK
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from sparseattn.engines import _entmax_kernels as kern  # noqa: E402
+from sparseattn.engines import triton_entmax  # noqa: E402
+from sparseattn.engines.triton_entmax import MAX_IT, SKIP_TILES, TOPK  # noqa: E402
 
 TYPES = {
     **dict.fromkeys(("n_q", "n_k", "H", "HKV", "nbq", "nbk", "n_pairs"), "i32"),
@@ -36,6 +41,16 @@ TYPES = {
 COUNTED = ("GMMA", "LDL", "STL", "SHFL", "STS", "LDG")
 #: The forward's tile loops in program order.
 TILE_LOOPS = {"forward": ["forward, pass 0", "forward, threshold pass", "forward, last pass"]}
+
+
+@triton.jit
+def _ALWAYS(p, PAIR_KB, PAIR_MASK, n_k, rows_in, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr):
+    return True
+
+
+@triton.jit
+def _NEVER(p, PAIR_KB, PAIR_MASK, n_k, rows_in, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr):
+    return False
 
 
 def sass(fn, constexprs: dict, warps: int) -> list[str]:
@@ -95,12 +110,18 @@ def main() -> None:
         f"(triton {triton.__version__}, sm_90, bf16, d = 64, {warps} warps)"
     ]
     per_tile = {}  # (kernel, loop name) -> instructions, for partial and full pairs
-    for partial in (True, False):
-        lines.append(
-            "layouts with partial pairs (PARTIAL): each loop holds the branch of the mask bits"
-            if partial
-            else "the dense layout (no partial pairs): what a full pair runs"
-        )
+    variants = [
+        (True, None, "layouts with partial pairs (PARTIAL): each loop holds the branch of the "
+         "mask bits and both paths of a whole tile"),
+        (False, None, "the dense layout (no partial pairs): a full pair, both paths"),
+        (False, True, "the dense layout, whole tiles only (inside the sequence, no padding)"),
+        (False, False, "the dense layout, no whole tile (the sequence's last tiles, padding)"),
+    ]  # fmt: skip
+    whole = kern._whole
+    for partial, forced, title in variants:
+        lines.append(title)
+        # the forward's tile loops branch on _whole: forcing it counts one path
+        kern._whole = whole if forced is None else (_ALWAYS if forced else _NEVER)
         for name, (fn, extra) in kernels.items():
             ins = sass(fn, {**base, **extra, "PARTIAL": partial}, warps)
             lines.append(f"{name}: {len(ins)} instructions")
@@ -114,11 +135,12 @@ def main() -> None:
             names = TILE_LOOPS.get(name, [name])
             for label, (first, last) in zip(names, tiles, strict=False):
                 per_tile.setdefault(label, []).append(last - first + 1)
+    kern._whole = whole
     lines += [
         "",
-        "| loop (one tile) | partial pair (static) | full pair |",
-        "|---|---:|---:|",
-        *(f"| {label} | {n[0]} | {n[1]} |" for label, n in per_tile.items()),
+        "| loop (one tile) | partial pair (static) | full pair (static) | whole tile | not whole |",
+        "|---|---:|---:|---:|---:|",
+        *(f"| {label} | {' | '.join(map(str, n))} |" for label, n in per_tile.items()),
     ]
     text = "\n".join(lines) + "\n"
     print(text, end="")

@@ -508,8 +508,8 @@ def _module(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
 def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     """1.5-entmax (bf16) by the Triton kernels with each tile size and with and without tile
     skipping in the threshold passes, then at block 64 with each number of warps and pipeline
-    stages of the suite: causal over all keys, on Gaussian q, k and on q, k with locality (peaked rows,
-    :func:`with_locality`), and on the Longformer pattern."""
+    stages of the suite: causal over all keys, on Gaussian q, k and on q, k with locality
+    (peaked rows, :func:`with_locality`), and on the Longformer pattern."""
     import sparseattn as sa
 
     from ..engines import triton_entmax as te

@@ -126,6 +126,25 @@ def _scores(
 
 
 @triton.jit
+def _whole(p, PAIR_KB, PAIR_MASK, n_k, rows_in, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr):
+    """Whether every entry of pair p's tile is an edge (a full pair inside the sequence, no
+    key padding): then its scores need no mask. ``rows_in``: the query block is inside."""
+    inside = rows_in & ((tl.load(PAIR_KB + p) + 1) * BLOCK <= n_k)
+    return inside & (tl.load(PAIR_MASK + p) < 0) & (not HAS_KPM)
+
+
+@triton.jit
+def _masked(s, ok, whole, other):
+    """s on the edges ``ok``, ``other`` elsewhere; a whole tile (:func:`_whole`) skips the
+    select, one instruction per score."""
+    if whole:  # noqa: SIM108 (a branch: a conditional expression would select per element)
+        out = s
+    else:
+        out = tl.where(ok, s, other)
+    return out
+
+
+@triton.jit
 def _excess(s, ok, tau):
     """d = [z − τ]₊ on the edges, 0 elsewhere (τ per row, absolute)."""
     return tl.maximum(tl.where(ok, s - tau[:, None], 0.0), 0.0)
@@ -273,6 +292,7 @@ def _forward(
     )
     pair_base = bh.to(tl.int64) * n_pairs
     q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
+    rows_in = (qb + 1) * BLOCK <= n_q
 
     # pass 0: row max m, number of keys n of every row, each tile's largest score, and the
     # TOPK largest of each row's per-tile maxima (a subset of the row: a start for τ)
@@ -286,13 +306,16 @@ def _forward(
             p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
             D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
         )  # fmt: skip
-        s = tl.where(ok, s, float("-inf"))
+        s = _masked(
+            s, ok, _whole(p, PAIR_KB, PAIR_MASK, n_k, rows_in, BLOCK, HAS_KPM), -float("inf")
+        )
         t = tl.max(s, 1)
         m = tl.maximum(m, t)
-        cnt += tl.sum((s > float("-inf")).to(tl.float32), 1)  # from s: in its layout
+        if MODE == 0:  # the number of keys bounds τ from above (r ≠ 1, 2 only)
+            cnt += tl.sum((s > float("-inf")).to(tl.float32), 1)  # from s: in its layout
         tl.store(TMAX + pair_base + p, tl.max(t, 0))  # the tile's largest score
         top = _insert(top, t, TOPK)
-    has = cnt > 0
+    has = m > float("-inf")
     m = tl.where(has, m, 0.0)
 
     # threshold τ of x = z − m: f(−1) ≥ 0 ≥ f(−n^{1−α}); start at the subset's lower bound
@@ -305,7 +328,11 @@ def _forward(
         c0 = tl.zeros((BLOCK,), tl.float32)
         s1 = tl.zeros((BLOCK,), tl.float32)
         s2 = tl.zeros((BLOCK,), tl.float32)
-        x_in = tl.full((BLOCK,), float("inf"), tl.float32)
+        y_in = tl.full((BLOCK,), float("inf"), tl.float32)
+        # the pass compares the scores with the absolute threshold m + τ (one fused
+        # multiply-add per score); τ is snapped to the offset that m + τ represents
+        t_abs = m + tau
+        tau = tl.where(has, t_abs - m, tau)
         # τ only grows (Newton from the left; for α > 2 the bracket's lo): a tile whose largest
         # score is below every open row's m + τ holds none of their supports: skip it
         floor = tl.min(tl.where(has & ~done, m + (lo if MODE == 0 else tau), float("inf")), 0)
@@ -318,9 +345,10 @@ def _forward(
                     p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
                     D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
                 )  # fmt: skip
-                x = tl.where(ok, s - m[:, None], float("-inf"))
-                pos = x > tau[:, None]
-                d = tl.where(pos, x - tau[:, None], 0.0)
+                whole = _whole(p, PAIR_KB, PAIR_MASK, n_k, rows_in, BLOCK, HAS_KPM)
+                y = _masked(s - t_abs[:, None], ok, whole, -float("inf"))  # x − τ, x = z − m
+                d = tl.maximum(y, 0.0)
+                pos = y > 0.0
                 c0 += tl.sum(pos.to(tl.float32), 1)
                 if MODE == 0:
                     s1 += tl.sum(_weights(d, R, 0), 1)
@@ -328,8 +356,9 @@ def _forward(
                 else:
                     s1 += tl.sum(d, 1)
                     s2 += tl.sum(d * d, 1)
-                    x_in = tl.minimum(x_in, tl.min(tl.where(pos, x, float("inf")), 1))
+                    y_in = tl.minimum(y_in, tl.min(tl.where(pos, y, float("inf")), 1))
         c0 = tl.maximum(c0, 1.0)
+        x_in = tau + y_in  # the least score of S, shifted by m
         # the closed form τ_S on S = {x > τ} is exact when S keeps every x ≥ τ_S and no x < τ_S:
         # the scores outside S are ≤ τ, so τ ≤ τ_S (true from the left) replaces their max
         if MODE == 2:  # Michelot: the Newton step is the closed form on S
@@ -372,7 +401,8 @@ def _forward(
                 p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
                 D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
             )  # fmt: skip
-            d = _excess(s, ok, tau_abs)
+            whole = _whole(p, PAIR_KB, PAIR_MASK, n_k, rows_in, BLOCK, HAS_KPM)
+            d = tl.maximum(_masked(s - tau_abs[:, None], ok, whole, 0.0), 0.0)
             nz = tl.max(tl.max(d, 1), 0) > 0
             if nz:
                 v = _tile(V_h, cols, cols < n_k, DV, BDV)
