@@ -1,7 +1,7 @@
 """Static cost of the Triton α-entmax kernels, without a GPU: compile them for sm_90 (H100,
 H200) with Triton's own ptxas, disassemble with the cuobjdump its wheel carries, and count the
 SASS instructions of each loop (a loop body runs once per (query block, key block) tile). A loop
-with a branch holds both paths; the forward's branch on whole tiles (every entry an edge: no
+with a branch holds both paths; the branch on whole tiles (every entry an edge: no
 mask select) is counted path by path by forcing it one way.
 
 A proxy for speed where no GPU is at hand: it shows layout conversions (SHFL, shared-memory
@@ -44,12 +44,12 @@ TILE_LOOPS = {"forward": ["forward, pass 0", "forward, threshold pass", "forward
 
 
 @triton.jit
-def _ALWAYS(p, PAIR_KB, PAIR_MASK, n_k, rows_in, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr):
+def _ALWAYS(kb, midx, n_k, rows_in, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr):
     return True
 
 
 @triton.jit
-def _NEVER(p, PAIR_KB, PAIR_MASK, n_k, rows_in, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr):
+def _NEVER(kb, midx, n_k, rows_in, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr):
     return False
 
 
@@ -120,7 +120,7 @@ def main() -> None:
     whole = kern._whole
     for partial, forced, title in variants:
         lines.append(title)
-        # the forward's tile loops branch on _whole: forcing it counts one path
+        # the tile loops branch on _whole: forcing it counts one path
         kern._whole = whole if forced is None else (_ALWAYS if forced else _NEVER)
         for name, (fn, extra) in kernels.items():
             ins = sass(fn, {**base, **extra, "PARTIAL": partial}, warps)

@@ -110,27 +110,29 @@ def _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK: tl.constexpr, PARTIAL
 
 @triton.jit
 def _scores(
-    p, PAIR_KB, PAIR_MASK, MASKS, q, K, KPM, row_ok, n_k, mul,
+    p, PAIR_KB, PAIR_MASK, MASKS, q, K, KPM, row_ok, rows_in, n_k, mul,
     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr,
     PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """:func:`_scored` for the layout's pair ``p`` of a query block q: its scores, the bool
-    tile of its edges (mask tile, key padding, sequence ends), the key tile k (BLOCK, BD)
-    loaded from K (this key/value head's keys) and the key columns."""
-    cols = tl.load(PAIR_KB + p) * BLOCK + tl.arange(0, BLOCK)
+    tile of its edges (mask tile, key padding, sequence ends), whether the tile is whole
+    (:func:`_whole`; ``rows_in``: the query block is inside the sequence), the key tile k
+    (BLOCK, BD) loaded from K (this key/value head's keys) and the key columns."""
+    kb = tl.load(PAIR_KB + p)
+    cols = kb * BLOCK + tl.arange(0, BLOCK)
     k = _tile(K, cols, cols < n_k, D, BD)
     col_in = _keys_in(KPM, cols, n_k, HAS_KPM)
     midx = tl.load(PAIR_MASK + p)
     s, ok = _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK, PARTIAL, PREC, UPCAST)
-    return s, ok, k, cols
+    return s, ok, _whole(kb, midx, n_k, rows_in, BLOCK, HAS_KPM), k, cols
 
 
 @triton.jit
-def _whole(p, PAIR_KB, PAIR_MASK, n_k, rows_in, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr):
-    """Whether every entry of pair p's tile is an edge (a full pair inside the sequence, no
-    key padding): then its scores need no mask. ``rows_in``: the query block is inside."""
-    inside = rows_in & ((tl.load(PAIR_KB + p) + 1) * BLOCK <= n_k)
-    return inside & (tl.load(PAIR_MASK + p) < 0) & (not HAS_KPM)
+def _whole(kb, midx, n_k, rows_in, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr):
+    """Whether every entry of a tile is an edge: key block kb inside the sequence, a full pair
+    (mask tile ``midx`` < 0), no key padding, and ``rows_in`` (the query block is inside).
+    Then its scores need no mask."""
+    return rows_in & ((kb + 1) * BLOCK <= n_k) & (midx < 0) & (not HAS_KPM)
 
 
 @triton.jit
@@ -145,16 +147,17 @@ def _masked(s, ok, whole, other):
 
 
 @triton.jit
-def _excess(s, ok, tau):
-    """d = [z − τ]₊ on the edges, 0 elsewhere (τ per row, absolute)."""
-    return tl.maximum(tl.where(ok, s - tau[:, None], 0.0), 0.0)
+def _excess(s, ok, whole, tau):
+    """d = [z − τ]₊ on the edges ``ok``, 0 elsewhere (τ per row, absolute; a whole tile
+    skips the mask)."""
+    return tl.maximum(_masked(s - tau[:, None], ok, whole, 0.0), 0.0)
 
 
 @triton.jit
-def _grads(s, ok, tau, do, v, delta, R, MODE: tl.constexpr, PREC: tl.constexpr,
+def _grads(s, ok, whole, tau, do, v, delta, R, MODE: tl.constexpr, PREC: tl.constexpr,
            UPCAST: tl.constexpr):  # fmt: skip
     """The backward of one tile: d = [z − τ]₊ and ds = g ⊙ (dp − δ), dp = dO vᵀ."""
-    d = _excess(s, ok, tau)
+    d = _excess(s, ok, whole, tau)
     dp = _mm(do, tl.trans(v), PREC, UPCAST)
     return d, _slopes(d, R, MODE) * (dp - delta[:, None])
 
@@ -302,13 +305,11 @@ def _forward(
     for _ in tl.static_range(TOPK):
         top = top + (tl.full((BLOCK,), float("-inf"), tl.float32),)
     for p in range(start, end):
-        s, ok, k, cols = _scores(
-            p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
+        s, ok, whole, k, cols = _scores(
+            p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k, mul,
             D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
         )  # fmt: skip
-        s = _masked(
-            s, ok, _whole(p, PAIR_KB, PAIR_MASK, n_k, rows_in, BLOCK, HAS_KPM), -float("inf")
-        )
+        s = _masked(s, ok, whole, -float("inf"))
         t = tl.max(s, 1)
         m = tl.maximum(m, t)
         if MODE == 0:  # the number of keys bounds τ from above (r ≠ 1, 2 only)
@@ -341,11 +342,10 @@ def _forward(
             if SKIP:  # a branch per tile: its loads cannot be pipelined
                 visit = tl.load(TMAX + pair_base + p) > floor
             if visit:
-                s, ok, k, cols = _scores(
-                    p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
+                s, ok, whole, k, cols = _scores(
+                    p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k, mul,
                     D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
                 )  # fmt: skip
-                whole = _whole(p, PAIR_KB, PAIR_MASK, n_k, rows_in, BLOCK, HAS_KPM)
                 y = _masked(s - t_abs[:, None], ok, whole, -float("inf"))  # x − τ, x = z − m
                 d = tl.maximum(y, 0.0)
                 pos = y > 0.0
@@ -397,12 +397,11 @@ def _forward(
     for p in range(start, end):
         nz = tl.load(TMAX + pair_base + p) > floor
         if nz:  # else no row has a weight in this tile: skip both products
-            s, ok, k, cols = _scores(
-                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
+            s, ok, whole, k, cols = _scores(
+                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k, mul,
                 D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
             )  # fmt: skip
-            whole = _whole(p, PAIR_KB, PAIR_MASK, n_k, rows_in, BLOCK, HAS_KPM)
-            d = tl.maximum(_masked(s - tau_abs[:, None], ok, whole, 0.0), 0.0)
+            d = _excess(s, ok, whole, tau_abs)
             nz = tl.max(tl.max(d, 1), 0) > 0
             if nz:
                 v = _tile(V_h, cols, cols < n_k, DV, BDV)
@@ -440,15 +439,16 @@ def _backward_dq(
         GIDX, ROW_PTR, K, V, KPM, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
     )
     q, do, tau, delta = _grad_rows(Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D, DV, BD, BDV)
+    rows_in = (qb + 1) * BLOCK <= n_q
     dq = tl.zeros((BLOCK, BD), tl.float32)
     for p in range(start, end):
         if tl.load(NZ + bh.to(tl.int64) * n_pairs + p) != 0:
-            s, ok, k, cols = _scores(
-                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, n_k, mul,
+            s, ok, whole, k, cols = _scores(
+                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k, mul,
                 D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
             )  # fmt: skip
             v = _tile(V_h, cols, cols < n_k, DV, BDV)
-            d, ds = _grads(s, ok, tau, do, v, delta, R, MODE, PREC, UPCAST)
+            d, ds = _grads(s, ok, whole, tau, do, v, delta, R, MODE, PREC, UPCAST)
             dq += _mm(ds.to(k.dtype), k, PREC, UPCAST)
     _put(DQ + bh.to(tl.int64) * n_q * D, rows, row_ok, dq * scale, D, BD)
 
@@ -487,7 +487,8 @@ def _backward_dkdv(
         for c in range(start, end):
             pair = tl.load(COL_PAIR + c)
             if tl.load(NZ + bh.to(tl.int64) * n_pairs + pair) != 0:
-                rows = tl.load(COL_QB + c) * BLOCK + offs
+                qb = tl.load(COL_QB + c)
+                rows = qb * BLOCK + offs
                 row_ok = rows < n_q
                 q, do, tau, delta = _grad_rows(
                     Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D, DV, BD, BDV
@@ -496,7 +497,8 @@ def _backward_dkdv(
                 s, ok = _scored(
                     q, k, row_ok, col_in, MASKS, midx, mul, BLOCK, PARTIAL, PREC, UPCAST
                 )
-                d, ds = _grads(s, ok, tau, do, v, delta, R, MODE, PREC, UPCAST)
+                whole = _whole(kb, midx, n_k, (qb + 1) * BLOCK <= n_q, BLOCK, HAS_KPM)
+                d, ds = _grads(s, ok, whole, tau, do, v, delta, R, MODE, PREC, UPCAST)
                 w = _weights(d, R, MODE)
                 dv += _mm(tl.trans(w.to(do.dtype)), do, PREC, UPCAST)
                 dk += _mm(tl.trans(ds.to(q.dtype)), q, PREC, UPCAST)
