@@ -277,6 +277,28 @@ def test_skipped_tiles_and_hard_rows(name, skip, monkeypatch):
     check(out, q, k, v, torch.ones(n, n, dtype=torch.bool), alpha, 1e-3)
 
 
+@pytest.mark.parametrize("name", list(MAPS))
+@needs_kernels
+def test_few_threshold_passes_with_large_scores(name):
+    """A score offset common to a row changes no weight, but makes the row max m large: the
+    float spacing of the absolute threshold m + τ then exceeds the step tolerance, and the
+    passes must still stop (they ran to MAX_IT once, exact all the same)."""
+    alpha, _ = MAPS[name]
+    n, d = 128, 16
+    q, k, v = (t.detach() for t in inputs(1, 2, n, n, d, seed=5))
+    offset = torch.full((1, 2, n, 1), 30.0, device=DEVICE)
+    q, k = torch.cat([q, offset], -1), torch.cat([k, offset], -1)  # +900 · scale per score
+    scale = 4 / d**0.5
+    layout = te.causal_layout(n, n, 32).to(q.device)
+    gidx = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    out, *_, passes = te._launch_forward(q, k, v, layout, gidx, None, alpha, scale, False)
+    assert int(passes.max()) <= 6, passes
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()
+    ref, _ = reference(q, k, v, allowed.to(DEVICE), alpha, scale)
+    # float32 scores near 450 hold ~3e-5 of rounding each: the weights follow
+    torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=0)
+
+
 @needs_kernels
 def test_matches_dense_engine_float64():
     """The library's own dense engine in float64 agrees too (same map, engine-level call)."""

@@ -331,9 +331,8 @@ def _forward(
         s2 = tl.zeros((BLOCK,), tl.float32)
         y_in = tl.full((BLOCK,), float("inf"), tl.float32)
         # the pass compares the scores with the absolute threshold m + τ (one fused
-        # multiply-add per score); τ is snapped to the offset that m + τ represents
+        # multiply-add per score), which rounds τ to the float spacing of m
         t_abs = m + tau
-        tau = tl.where(has, t_abs - m, tau)
         # τ only grows (Newton from the left; for α > 2 the bracket's lo): a tile whose largest
         # score is below every open row's m + τ holds none of their supports: skip it
         floor = tl.min(tl.where(has & ~done, m + (lo if MODE == 0 else tau), float("inf")), 0)
@@ -382,7 +381,9 @@ def _forward(
             keep = ((new > lo) & (new < hi)) | (tl.abs(new - tau) <= TOL)  # False for NaN
             new = tl.where(keep, new, 0.5 * (lo + hi))
             exact = f == 0
-        conv = exact | (tl.abs(new - tau) <= TOL)
+        # converged: exact, or a step below TOL or below two float spacings of the absolute
+        # threshold m + τ, on which the passes compare (it exceeds TOL for |m| > 1)
+        conv = exact | (tl.abs(new - tau) <= TOL + 2.4e-7 * tl.abs(m))
         tau = tl.where(done, tau, new)
         done = done | conv
         it += 1
