@@ -306,3 +306,71 @@ def test_gpu_h100_numbers_come_from_the_kept_runs() -> None:
 
 def _doc(name: str) -> str:
     return (ROOT / "docs" / name).read_text()
+
+
+def _lm_cell(folder: Path, column: str, w: int | None, seed: int) -> dict:
+    name = column if w is None else f"{column}-w{w}"
+    return json.loads((folder / f"cells/{name}-s{seed}.json").read_text())
+
+
+def test_lm_sweep_numbers_come_from_the_kept_cells() -> None:
+    """docs/causal.md's 800-step LM table (`sparseattn lm`, the default sweep): every entry is
+    the mean of its two kept cells (seeds 0 and 1) ± half their spread, with their mean
+    measured sparsity; the table is the run's `table.md` (checked verbatim above)."""
+    folder = ROOT / "docs/results/lm/n256-d64-L2-800steps-b310b9e8"
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["steps"], config["n"], config["causal_form"]) == (800, 256, "child")
+    assert len(list(folder.glob("cells/*.json"))) == 50
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert metrics["complete"]
+    rows = _table_after("causal.md", "n256-d64-L2-800steps-b310b9e8/table.md")
+    assert len(rows) == 9
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        column = cells[0].lower().replace(" ", "-")
+        widths = [None] if column == "dense" else [16, 32, 64]
+        for w, entry in zip(widths, cells[1:], strict=False):
+            got = [_lm_cell(folder, column, w, seed) for seed in (0, 1)]
+            assert all(c["steps"] == 800 and c["config"] == config for c in got)
+            ppl = [c["perplexity"] for c in got]
+            sparsity = sum(c["sparsity"] for c in got) / 2
+            want = f"{sum(ppl) / 2:.3f} ± {(max(ppl) - min(ppl)) / 2:.3f} ({sparsity:.1%})"
+            assert entry == want, (column, w, entry, want)
+    levels = metrics["ngram_perplexity"]
+    text = (ROOT / "docs/causal.md").read_text()
+    assert (
+        f"unigram {levels['unigram']:.2f}, **bigram {levels['bigram']:.2f}**, "
+        f"trigram {levels['trigram']:.2f}" in text
+    )
+
+
+def test_lm_4000_step_numbers_come_from_the_kept_cells() -> None:
+    """docs/causal.md's 4000-step LM check (w = 16, seed 0): the 4000-step column is each kept
+    cell's perplexity, the 800-step column the sweep's two-seed mean, the label the measured
+    sparsity (both runs' where they differ); its dense cell is the decoder teacher's twin."""
+    folder = ROOT / "docs/results/lm/n256-d64-L2-4000steps-92ce7b83"
+    sweep = json.loads(
+        (ROOT / "docs/results/lm/n256-d64-L2-800steps-b310b9e8/metrics.json").read_text()
+    )["summary"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["steps"] == 4000
+    assert len(list(folder.glob("cells/*.json"))) == 9
+    rows = _table_after("causal.md", "n256-d64-L2-4000steps-92ce7b83/metrics.json")
+    assert len(rows) == 9
+    for row in rows:
+        cells = [c.strip().strip("*") for c in row.strip().strip("|").split("|")]
+        label, _, sparsities = cells[0].partition(" (")
+        column = label.lower().replace(" ", "-")
+        w = None if column == "dense" else 16
+        got = _lm_cell(folder, column, w, 0)
+        assert (got["steps"], got["config"]) == (4000, config)
+        short = sweep[column if w is None else f"{column}-w{w}"]
+        levels = [f"{short['sparsity']:.1%}", f"{got['sparsity']:.1%}"]
+        levels = levels[:1] if levels[0] == levels[1] else levels
+        if column == "dense":
+            levels = ["0%"]
+        assert sparsities.rstrip(")") == " / ".join(levels), (column, sparsities, levels)
+        assert cells[1:] == [f"{short['perplexity']:.3f}", f"{got['perplexity']:.3f}"], column
+    twin = ROOT / "docs/results/sparsefinder/decoder-a36d3a67/softmax-twin/cells/dense-s0.json"
+    dense = _lm_cell(folder, "dense", None, 0)
+    assert json.loads(twin.read_text())["perplexity"] == dense["perplexity"]
