@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 import sparseattn as sa
-from sparseattn.bench.gpu import GPU_SUITES, _flex_by_hand
+from sparseattn.bench.gpu import GPU_SUITES, _flex_by_hand, _sample
 
 
 def _cases(n: int) -> dict:
@@ -90,13 +90,7 @@ def _no_grad(fn):
 
 def _device_ms(fn, calls: int = 20) -> float:
     torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / calls
+    return _sample(fn, calls) * 1e3
 
 
 def _host_ms(fn, calls: int = 20) -> float:
