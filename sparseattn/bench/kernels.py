@@ -640,6 +640,17 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_runs(results: list[Path], path: Path) -> None:
+    """One ``bench.png`` for several runs of the suite (e.g. one ``--only PATTERN`` run each):
+    their patterns side by side, the first run's machine in the title."""
+    runs = [json.loads(Path(r).read_text()) for r in results]
+    merged = dict(runs[0])
+    patterns = [p for r in runs for p in r["suite"]["patterns"]]
+    merged["suite"] = dict(runs[0]["suite"], patterns=patterns)
+    merged["rows"] = [row for r in runs for row in r["rows"]]
+    _plot(merged, Path(path))
+
+
 def _plot(data: dict, path: Path) -> None:
     import matplotlib
 
