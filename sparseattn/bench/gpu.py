@@ -531,19 +531,13 @@ def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
         for warps in suite.tile_warps
         for stages in suite.tile_stages
     ]
-    default = (te.DEFAULT_BLOCK["cuda"], te.SKIP_TILES, dict(te.WARPS), te.STAGES)
     for name, (pattern, inputs) in cases.items():
         fn = lambda p=pattern, i=inputs: sa.sparse_attention(*i, p, prob_map="entmax15")  # noqa: E731
         for who, block, skip, warps, stages in knobs:
             key = {"section": "tiles", "dtype": "bfloat16", "n": n, "pattern": name}
-            te.DEFAULT_BLOCK["cuda"], te.SKIP_TILES, te.STAGES = block, skip, stages
-            te.WARPS[block] = warps or default[2][block]
-            try:
+            with te.tuning(block=block, skip_tiles=skip, warps=warps, stages=stages):
                 for mode, call in (("fwd", _fwd(fn)), ("fwd+bwd", _fwd_bwd(fn, inputs, g))):
                     _record(suite, rows, log, {**key, "who": who, "mode": mode}, call)
-            finally:
-                te.DEFAULT_BLOCK["cuda"], te.SKIP_TILES, te.STAGES = default[0], default[1], None
-                te.WARPS.update(default[2])
 
 
 def with_locality(q: Tensor, k: Tensor, strength: float) -> tuple[Tensor, Tensor]:

@@ -22,10 +22,12 @@ triton is first imported, and while the kernels run).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -48,6 +50,7 @@ __all__ = [
     "triton_entmax_attention",
     "triton_entmax_unsupported",
     "triton_map_reason",
+    "tuning",
 ]
 
 #: Block sizes the kernels take (square tiles; ``tl.dot`` needs at least 16).
@@ -76,6 +79,40 @@ WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 STAGES: int | None = None
 #: Largest head dim (registers of one tile).
 MAX_HEAD_DIM = 256
+
+_UNSET: Any = object()
+
+
+@contextlib.contextmanager
+def tuning(
+    block: int | None = None,
+    skip_tiles: bool | None = None,
+    warps: int | None = None,
+    stages: int | None = _UNSET,
+) -> Iterator[None]:
+    """Run the GPU kernels with other knobs inside the ``with`` block, then restore them (the
+    bench's tiles section): ``block`` the GPU default tile, ``skip_tiles`` :data:`SKIP_TILES`,
+    ``warps`` :data:`WARPS` at that block, ``stages`` :data:`STAGES` (None: Triton's default).
+    Not thread-safe: the knobs are module state, read when a kernel is launched."""
+    global SKIP_TILES, STAGES
+    saved = (DEFAULT_BLOCK["cuda"], SKIP_TILES, dict(WARPS), STAGES)
+    try:
+        if block is not None:
+            if block not in BLOCKS:
+                raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
+            DEFAULT_BLOCK["cuda"] = block
+        if skip_tiles is not None:
+            SKIP_TILES = skip_tiles
+        if warps is not None:
+            WARPS[DEFAULT_BLOCK["cuda"]] = warps
+        if stages is not _UNSET:
+            STAGES = stages
+        yield
+    finally:
+        DEFAULT_BLOCK["cuda"], SKIP_TILES, STAGES = saved[0], saved[1], saved[3]
+        WARPS.clear()
+        WARPS.update(saved[2])
+
 
 _KERNELS: ModuleType | None = None
 
