@@ -381,3 +381,27 @@ def test_lm_4000_step_numbers_come_from_the_kept_cells() -> None:
     twin = ROOT / "docs/results/sparsefinder/decoder-a36d3a67/softmax-twin/cells/dense-s0.json"
     dense = _lm_cell(folder, "dense", None, 0)
     assert json.loads(twin.read_text())["perplexity"] == dense["perplexity"]
+
+
+def test_sparsefinder_timing_numbers_come_from_the_kept_run() -> None:
+    """docs/sparsefinder.md's timing table: every entry is the kept timing.json's."""
+    kept = json.loads((ROOT / "docs/results/sparsefinder/issue16/timing.json").read_text())
+    rows = _table_after("sparsefinder.md", "issue16/timing.json")
+    assert len(rows) == len(kept["rows"])
+    for row, r in zip(rows, kept["rows"], strict=True):
+        cells = [c.strip().strip("*") for c in row.strip().strip("|").split("|")]
+        assert cells[0].split(" ")[0] == str(r["n"])
+        assert cells[1].startswith("k-means" if r["method"] == "sf_kmeans" else "distance")
+        fast = min(r["full_entmax_seconds"], r["full_entmax_per_head_loop_seconds"])
+        want = [f"{r[k]:.3f}" for k in ("sparsity", "recall", "exact_queries")]
+        want += [
+            f"{r[k]:.3f} s"
+            for k in (
+                "full_entmax_seconds",
+                "full_entmax_per_head_loop_seconds",
+                "predict_seconds",
+                "attention_seconds",
+            )
+        ]
+        want += [f"{r['ratio_total_to_full']:.2f}", f"{r['total_seconds'] / fast:.2f}"]
+        assert cells[2:] == want, (r["n"], r["method"], cells[2:], want)
