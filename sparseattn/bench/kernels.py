@@ -656,6 +656,7 @@ def _plot(data: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     patterns = data["suite"]["patterns"]
     fig, axes = plt.subplots(2, len(patterns), figsize=(4.5 * len(patterns), 7), squeeze=False)
@@ -683,6 +684,8 @@ def _plot(data: dict, path: Path) -> None:
                     marker="o",
                     label=f"{engine} {mode}",
                 )
+        for ax in (axes[0][col], axes[1][col]):
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         axes[0][col].set_title(pattern)
         axes[0][col].set_ylabel("time (s)")
         axes[1][col].set_ylabel("peak memory (MiB)")
