@@ -209,6 +209,28 @@ def test_copying_n64_numbers_come_from_the_kept_cells(
             assert cell == f"{got['accuracy']:.2%}", (column, depth, cell, got["accuracy"])
 
 
+def test_copying_n256_seed_table_comes_from_the_kept_cells() -> None:
+    """docs/experiments.md's n = 256 Table 1 (two seeds): each cell's "seed 0 / seed 1"
+    accuracies are the kept cell JSONs' of the two runs, and the kept cells are the table's."""
+    from sparseattn.experiments.copying import COLUMNS
+
+    runs = ["bidir-n256-d64-w16-94e23a2c", "bidir-n256-d64-w16-42b0922d"]  # seeds 0, 1
+    folders = [ROOT / "docs/results/copying" / run for run in runs]
+    seeds = [json.loads((f / "config.json").read_text())["seed"] for f in folders]
+    assert seeds == [0, 1]
+    rows = _table_after("experiments.md", f"{runs[0]}/ and")
+    assert len(rows) == 4
+    for folder in folders:
+        assert len(list(folder.glob("cells/*.json"))) == len(rows) * len(COLUMNS)
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        depth = int(cells[0].removesuffix("-layer"))
+        for column, cell in zip(COLUMNS, cells[1:], strict=True):
+            kept = [json.loads((f / f"cells/{column}-L{depth}.json").read_text()) for f in folders]
+            want = " / ".join(f"{k['accuracy']:.1%}" for k in kept)
+            assert cell.split(" (")[0] == want, (column, depth, cell, want)
+
+
 def test_sparsefinder_numbers_come_from_the_kept_run() -> None:
     """docs/sparsefinder.md's downstream and shared-QK Reformer tables: every number is the kept
     issue16 run's (`downstream.json`; the w = 1 points of `sweep-points.json`)."""
