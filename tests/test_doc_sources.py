@@ -231,6 +231,22 @@ def test_copying_n256_seed_table_comes_from_the_kept_cells() -> None:
             assert cell.split(" (")[0] == want, (column, depth, cell, want)
 
 
+def test_copying_longer_budget_numbers_come_from_the_kept_cells() -> None:
+    """docs/experiments.md's 3000-step table at n = 256: accuracy, steps and the curve points."""
+    folder = ROOT / "docs/results/copying/bidir-n256-d64-w16-e53fddbb"
+    rows = _table_after("experiments.md", "bidir-n256-d64-w16-e53fddbb/ (")
+    assert len(rows) == 2
+    for row in rows:
+        cell, accuracy, steps, curve = (c.strip() for c in row.strip().strip("|").split("|"))
+        column, depth = cell.split(" L")
+        got = json.loads((folder / f"cells/{column}-L{depth}.json").read_text())
+        assert accuracy == f"{got['accuracy']:.2%}" and steps == str(got["steps_trained"])
+        points = {p["step"]: p["batch_accuracy"] for p in got["curve"]}
+        for point in curve.split(", "):
+            step, value = point.split(": ")
+            assert value == f"{points[int(step)]:.1%}", (cell, point)
+
+
 def test_sparsefinder_numbers_come_from_the_kept_run() -> None:
     """docs/sparsefinder.md's downstream and shared-QK Reformer tables: every number is the kept
     issue16 run's (`downstream.json`; the w = 1 points of `sweep-points.json`)."""
