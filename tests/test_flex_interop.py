@@ -185,6 +185,26 @@ def test_flex_engine_specialises_a_bounded_number_of_shapes_on_a_gpu():
         flex.forget_shapes()
 
 
+def test_flex_engine_shape_budget_holds_under_threads():
+    """Threads that call the engine at once share the STATIC_SHAPES budget: no more than that
+    many shapes get a specialised kernel however the calls interleave."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sparseattn.engines import flex
+
+    def ask(n):
+        qkv = [torch.empty(1, 2, n, 8, device="meta") for _ in range(3)]
+        return flex._dynamic(*qkv, True)
+
+    flex.forget_shapes()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(1, 4 * flex.STATIC_SHAPES + 1)))
+        assert answers.count(False) == flex.STATIC_SHAPES
+    finally:
+        flex.forget_shapes()
+
+
 def test_flex_engine_reads_grouped_key_value_heads_itself():
     """Grouped-query attention on the flex engine: k, v with fewer heads go to FlexAttention
     as they are (its enable_gqa), against the dense reference on repeated k and v."""

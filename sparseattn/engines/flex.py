@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import shutil
+import threading
 from collections.abc import Callable
 
 import torch
@@ -283,6 +284,7 @@ _FLEX: list = []
 #: lengths run at the kernel's speed, a stream of many lengths compiles at most this + 1 times.
 STATIC_SHAPES = 8
 _STATIC_SEEN: set = set()
+_STATIC_LOCK = threading.Lock()  # threads serving one model share the budget
 
 
 def _dynamic(q: Tensor, k: Tensor, v: Tensor, generic: bool) -> bool | None:
@@ -296,18 +298,20 @@ def _dynamic(q: Tensor, k: Tensor, v: Tensor, generic: bool) -> bool | None:
     if q.device.type == "cpu":
         return None
     key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v))
-    if key in _STATIC_SEEN:
-        return False
-    if len(_STATIC_SEEN) < STATIC_SHAPES:
-        _STATIC_SEEN.add(key)
-        return False
-    return True
+    with _STATIC_LOCK:
+        if key in _STATIC_SEEN:
+            return False
+        if len(_STATIC_SEEN) < STATIC_SHAPES:
+            _STATIC_SEEN.add(key)
+            return False
+        return True
 
 
 def forget_shapes() -> None:
     """Forget which shapes got a specialised kernel (:data:`STATIC_SHAPES`); call it with
     ``torch._dynamo.reset()``, which drops the kernels themselves."""
-    _STATIC_SEEN.clear()
+    with _STATIC_LOCK:
+        _STATIC_SEEN.clear()
 
 
 @functools.cache
