@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import time
 import torch
 
 import sparseattn as sa
+from sparseattn.results import machine_facts  # also in older commits' sparseattn
 
 MAPS = ("softmax", "entmax15")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,14 +50,6 @@ def time_row(rho: str, dtype: str, repeats: int) -> dict:
     return {"map": rho, "dtype": dtype, "ms": 1e3 * statistics.median(times[1:])}
 
 
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -68,12 +60,13 @@ def main() -> None:
     if args.row:
         print(json.dumps(time_row(*args.row, args.repeats)))
         return
+    facts = machine_facts()
     report = {
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "sparseattn": os.path.dirname(sa.__file__),
-        "cpu": cpu_name(),
-        "torch": torch.__version__,
-        "load_before": os.getloadavg(),
+        "cpu": facts["cpu"],
+        "torch": facts["torch"],
+        "load_before": facts["load_average"],
         "rows": [],
     }
     for rho in MAPS:
