@@ -89,6 +89,19 @@ GPU_SUITES = {
         tiles_ns=(32768,),
         samples=3,
     ),
+    # issue 26's targets alone: the sparse-map section at 8192 and 32768
+    "gpu-entmax": GpuSuite(
+        "gpu-entmax",
+        ns=(),
+        fp32_ns=(),
+        package_max_n=8192,
+        calibrate_ns=(),
+        entmax_ns=(8192, 32768),
+        tiles_ns=(),
+        module_ns=(),
+        stream_ns=(),
+        samples=3,
+    ),
     # the host's share at short lengths: main and module at 8192, interleaved, and the stream
     "gpu-overhead": GpuSuite(
         "gpu-overhead",
