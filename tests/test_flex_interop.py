@@ -112,7 +112,7 @@ def test_compiled_flex_broadcasts():
         (sa.split_heads(sa.window(8), sa.strided(9)), {"num_heads": 3}, 3),
     ]:
         q, k, v = qkv(2, heads, n, 64)
-        out = compiled(q, k, v, block_mask=pattern.to_block_mask(n, **kwargs))
+        out = compiled(q, k, v, block_mask=pattern.to_block_mask(n, device=q.device, **kwargs))
         torch.testing.assert_close(
             out, sdpa(q, k, v, pattern.graph(n, **kwargs).to_dense()), atol=2e-6, rtol=2e-6
         )
