@@ -72,11 +72,13 @@ MIN_ALPHA_GAP = 1e-3
 #: tile) or visit every tile (no branch: the loads pipeline). Which is faster on a GPU depends
 #: on how many tiles the rows skip; ``sparseattn bench gpu`` measures both.
 SKIP_TILES = True
-#: Warps per program for each block size, and software-pipelining stages of the tile loops
-#: (None: Triton's default). Not tuned yet: ``sparseattn bench gpu``'s tiles section times
-#: 4 and 8 warps and 2 and 3 stages at block 64 so that the next GPU run can set them.
+#: Warps per program for each block size, and software-pipelining stages of the tile loops of
+#: the forward and the backward kernels (None: Triton's default, 3 on an H100). Measured at
+#: block 64 on an H100 (``sparseattn bench gpu``'s tiles section, causal, n = 32768): 4 warps
+#: beat 8 by 1.3-2x; 2 stages ran the forward 13-16% faster than 3, and the backward 22-42%
+#: slower (docs/benchmarks.md, "Tiles").
 WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
-STAGES: int | None = None
+STAGES: dict[str, int | None] = {"forward": 2, "backward": None}
 #: Largest head dim (registers of one tile).
 MAX_HEAD_DIM = 256
 
@@ -92,10 +94,11 @@ def tuning(
 ) -> Iterator[None]:
     """Run the GPU kernels with other knobs inside the ``with`` block, then restore them (the
     bench's tiles section): ``block`` the GPU default tile, ``skip_tiles`` :data:`SKIP_TILES`,
-    ``warps`` :data:`WARPS` at that block, ``stages`` :data:`STAGES` (None: Triton's default).
-    Not thread-safe: the knobs are module state, read when a kernel is launched."""
-    global SKIP_TILES, STAGES
-    saved = (DEFAULT_BLOCK["cuda"], SKIP_TILES, dict(WARPS), STAGES)
+    ``warps`` :data:`WARPS` at that block, ``stages`` both kernels' :data:`STAGES` (None:
+    Triton's default). Not thread-safe: the knobs are module state, read when a kernel is
+    launched."""
+    global SKIP_TILES
+    saved = (DEFAULT_BLOCK["cuda"], SKIP_TILES, dict(WARPS), dict(STAGES))
     try:
         if block is not None:
             if block not in BLOCKS:
@@ -106,12 +109,13 @@ def tuning(
         if warps is not None:
             WARPS[DEFAULT_BLOCK["cuda"]] = warps
         if stages is not _UNSET:
-            STAGES = stages
+            STAGES.update(forward=stages, backward=stages)
         yield
     finally:
-        DEFAULT_BLOCK["cuda"], SKIP_TILES, STAGES = saved[0], saved[1], saved[3]
-        WARPS.clear()
-        WARPS.update(saved[2])
+        DEFAULT_BLOCK["cuda"], SKIP_TILES = saved[:2]
+        for knobs, old in ((WARPS, saved[2]), (STAGES, saved[3])):
+            knobs.clear()
+            knobs.update(old)
 
 
 _KERNELS: ModuleType | None = None
@@ -425,7 +429,7 @@ def _launch_forward(
         *_sizes(q, k), layout.nbq, pairs,
         scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0),
         NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK, SKIP=SKIP_TILES,
-        **_constants(q, v, layout, alpha, kpm is not None),
+        **_constants(q, v, layout, alpha, kpm is not None, "forward"),
     )  # fmt: skip
     return out, tau, gv, nz, passes
 
@@ -458,7 +462,7 @@ class _EntmaxAttention(torch.autograd.Function):
         do = grad_out.to(q.dtype).contiguous()
         delta = (do.float() * gv).sum(-1).contiguous()  # δ_i = Σ_j g dp / Σ_j g
         dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        common = _constants(q, v, layout, alpha, ctx.has_kpm)
+        common = _constants(q, v, layout, alpha, ctx.has_kpm, "backward")
         mul, r = scale * (alpha - 1.0), 1.0 / (alpha - 1.0)
         kern._backward_dq[(layout.nbq, bsz * heads)](
             q, k, v, do, dq, tau, delta, nz,
@@ -480,14 +484,17 @@ def _sizes(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
     return q.shape[2], k.shape[2], q.shape[1], k.shape[1]
 
 
-def _constants(q: Tensor, v: Tensor, layout: BlockLayout, alpha: float, has_kpm: bool) -> dict:
-    """The compile-time arguments all three kernels take, and their warps."""
-    d, dv, block = q.shape[-1], v.shape[-1], layout.block
+def _constants(
+    q: Tensor, v: Tensor, layout: BlockLayout, alpha: float, has_kpm: bool, kernel: str
+) -> dict:
+    """The compile-time arguments all three kernels take, their warps and the ``kernel``'s
+    (``"forward"`` or ``"backward"``) stages."""
+    d, dv, block, stages = q.shape[-1], v.shape[-1], layout.block, STAGES[kernel]
     return dict(
         D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BLOCK=block, MODE=_mode(alpha),
         HAS_KPM=has_kpm, PARTIAL=layout.masks.shape[0] > 0, PREC=_precision(q),
         UPCAST=_upcast(q), num_warps=WARPS[block],
-        **({} if STAGES is None else {"num_stages": STAGES}),
+        **({} if stages is None else {"num_stages": stages}),
     )  # fmt: skip
 
 
