@@ -9,9 +9,10 @@
 #
 # Usage (repository root, on the GPU machine):
 #   scripts/gpu_check.sh [TEST_SECONDS [BENCH_SUITE [BENCH_SECONDS [WORKERS]]]]
-#   defaults: 150 gpu-quick 330 12 (the suite took 131 s with 12 workers on an H100, 112 s on
-#   an H200; gpu-quick without AdaSplash took 227 s on the H100 before the stream section, the
-#   peaked tiles case and the warps x stages sweep were added: about 5 minutes now, estimated)
+#   defaults: 150 gpu-quick 330 12. On an H100 (commit 30ba68f) the call took 493 s: the suite
+#   143 s with 12 workers, the bench its whole 330 s, cut inside the tiles sweep (76 s of main's
+#   rows were compiling warm-ups); the sparse-map section alone (`0 gpu-entmax 270`) took 31 s. The bench
+#   runs the tiles sweep last, so a timeout cuts the sweep, not the targets' rows.
 # The device tool's call: run(command="scripts/gpu_check.sh", carry=[".whl"], timeout_s=540);
 # the machine's start adds about 45 s of device time. With the adasplash wheel in .whl/ the
 # bench's entmax section also times AdaSplash, whose Triton autotuning takes 30-80 s per

@@ -349,6 +349,34 @@ def test_gpu_h100_numbers_come_from_the_kept_runs() -> None:
     assert f"{flex_ms:.2f} |" in _doc("benchmarks.md")
 
 
+def test_gpu_h100_evening_numbers_come_from_the_kept_runs() -> None:
+    """docs/benchmarks.md's H100 runs 5 and 6: the flex engine against FlexAttention by hand,
+    the sparse maps and the tiles, every cell read back from the runs."""
+    whos = ("flex direct", "sparseattn flex", "sparseattn auto (flex)", "sdpa dense")
+    for row in _table_after("benchmarks.md", "h100-20261127/run5-bench.json ("):
+        n, mode, *cells = [c.strip() for c in row.strip("|").split("|")]
+        main = {"section": "main", "dtype": "bfloat16", "n": int(n), "mode": mode}
+        d, e, a, sd = (_gpu_ms("run5-bench.json", **main, who=who) for who in whos)
+        want = [d, e, a, e / d, a / d, sd, sd / e]
+        assert cells == [
+            f"{x:.3f}" if i in (0, 1, 2, 5) else f"{x:.2f}" for i, x in enumerate(want)
+        ]
+    for row in _table_after("benchmarks.md", "h100-20261127/run6-entmax.json ("):
+        n, mode, *cells = [c.strip() for c in row.strip("|").split("|")]
+        key = {"section": "entmax", "n": int(n), "mode": mode}
+        t = {w: _gpu_ms("run6-entmax.json", **key, who=w) for w in ("longformer entmax15",
+             "longformer softmax (flex)", "causal entmax15 (ours)", "causal sdpa",
+             "dense entmax15 (ours)", "dense sdpa")}  # fmt: skip
+        ent, soft, causal, sdpa_c, dense, sdpa_d = t.values()
+        want = [ent, ent / soft, causal, causal / sdpa_c, dense, dense / sdpa_d]
+        assert cells[:6] == [f"{x:.2f}" for x in want], row
+    for row in _table_after("benchmarks.md", "h100-20261127/run5-bench.json, the tiles"):
+        pattern, who, *cells = [c.strip() for c in row.strip("|").split("|")]
+        key = {"section": "tiles", "n": 32768, "pattern": pattern, "who": who}
+        got = [_gpu_ms("run5-bench.json", **key, mode=m) for m in ("fwd", "fwd+bwd")]
+        assert cells == [f"{x:.2f}" for x in got], row
+
+
 def _doc(name: str) -> str:
     return (ROOT / "docs" / name).read_text()
 

@@ -75,8 +75,8 @@ SKIP_TILES = True
 #: Warps per program for each block size, and software-pipelining stages of the tile loops of
 #: the forward and the backward kernels (None: Triton's default, 3 on an H100). Measured at
 #: block 64 on an H100 (``sparseattn bench gpu``'s tiles section, causal, n = 32768): 4 warps
-#: beat 8 by 1.3-2x; 2 stages ran the forward 13-16% faster than 3, and the backward 22-42%
-#: slower (docs/benchmarks.md, "Tiles").
+#: beat 8 by 1.2-2x; with 2 stages the forward took 13-16% less time than with 3, the
+#: backward 1.3-1.7x more (docs/benchmarks.md, the H100's run 5).
 WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 STAGES: dict[str, int | None] = {"forward": 2, "backward": None}
 #: Largest head dim (registers of one tile).
