@@ -11,8 +11,8 @@
 #   scripts/gpu_check.sh [TEST_SECONDS [BENCH_SUITE [BENCH_SECONDS [WORKERS]]]]
 #   defaults: 150 gpu-quick 330 12. On an H100 (commit 30ba68f) the call took 493 s: the suite
 #   143 s with 12 workers, the bench its whole 330 s, cut inside the tiles sweep (76 s of main's
-#   rows were compiling warm-ups); the sparse-map section alone (`0 gpu-entmax 270`) took 31 s. The bench
-#   runs the tiles sweep last, so a timeout cuts the sweep, not the targets' rows.
+#   rows were compiling warm-ups); the sparse-map section alone (`0 gpu-entmax 270`) took
+#   31 s. The bench runs the tiles sweep last, so a timeout cuts the sweep, not the targets.
 # The device tool's call: run(command="scripts/gpu_check.sh", carry=[".whl"], timeout_s=540);
 # the machine's start adds about 45 s of device time. With the adasplash wheel in .whl/ the
 # bench's entmax section also times AdaSplash, whose Triton autotuning takes 30-80 s per
