@@ -44,7 +44,9 @@ def main() -> None:
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--topk", type=int, default=te.TOPK, help="triton_entmax.TOPK")
     args = parser.parse_args()
+    te.TOPK = args.topk
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(args.seed)
     shape = (1, args.heads, args.n, args.d)
@@ -59,7 +61,7 @@ def main() -> None:
     gidx = torch.zeros(args.heads, dtype=torch.int32, device=device)
     print(
         f"device {device}, n {args.n}, d {args.d}, heads {args.heads}, block {args.block}, "
-        f"local {args.local}"
+        f"local {args.local}, topk {args.topk}"
     )
     print("layout  alpha  c  passes mean  max  tiles with weights")
     for c in (float(x) for x in args.temperatures.split(",")):

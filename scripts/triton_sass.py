@@ -92,6 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--mode", type=int, default=1, help="2 sparsemax, 1 1.5-entmax, 0 other α")
+    parser.add_argument("--topk", type=int, default=TOPK, help="triton_entmax.TOPK")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     base = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": args.block, "HAS_KPM": False,
@@ -99,7 +100,7 @@ def main() -> None:
     kernels = {
         "forward": (
             kern._forward,
-            {"NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": TOPK, "SKIP": SKIP_TILES},
+            {"NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": args.topk, "SKIP": SKIP_TILES},
         ),  # fmt: skip
         "backward dq": (kern._backward_dq, {}),
         "backward dk dv": (kern._backward_dkdv, {"GROUP": 1}),
@@ -107,7 +108,7 @@ def main() -> None:
     warps = 4 if args.block <= 64 else 8
     lines = [
         f"# python scripts/triton_sass.py --block {args.block} --mode {args.mode} "
-        f"(triton {triton.__version__}, sm_90, bf16, d = 64, {warps} warps)"
+        f"--topk {args.topk} (triton {triton.__version__}, sm_90, bf16, d = 64, {warps} warps)"
     ]
     per_tile = {}  # (kernel, loop name) -> instructions, for partial and full pairs
     variants = [

@@ -157,13 +157,19 @@ def test_hf_sparsify_on_the_device_equals_the_original_model(device, dtype):
 def test_triton_tuning_sets_the_knobs_and_restores_them_on_error():
     from sparseattn.engines import triton_entmax as te
 
-    before = (dict(te.DEFAULT_BLOCK), te.SKIP_TILES, dict(te.WARPS), dict(te.STAGES))
-    with te.tuning(block=128, skip_tiles=not te.SKIP_TILES, warps=2, stages=3):
-        assert (te.DEFAULT_BLOCK["cuda"], te.WARPS[128]) == (128, 2)
+    before = (dict(te.DEFAULT_BLOCK), te.SKIP_TILES, dict(te.WARPS), dict(te.STAGES), te.TOPK)
+    with te.tuning(block=128, skip_tiles=not te.SKIP_TILES, warps=2, stages=3, topk=32):
+        assert (te.DEFAULT_BLOCK["cuda"], te.WARPS[128], te.TOPK) == (128, 2, 32)
         assert te.STAGES == {"forward": 3, "backward": 3}
         assert te.SKIP_TILES is not before[1]
     with pytest.raises(RuntimeError), te.tuning(block=32, stages=None):
         raise RuntimeError("a failed measurement")
-    assert (dict(te.DEFAULT_BLOCK), te.SKIP_TILES, dict(te.WARPS), dict(te.STAGES)) == before
+    assert (
+        dict(te.DEFAULT_BLOCK),
+        te.SKIP_TILES,
+        dict(te.WARPS),
+        dict(te.STAGES),
+        te.TOPK,
+    ) == before
     with pytest.raises(ValueError, match="block must be one of"), te.tuning(block=48):
         pass

@@ -72,6 +72,8 @@ class GpuSuite:
     tile_blocks: tuple[int, ...] = (32, 64, 128)
     tile_warps: tuple[int, ...] = (4, 8)
     tile_stages: tuple[int, ...] = (2, 3)
+    #: the per-tile maxima kept per row for the threshold's start (``triton_entmax.TOPK``)
+    tile_topks: tuple[int, ...] = (16, 32)
     #: strength of the positional locality of the tiles section's peaked case
     locality: float = 1.5
     samples: int = 5
@@ -537,18 +539,25 @@ def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
         "longformer": (sa.longformer(suite.window, suite.sinks), (q, k, v)),
     }
     # the tile rows keep the module's warps and stages; the sweep sets both kernels' stages
-    knobs = [
-        (f"block {block}, {'skip' if skip else 'visit all'}", {"block": block, "skip_tiles": skip})
-        for block in suite.tile_blocks
-        for skip in (True, False)
-    ] + [
-        (
-            f"block 64, warps {warps}, stages {stages}",
-            {"block": 64, "warps": warps, "stages": stages},
-        )
-        for warps in suite.tile_warps
-        for stages in suite.tile_stages
-    ]
+    knobs = (
+        [
+            (
+                f"block {block}, {'skip' if skip else 'visit all'}",
+                {"block": block, "skip_tiles": skip},
+            )
+            for block in suite.tile_blocks
+            for skip in (True, False)
+        ]
+        + [
+            (
+                f"block 64, warps {warps}, stages {stages}",
+                {"block": 64, "warps": warps, "stages": stages},
+            )
+            for warps in suite.tile_warps
+            for stages in suite.tile_stages
+        ]
+        + [(f"block 64, top {topk}", {"block": 64, "topk": topk}) for topk in suite.tile_topks]
+    )
     for name, (pattern, inputs) in cases.items():
         fn = lambda p=pattern, i=inputs: sa.sparse_attention(*i, p, prob_map="entmax15")  # noqa: E731
         for who, knob in knobs:

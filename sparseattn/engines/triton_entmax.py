@@ -91,14 +91,15 @@ def tuning(
     skip_tiles: bool | None = None,
     warps: int | None = None,
     stages: int | None = _UNSET,
+    topk: int | None = None,
 ) -> Iterator[None]:
     """Run the GPU kernels with other knobs inside the ``with`` block, then restore them (the
     bench's tiles section): ``block`` the GPU default tile, ``skip_tiles`` :data:`SKIP_TILES`,
     ``warps`` :data:`WARPS` at that block, ``stages`` both kernels' :data:`STAGES` (None:
-    Triton's default). Not thread-safe: the knobs are module state, read when a kernel is
-    launched."""
-    global SKIP_TILES
-    saved = (DEFAULT_BLOCK["cuda"], SKIP_TILES, dict(WARPS), dict(STAGES))
+    Triton's default), ``topk`` :data:`TOPK`. Not thread-safe: the knobs are module state, read
+    when a kernel is launched."""
+    global SKIP_TILES, TOPK
+    saved = (DEFAULT_BLOCK["cuda"], SKIP_TILES, dict(WARPS), dict(STAGES), TOPK)
     try:
         if block is not None:
             if block not in BLOCKS:
@@ -110,9 +111,11 @@ def tuning(
             WARPS[DEFAULT_BLOCK["cuda"]] = warps
         if stages is not _UNSET:
             STAGES.update(forward=stages, backward=stages)
+        if topk is not None:
+            TOPK = topk
         yield
     finally:
-        DEFAULT_BLOCK["cuda"], SKIP_TILES = saved[:2]
+        DEFAULT_BLOCK["cuda"], SKIP_TILES, TOPK = saved[0], saved[1], saved[4]
         for knobs, old in ((WARPS, saved[2]), (STAGES, saved[3])):
             knobs.clear()
             knobs.update(old)
