@@ -173,3 +173,6 @@ def test_triton_tuning_sets_the_knobs_and_restores_them_on_error():
     ) == before
     with pytest.raises(ValueError, match="block must be one of"), te.tuning(block=48):
         pass
+    with pytest.raises(ValueError, match="topk must be a power of two"), te.tuning(topk=12):
+        pass
+    assert before[4] == te.TOPK

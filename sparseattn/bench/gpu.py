@@ -230,7 +230,8 @@ def run_gpu_suite(
         for n in suite.calibrate_ns:
             _fresh_compiles()
             _calibrate(suite, rows, log, n)
-        # last: the kernels' free choices, a sweep of 40 compiles that a timeout may cut
+        # last: the kernels' free choices, a sweep of compiles (about 2 s each) that a timeout
+        # may cut
         for n in suite.tiles_ns:
             _tiles(suite, rows, log, n)
     rows.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -112,6 +112,8 @@ def tuning(
         if stages is not _UNSET:
             STAGES.update(forward=stages, backward=stages)
         if topk is not None:
+            if topk not in (1, 2, 4, 8, 16, 32, 64):  # tl.arange needs a power of two
+                raise ValueError(f"topk must be a power of two up to 64, got {topk!r}")
             TOPK = topk
         yield
     finally:
