@@ -16,15 +16,16 @@
 # The device tool's call: run(command="scripts/gpu_check.sh", carry=[".whl"], timeout_s=540);
 # the machine's start adds about 45 s of device time. With the adasplash wheel in .whl/ the
 # bench's entmax section also times AdaSplash, whose Triton autotuning takes 30-80 s per
-# length: give the bench 450 s and the suite 0 (a second call) then.
-# Wheels for the project's pins that the image lacks (transformers 5.24, entmax 1.3) and the
-# AdaSplash baseline of the bench's sparse-map section travel in .whl/ (ignored by git via
-# .git/info/exclude), fetched here beforehand with
+# length: keep it in .whl/extra/ (not installed) and give it a call of its own,
+#   run(command="cp .whl/extra/*.whl .whl/ && scripts/gpu_check.sh 0 gpu-entmax 450",
+#       carry=[".whl"], timeout_s=500).
+# Wheels for the project's pins that the image lacks (transformers 5.24, entmax 1.3) travel in
+# .whl/ (ignored by git via .git/info/exclude), fetched here beforehand with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 \
-#     entmax==1.3 adasplash==0.2.2
-# (all three are pure-Python wheels; AdaSplash's kernels are Triton). The MiniLM package (83 MB) cannot travel:
-# its tests skip with that reason.
+#     entmax==1.3
+# and the same line with -d .whl/extra adasplash==0.2.2 (all pure-Python wheels; AdaSplash's
+# kernels are Triton). The MiniLM package (83 MB) cannot travel: its tests skip with that reason.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 tests_s=${1:-150}; suite=${2:-gpu-quick}; bench_s=${3:-330}; workers=${4:-12}; out=${OUT:-/tmp/out}
