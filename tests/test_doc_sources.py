@@ -209,15 +209,24 @@ def test_copying_n64_numbers_come_from_the_kept_cells(
             assert cell == f"{got['accuracy']:.2%}", (column, depth, cell, got["accuracy"])
 
 
-def test_copying_n256_seed_table_comes_from_the_kept_cells() -> None:
-    """docs/experiments.md's n = 256 Table 1 (two seeds): each cell's "seed 0 / seed 1"
-    accuracies are the kept cell JSONs' of the two runs, and the kept cells are the table's."""
+@pytest.mark.parametrize(
+    "runs",
+    [
+        ("bidir-n256-d64-w16-94e23a2c", "bidir-n256-d64-w16-42b0922d"),
+        ("causal-n256-d64-w16-0f30b352", "causal-n256-d64-w16-ba074917"),
+    ],
+    ids=["table1", "table2"],
+)
+def test_copying_n256_seed_table_comes_from_the_kept_cells(runs: tuple[str, str]) -> None:
+    """docs/experiments.md's n = 256 Tables 1 and 2 (two seeds each): each cell's "seed 0 /
+    seed 1" accuracies are the kept cell JSONs' of the two runs (seeds 0, 1), and the kept cells
+    are the table's."""
     from sparseattn.experiments.copying import COLUMNS
 
-    runs = ["bidir-n256-d64-w16-94e23a2c", "bidir-n256-d64-w16-42b0922d"]  # seeds 0, 1
     folders = [ROOT / "docs/results/copying" / run for run in runs]
-    seeds = [json.loads((f / "config.json").read_text())["seed"] for f in folders]
-    assert seeds == [0, 1]
+    configs = [json.loads((f / "config.json").read_text()) for f in folders]
+    assert [c["seed"] for c in configs] == [0, 1]
+    assert all(c["causal"] == runs[0].startswith("causal") for c in configs)
     rows = _table_after("experiments.md", f"{runs[0]}/ and")
     assert len(rows) == 4
     for folder in folders:
