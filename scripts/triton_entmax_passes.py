@@ -46,7 +46,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--topk", type=int, default=te.TOPK, help="triton_entmax.TOPK")
     args = parser.parse_args()
-    te.TOPK = args.topk
+    with te.tuning(topk=args.topk):  # validates it, as for the bench's sweep
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Count the passes (and with ``--time`` time the kernel) for the parsed ``args``."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(args.seed)
     shape = (1, args.heads, args.n, args.d)
