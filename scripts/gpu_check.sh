@@ -4,8 +4,11 @@
 #      results.md and gpu.png (rows are saved as they come: a timeout keeps them);
 #   2. the CUDA test suite, `pytest tests --device cuda -m "not slow" -n 8` (pytest-xdist is in
 #      the GPU image; the whole suite took 112 s that way on an H200, 120 s on an H100).
+#   0. first, `scripts/host_overhead.py --device cuda`: the host time per call of the user path
+#      against FlexAttention by hand (host-overhead-cuda.json).
 # Everything it writes lands in $OUT (at most 8 files come back): machine.txt, pytest.log
-# (one line per failure, -rfE), junit.xml, bench.log and the bench folder's three files.
+# (one line per failure, -rfE), junit.xml, bench.log, the bench folder's three files and
+# host-overhead-cuda.json.
 #
 # Usage (repository root, on the GPU machine):
 #   scripts/gpu_check.sh [TEST_SECONDS [BENCH_SUITE [BENCH_SECONDS [WORKERS]]]]
@@ -42,6 +45,9 @@ fi
 torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   python3 -c "import entmax; print('entmax', entmax.__version__)" 2>&1 | tail -1
 } 2>&1 | tee "$out/machine.txt"
+# the host time the user path adds per call (about 30 s, mostly compiling)
+timeout 90 python3 scripts/host_overhead.py --device cuda --out "$out/host-overhead-cuda.json" \
+  2>&1 | tail -2
 if [ "$suite" != none ]; then
   timeout "$bench_s" python3 -m sparseattn.cli bench "$suite" --out "$out" --run "$suite" \
     >"$out/bench.log" 2>&1

@@ -27,6 +27,7 @@ from .patterns import Causal, HeadSplit, Pattern, PatternCycle, as_cycle, dense
 from .patterns.fixed import Dense
 from .score_mods import check_score_mod, lifted_tensors
 from .validate import (
+    all_finite,
     check_bool,
     check_choice,
     check_finite_float,
@@ -104,8 +105,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool = False) -> Non
     if not _host_checks(q):
         return
     for name, t in (("q", q), ("k", k), ("v", v)):
-        # a finite sum proves every entry finite (NaN and ±inf propagate); one pass, no mask
-        if not torch.isfinite(t.detach().sum()) and not torch.isfinite(t).all():
+        if not all_finite(t):
             raise ValueError(f"{name} contains NaN or inf")
 
 
@@ -134,7 +134,7 @@ def resolve_graph(pattern: Pattern | AttentionGraph, q: Tensor, k: Tensor) -> At
     n_k = k.shape[-2]
     if (graph.n_q, graph.n_k) != (n_q, n_k):
         raise ValueError(f"graph is {graph.n_q}×{graph.n_k} but q, k give {n_q}×{n_k}")
-    if broadcast_or_none(graph.batch_shape, (bsz, heads)) != (bsz, heads):
+    if graph.batch_shape and broadcast_or_none(graph.batch_shape, (bsz, heads)) != (bsz, heads):
         raise ValueError(
             f"graph batch_shape {graph.batch_shape} does not broadcast to (batch, heads) "
             f"= {(bsz, heads)}"
@@ -530,7 +530,7 @@ def _check_overflow(out: Tensor, scale: float) -> Tensor:
     (on CPU; see :func:`_host_checks`)."""
     if not _host_checks(out):
         return out
-    if not torch.isfinite(out.detach().sum()) and not bool(torch.isfinite(out).all()):
+    if not all_finite(out):
         raise ValueError(
             f"scale · q·kᵀ overflows {out.dtype} (scale = {scale:g}): the scores are not "
             "finite; use a smaller scale, smaller inputs or a wider dtype"

@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from .fastmaps import entmax_rows, shifted_rows
+from .validate import all_finite
 
 __all__ = [
     "ProbabilityMap",
@@ -141,7 +142,7 @@ class ProbabilityMap:
         # a threshold or a denominator, so the map runs in float32 (autograd through the casts)
         z = _shift(scores.float() if scores.dtype in _HALF else scores, valid)
         # one reduction: NaN or ±inf at a valid entry makes z (hence its sum) non-finite
-        if not torch.isfinite(z.detach().sum()) and not bool(torch.isfinite(z).all()):
+        if not all_finite(z):
             raise NonFiniteScoresError("scores must be finite at valid entries, got NaN or ±inf")
         return self._kernel(z, valid).to(scores.dtype)
 

@@ -398,6 +398,47 @@ def test_flex_refuses_what_it_cannot_compute():
         assert unsupported("flex", qg, k, v, softmax()) == flex_available()
 
 
+@pytest.mark.skipif(flex_available() is not None, reason="needs torch.compile")
+def test_flex_user_path_checks_the_request_once(monkeypatch):
+    """Host time on every call: ``sparse_attention(engine="flex")`` asks the engine table
+    once whether flex can compute the call; the engine it dispatches to does not ask again
+    (the engine function called directly still does)."""
+    import sparseattn.engines.capabilities as capabilities
+
+    calls = []
+    real = capabilities.reasons
+    monkeypatch.setattr(capabilities, "reasons", lambda *a: calls.append(a[0]) or real(*a))
+    q, k, v = qkv(n=64, d=16, dtype=torch.float32)
+    out = sa.sparse_attention(q, k, v, sa.window(8), engine="flex")
+    assert calls == ["flex"]
+    flex_attention_engine(q, k, v, sa.window(8).graph(64), softmax(), 0.25)
+    assert calls == ["flex", "flex"]
+    ref = sa.sparse_attention(q, k, v, sa.window(8), engine="dense")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_compiles_with_its_own_recompile_limit(monkeypatch):
+    """The engine's kernels may recompile RECOMPILE_LIMIT times before torch would fall back
+    to an unfused O(n²) FlexAttention: passed to ``torch.compile`` where it takes
+    ``recompile_limit`` (no per-call patch of dynamo's config), else dynamo's global limit is
+    raised around each call."""
+    from sparseattn.engines import flex
+
+    seen, limits = [], []
+
+    def compile_(fn, **kw):
+        seen.append(kw)
+        return lambda *a: limits.append(torch._dynamo.config.recompile_limit)
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    for has_limit in (True, False):
+        monkeypatch.setattr(flex, "_COMPILE_HAS_LIMIT", has_limit)
+        flex._compiled.__wrapped__(False)()
+    assert seen == [{"dynamic": False, "recompile_limit": flex.RECOMPILE_LIMIT}, {"dynamic": False}]
+    assert limits[0] == torch._dynamo.config.recompile_limit  # no patch
+    assert limits[1] == max(flex.RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+
+
 # ----------------------------------------------------------------------------- auto rule
 def _can_compute(engine, q, k, v, rho, dropout_p):
     return unsupported(engine, q, k, v, rho, dropout_p) is None

@@ -11,6 +11,7 @@ picks among them by the cost measurements of the input's device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -87,7 +88,8 @@ class Request:
             device=q.device.type,
             dtype=q.dtype,
             prob_map=prob_map,
-            train=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+            train=torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad),
             dropout=dropout_p > 0,
             row_alpha=prob_map is not None and prob_map.alpha is not None,
             gqa=k.shape[1] != q.shape[1],
@@ -101,7 +103,8 @@ class EngineSpec:
 
     Attributes:
         name: the ``engine=`` name.
-        run: the engine, ``run(q, k, v, graph, prob_map, scale, key_padding_mask, dropout_p)``.
+        run: the engine, ``run(q, k, v, graph, prob_map, scale, key_padding_mask, dropout_p)``,
+            called on requests this spec accepts (it need not check them again).
         why: one sentence on what the engine is for.
         devices: device types it runs on.
         dtypes: input dtypes it takes.
@@ -182,7 +185,7 @@ SPECS: dict[str, EngineSpec] = {
         ),
         EngineSpec(
             "flex",
-            flex_attention_engine,
+            functools.partial(flex_attention_engine, check=False),
             "torch's compiled FlexAttention on the graph's BlockMask: softmax",
             dtypes=_HALF_AND_FLOAT,
             maps=_softmax_only,

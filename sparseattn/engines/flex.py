@@ -21,6 +21,7 @@ never picks it where it cannot compute the request.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import shutil
 import threading
@@ -189,7 +190,8 @@ def cached_block_mask(graph: AttentionGraph, block: int, device: torch.device):
 def _cached_block_mask(graph: AttentionGraph, block: int, device: torch.device):
     """(BlockMask, element-wise) of :func:`_block_mask`, cached on the graph."""
     g_batch, g_heads = (1, 1, *graph.batch_shape)[-2:]
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # the key of q.device: cuda:<index>
         device = torch.device("cuda", torch.cuda.current_device())
     return graph.cached(
@@ -314,23 +316,37 @@ def forget_shapes() -> None:
         _STATIC_SEEN.clear()
 
 
+#: The recompiles the engine's compiled call may make before torch falls back to running it
+#: uncompiled (an unfused O(n²) FlexAttention): tables compile one kernel per (shape, table
+#: bucket), more than dynamo's default of 8.
+RECOMPILE_LIMIT = 64
+#: Whether ``torch.compile`` takes a per-call ``recompile_limit`` (torch ≥ 2.12).
+_COMPILE_HAS_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
+
+
 @functools.cache
 def _compiled(dynamic: bool | None):
-    """Compiled :func:`_flex` (:func:`_flex_generic` for ``dynamic=True``); see
-    :func:`_dynamic`."""
+    """Compiled :func:`_flex` (:func:`_flex_generic` for ``dynamic=True``; see
+    :func:`_dynamic`), allowed :data:`RECOMPILE_LIMIT` recompiles: by ``torch.compile``'s own
+    ``recompile_limit`` where it has one (torch ≥ 2.12), else with dynamo's global limit raised
+    around each call."""
     if not _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
         _FLEX.append(flex_attention)
-    return torch.compile(_flex_generic if dynamic else _flex, dynamic=dynamic)
+    fn = _flex_generic if dynamic else _flex
+    if _COMPILE_HAS_LIMIT:
+        return torch.compile(fn, dynamic=dynamic, recompile_limit=RECOMPILE_LIMIT)
+    compiled = torch.compile(fn, dynamic=dynamic)
+    limit = torch._dynamo.config.patch(
+        recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+    )
 
+    def call(*args):
+        with limit:
+            return compiled(*args)
 
-@functools.cache
-def _recompile_limit():
-    """dynamo's recompile limit raised to at least 64 while the engine runs (a context manager
-    made once: building one per call is host time on every call). Tables compile one kernel per
-    (shape, table bucket), and past the limit torch silently runs an unfused O(n²) version."""
-    return torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit))
+    return call
 
 
 def flex_attention_engine(
@@ -344,6 +360,8 @@ def flex_attention_engine(
     dropout_p: float = 0.0,
     block: int = FLEX_BLOCK,
     score_mod: Callable | None = None,
+    *,
+    check: bool = True,
 ) -> Tensor:
     """Softmax attention on the graph with compiled FlexAttention (same contract as
     ``dense_attention``; Yun eq. 3 with ρ = softmax).
@@ -352,24 +370,26 @@ def flex_attention_engine(
     heads); without key padding it is cached on the graph per (block, device). k and v may
     have fewer heads than q (grouped-query attention, FlexAttention's ``enable_gqa``).
     ``score_mod`` is FlexAttention's own (the same convention), compiled into the kernel.
+    ``check=False`` skips the capability check: the engine table's entry, called by
+    ``sparse_attention``, which has checked the request already (host time on every call).
     Raises:
         ValueError: when FlexAttention cannot compute the request (the reasons of
             :mod:`sparseattn.engines.capabilities`).
     """
-    from .capabilities import unsupported
+    if check:
+        from .capabilities import unsupported
 
-    reason = unsupported("flex", q, k, v, prob_map, dropout_p, score_mod is not None)
-    if reason is not None:
-        raise ValueError(f"engine='flex' cannot run this call: {reason}; use engine='block'")
+        reason = unsupported("flex", q, k, v, prob_map, dropout_p, score_mod is not None)
+        if reason is not None:
+            raise ValueError(f"engine='flex' cannot run this call: {reason}; use engine='block'")
     # the BlockMask keeps the graph's own leading shape; its size-1 dims broadcast over q's
     block_mask, generic = _cached_block_mask(graph, block, q.device)
     if key_padding_mask is not None:
         block_mask, generic = _padded_block_mask(graph, block_mask, key_padding_mask), False
-    with _recompile_limit():
-        # a score_mod's Python constants (softcap's c) fail as dynamic floats: one kernel
-        # per shape there
-        dynamic = _dynamic(q, k, v, generic and score_mod is None)
-        out = _compiled(dynamic)(q, k, v, score_mod, block_mask, scale, k.shape[1] != q.shape[1])
+    # a score_mod's Python constants (softcap's c) fail as dynamic floats: one kernel per
+    # shape there
+    dynamic = _dynamic(q, k, v, generic and score_mod is None)
+    out = _compiled(dynamic)(q, k, v, score_mod, block_mask, scale, k.shape[1] != q.shape[1])
     if key_padding_mask is not None:  # rows whose keys are all padding: zeros (maps' rule)
         out = out.nan_to_num(0.0)
     return out

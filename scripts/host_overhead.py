@@ -1,0 +1,115 @@
+"""The host time the user path adds to a compiled FlexAttention call, per call.
+
+At a small size the kernel is cheap, so per-call time shows what each layer costs the host:
+compiled ``flex_attention`` called by hand (a ``create_block_mask`` BlockMask of the same
+Longformer predicate), ``sparse_attention(q, k, v, pattern, engine="flex")`` and
+``engine="auto"``, and the same two calls with the compiled call replaced by a stub that
+returns q: what is left is sparseattn's own Python (on CPU also without the finiteness checks,
+as on a GPU). On a GPU the calls are asynchronous: per-call time is the host's as long as the
+kernel is shorter. Each row: the least, over ``--repeats``, of the mean over ``--calls``
+back-to-back calls (noise only adds). On CPU the user path also checks q, k, v and the output
+finite (GPU: skipped); ``auto`` picks the block engine on CPU at this size.
+
+    python scripts/host_overhead.py --out docs/results/flex/host-overhead-cpu.json
+    python3 scripts/host_overhead.py --device cuda --out "$OUT/host-overhead-cuda.json"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import sparseattn as sa
+import sparseattn.attention as attention
+import sparseattn.engines.flex as flex_engine
+from sparseattn.results import timing_facts
+
+
+def per_call_us(call, device: str, calls: int, repeats: int) -> float:
+    for _ in range(5):
+        call()
+    best = float("inf")
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return round(best * 1e6, 1)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    n, w, g = args.n, args.n // 8, 2
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (t.to(args.device, dtype) for t in torch.randn(3, 1, 1, n, 16, generator=gen))
+
+    def by_hand(b, h, i, j):
+        return ((i - j).abs() <= w) | (i < g) | (j < g)
+
+    compiled = torch.compile(flex_attention)
+    block_mask = create_block_mask(by_hand, None, None, n, n, device=args.device)
+    pattern = sa.longformer(2 * w, g)
+    calls = {
+        "flex direct": lambda: compiled(q, k, v, block_mask=block_mask),
+        "sparseattn flex": lambda: sa.sparse_attention(q, k, v, pattern, engine="flex"),
+        "sparseattn auto": lambda: sa.sparse_attention(q, k, v, pattern),
+    }
+    row: dict = {"n": n, "shape": [1, 1, n, 16], "dtype": str(dtype).removeprefix("torch.")}
+    with torch.no_grad():
+        for name, call in calls.items():
+            row[f"{name} us"] = per_call_us(call, args.device, args.calls, args.repeats)
+        compiled_call = flex_engine._compiled
+        flex_engine._compiled = lambda dynamic: lambda q, k, v, *rest: q
+        host_checks = attention._host_checks
+        try:
+            for name in ("sparseattn flex", "sparseattn auto"):
+                stubbed = per_call_us(calls[name], args.device, args.calls, args.repeats)
+                row[f"{name}, call stubbed us"] = stubbed
+            if args.device == "cpu":  # as on a GPU: no finiteness checks
+                attention._host_checks = lambda t: False
+                stubbed = per_call_us(calls["sparseattn flex"], "cpu", args.calls, args.repeats)
+                row["sparseattn flex, call stubbed, no host checks us"] = stubbed
+        finally:
+            flex_engine._compiled = compiled_call
+            attention._host_checks = host_checks
+    row["flex over direct us"] = round(row["sparseattn flex us"] - row["flex direct us"], 1)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--n", type=int, default=128)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=None, help="JSON file for the row and machine facts")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    facts = timing_facts(args.threads)
+    facts["commit"] = subprocess.run(
+        ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    if args.device == "cuda":
+        facts["gpu"] = torch.cuda.get_device_name(0)
+    row = measure(args)
+    facts["load after"] = os.getloadavg()[0]
+    print(json.dumps(row), flush=True)
+    print(json.dumps(facts))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"facts": facts, "row": row}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
