@@ -480,3 +480,23 @@ def test_sparsefinder_timing_numbers_come_from_the_kept_run() -> None:
         ]
         want += [f"{r['ratio_total_to_full']:.2f}", f"{r['total_seconds'] / fast:.2f}"]
         assert cells[2:] == want, (r["n"], r["method"], cells[2:], want)
+
+
+def test_host_overhead_numbers_come_from_the_kept_runs() -> None:
+    """docs/engines.md's host time per call, before and after de9853d, from the two rows."""
+    keys = (
+        "flex direct us",
+        "sparseattn flex us",
+        "sparseattn flex, call stubbed us",
+        "sparseattn flex, call stubbed, no host checks us",
+        "sparseattn auto us",
+    )
+    runs = [
+        json.loads((ROOT / f"docs/results/flex/host-overhead-cpu-{c}.json").read_text())["row"]
+        for c in ("9b099b5", "de9853d")
+    ]
+    rows = _table_after("engines.md", "host-overhead-cpu-9b099b5.json")
+    assert len(rows) == len(keys)
+    for row, key in zip(rows, keys, strict=True):
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        assert cells == [f"{run[key]:.1f}" for run in runs], row
