@@ -91,7 +91,8 @@ GPU_SUITES = {
         tiles_ns=(32768,),
         samples=3,
     ),
-    # issue 26's targets alone: the sparse-map section at 8192 and 32768
+    # issue 26's targets alone: the sparse-map section at 8192 and 32768, then the number of
+    # per-tile maxima that start the threshold search (TOPK 8, the default, against 16, 32)
     "gpu-entmax": GpuSuite(
         "gpu-entmax",
         ns=(),
@@ -99,9 +100,13 @@ GPU_SUITES = {
         package_max_n=8192,
         calibrate_ns=(),
         entmax_ns=(8192, 32768),
-        tiles_ns=(),
+        tiles_ns=(32768,),
         module_ns=(),
         stream_ns=(),
+        tile_blocks=(),
+        tile_warps=(),
+        tile_stages=(),
+        tile_topks=(8, 16, 32),
         samples=3,
     ),
     # the host's share at short lengths: main and module at 8192, interleaved, and the stream
