@@ -100,6 +100,7 @@ def main() -> None:
     facts["commit"] = subprocess.run(
         ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
     ).stdout.strip()
+    facts["torch.compile takes recompile_limit"] = flex_engine._COMPILE_HAS_LIMIT
     if args.device == "cuda":
         facts["gpu"] = torch.cuda.get_device_name(0)
     row = measure(args)

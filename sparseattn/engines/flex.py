@@ -320,7 +320,7 @@ def forget_shapes() -> None:
 #: uncompiled (an unfused O(n²) FlexAttention): tables compile one kernel per (shape, table
 #: bucket), more than dynamo's default of 8.
 RECOMPILE_LIMIT = 64
-#: Whether ``torch.compile`` takes a per-call ``recompile_limit`` (torch ≥ 2.12).
+#: Whether ``torch.compile`` takes a per-call ``recompile_limit`` (torch 2.13 does).
 _COMPILE_HAS_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
@@ -328,8 +328,8 @@ _COMPILE_HAS_LIMIT = "recompile_limit" in inspect.signature(torch.compile).param
 def _compiled(dynamic: bool | None):
     """Compiled :func:`_flex` (:func:`_flex_generic` for ``dynamic=True``; see
     :func:`_dynamic`), allowed :data:`RECOMPILE_LIMIT` recompiles: by ``torch.compile``'s own
-    ``recompile_limit`` where it has one (torch ≥ 2.12), else with dynamo's global limit raised
-    around each call."""
+    ``recompile_limit`` where it has one, else with dynamo's global limit raised around each
+    call."""
     if not _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
