@@ -435,7 +435,8 @@ def _package(suite, rows, log, base, graph, q, k, v, scale) -> None:
 
 def _entmax(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     """Sparse maps against their anchors, bf16: 1.5-entmax by the Triton kernels on the
-    Longformer pattern beside softmax (flex engine) on the same pattern; causal 1.5-entmax over
+    Longformer pattern beside softmax (flex engine) on the same pattern, and both on its window
+    alone (whose query blocks all visit about as many key blocks); causal 1.5-entmax over
     all keys (``dense().causal()``, no graph) beside SDPA causal and AdaSplash (its wheel, when
     installed); dense 1.5-entmax beside SDPA dense and AdaSplash; the entmax package on the
     full scores where they fit."""
@@ -462,6 +463,9 @@ def _entmax(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     timed = {
         "longformer entmax15": ours(longformer, "entmax15"),
         "longformer softmax (flex)": ours(longformer, "softmax", "flex"),
+        # the same window without the global tokens: no query block visits every key block
+        "window entmax15": ours(sa.window(suite.window), "entmax15"),
+        "window softmax (flex)": ours(sa.window(suite.window), "softmax", "flex"),
         "causal entmax15 (ours)": ours(sa.dense().causal(), "entmax15"),
         "causal sdpa": sdpa(True),
         "dense entmax15 (ours)": ours(sa.dense(), "entmax15"),
@@ -675,9 +679,9 @@ def markdown(data: dict) -> str:
     if ent:
         lines += _table_head(
             "Sparse maps (bf16, (1, 8, n, 64), ms; targets at n = 32768, fwd+bwd)",
-            ["n", "mode", "longformer entmax15 (auto)", "/ softmax flex (≤ 2)", "causal entmax15",
-             "/ SDPA causal (≤ 1.2)", "/ AdaSplash causal (< 1)", "dense entmax15",
-             "/ SDPA dense", "/ AdaSplash dense"],
+            ["n", "mode", "longformer entmax15 (auto)", "/ softmax flex (≤ 2)", "window entmax15",
+             "/ window flex", "causal entmax15", "/ SDPA causal (≤ 1.2)",
+             "/ AdaSplash causal (< 1)", "dense entmax15", "/ SDPA dense", "/ AdaSplash dense"],
         )  # fmt: skip
         for n, mode in sorted({(r["n"], r["mode"]) for r in ent}):
             t = {r["who"]: r.get("time_s") for r in ent if (r["n"], r["mode"]) == (n, mode)}
@@ -689,6 +693,8 @@ def markdown(data: dict) -> str:
             lines.append(
                 f"| {n} | {mode} | {ms('longformer entmax15')} | "
                 f"{ratio('longformer entmax15', 'longformer softmax (flex)')} | "
+                f"{ms('window entmax15')} | "
+                f"{ratio('window entmax15', 'window softmax (flex)')} | "
                 f"{ms('causal entmax15 (ours)')} | "
                 f"{ratio('causal entmax15 (ours)', 'causal sdpa')} | "
                 f"{ratio('causal entmax15 (ours)', 'causal adasplash')} | "

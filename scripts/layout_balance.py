@@ -1,0 +1,50 @@
+"""How evenly a pattern's block layout spreads the Triton entmax kernels' work over programs.
+
+One program per (query block, head) walks its query block's key blocks (pairs) one after the
+other, several times in the forward (pass 0, the threshold passes, the last pass) and once in
+the backward's dq. A query block that visits far more key blocks than the others — the block
+of a Longformer's or BigBird's global query tokens visits every key block — is one long serial
+program. This prints, per pattern and length, the pairs per query block (mean and max) and the
+longest program's pairs over one SM's share of the whole launch (total pairs · heads / SMs):
+above 1, the launch cannot end before that one program, however the others are scheduled.
+Device-independent (the layout only); the SM count is a parameter (132: the H100 SXM).
+
+    python scripts/layout_balance.py > docs/results/engines/layout-balance/block64.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import sparseattn as sa
+from sparseattn.engines.triton_entmax import graph_layout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ns", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--sms", type=int, default=132)
+    args = parser.parse_args()
+    patterns = {
+        "longformer(512, 16)": sa.longformer(512, 16),
+        "window(512)": sa.window(512),
+        "bigbird(192, 16, 3, 64)": sa.bigbird(192, 16, 3, 64),
+    }
+    print(f"block {args.block}, {args.heads} heads, {args.sms} SMs")
+    print("| pattern | n | query blocks | pairs per query block: mean | max | max / SM share |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, pattern in patterns.items():
+        for n in args.ns:
+            layout = graph_layout(pattern.graph(n), args.block)
+            per = (layout.row_ptr[1:] - layout.row_ptr[:-1]).double()
+            share = per.sum().item() * args.heads / args.sms
+            print(
+                f"| {name} | {n} | {per.numel()} | {per.mean().item():.1f} | "
+                f"{per.max().item():.0f} | {per.max().item() / share:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
