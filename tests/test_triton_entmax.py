@@ -226,6 +226,68 @@ def test_per_head_graphs():
     check(out, q, k, v, _dense_mask(graph, 1, 2), 2.0, 0.25)
 
 
+def test_split_plan_cuts_long_query_blocks_into_chunks():
+    """The query block of Longformer's global tokens visits every key block: it alone is
+    split, into chunks that cover its pairs once, in order; the main kernel's range of it is
+    left empty."""
+    n, block = 384, 16
+    layout = te.graph_layout(sa.longformer(16, 2).graph(n), block)
+    plan = te.split_plan(layout, 3.0, torch.device("cpu"))
+    assert plan is te.split_plan(layout, 3.0, torch.device("cpu"))  # cached
+    row_ptr = layout.row_ptr.long()
+    assert plan.long_rb.tolist() == [0] and plan.long_c0.tolist() == [0]
+    assert plan.long_c1.tolist() == [plan.ch_rb.numel()] == [3]
+    assert plan.ch_start[0] == row_ptr[0] and plan.ch_end[-1] == row_ptr[1] == 24
+    assert (plan.ch_start[1:] == plan.ch_end[:-1]).all()
+    assert plan.row_end[0] == row_ptr[0] and (plan.row_end[1:] == row_ptr[2:].int()).all()
+    assert te.split_plan(te.graph_layout(sa.window(16).graph(n), block), 3.0, "cpu") is None
+
+
+def _counting_splits(monkeypatch) -> list:
+    calls: list = []
+    real = te._launch_split
+    monkeypatch.setattr(te, "_launch_split", lambda plan, *a: calls.append(plan) or real(plan, *a))
+    return calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", list(MAPS))
+def test_split_query_blocks(name, monkeypatch):
+    """The global tokens' query block split into chunks (``tuning(split_long=…)``: one
+    program per chunk, each pass one launch, the chunks' sums merged between passes) gives
+    the reference's outputs and gradients, and what the unsplit kernel gives."""
+    alpha, prob_map = MAPS[name]
+    n = 256
+    graph = sa.longformer(16, 2).graph(n)
+    q, k, v = inputs(1, 2, n, n, 16, seed=12)
+    splits = _counting_splits(monkeypatch)
+    with te.tuning(split_long=3.0):
+        out = te.triton_entmax_attention(q, k, v, graph, prob_map, 0.25, block=16)
+    assert [plan.ch_rb.numel() for plan in splits] == [2]
+    tol = 1e-4 if alpha == 1.25 else 2e-5
+    check(out, q, k, v, _dense_mask(graph, 1, 2), alpha, 0.25, atol=tol, gtol=10 * tol)
+    whole = te.triton_entmax_attention(q, k, v, graph, prob_map, 0.25, block=16)
+    torch.testing.assert_close(out, whole, atol=tol, rtol=0)
+
+
+@needs_kernels
+def test_split_query_blocks_per_head_graphs_key_padding(monkeypatch):
+    """A batched graph where one head's layout has a long query block and the other's has
+    none (the split kernels' programs of the other head do nothing), with key padding."""
+    n = 256
+    splits = _counting_splits(monkeypatch)
+    graph = sa.split_heads(sa.longformer(16, 2), sa.window(16)).graph(n, num_heads=2)
+    q, k, v = inputs(2, 2, n, n, 16, seed=13)
+    kpm = torch.ones(2, n, dtype=torch.bool, device=DEVICE)
+    kpm[1, 200:] = False
+    kpm[0, 1] = False  # a global token's key
+    allowed = _dense_mask(graph, 2, 2) & kpm[:, None, None, :]
+    with te.tuning(split_long=3.0):
+        out = te.triton_entmax_attention(q, k, v, graph, sa.entmax(1.5), 0.25, kpm, block=16)
+    assert len(splits) == 1
+    check(out, q, k, v, allowed, 1.5, 0.25)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @needs_kernels
 def test_half_precision(dtype):
@@ -356,10 +418,10 @@ from sparseattn.engines import _entmax_kernels as kern
 from sparseattn.engines.triton_entmax import MAX_IT, TOPK
 
 types = {
-    **dict.fromkeys(("n_q", "n_k", "H", "HKV", "nbq", "nbk", "n_pairs"), "i32"),
+    **dict.fromkeys(("n_q", "n_k", "H", "HKV", "nbq", "nbk", "n_pairs", "n_chunks", "BH"), "i32"),
     **dict.fromkeys(("mul", "scale", "AM1", "R"), "fp32"),
     **dict.fromkeys(("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_"), "*bf16"),
-    **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX"), "*fp32"),
+    **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX", "PART", "STATE", "ACC", "GACC"), "*fp32"),
     **dict.fromkeys(("NZ", "KPM"), "*i8"),
     "MASKS": "*i64",
 }
@@ -369,8 +431,16 @@ specs = [
     (kern._forward, {"MODE": 1, "NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": "tf32",
                      "SKIP": True}),
     (kern._backward_dkdv, {"MODE": 0, "GROUP": 2, "PREC": "tf32"}),
+    (kern._split_sums, {"MODE": 1, "PREC": "tf32", "SKIP": True}),
 ]
 if sys.argv[1] == "all":
+    specs += [
+        (kern._split_pass0, {"MODE": 1, "TOPK": TOPK, "PREC": "tf32"}),
+        (kern._split_init, {}),
+        (kern._split_update, {"MODE": 1}),
+        (kern._split_last, {"MODE": 1, "NEED_GRAD": True, "PREC": "tf32"}),
+        (kern._split_finish, {"MODE": 1, "NEED_GRAD": True}),
+    ]
     specs += [
         (kern._forward, {"MODE": m, "NEED_GRAD": g, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": p,
                          "SKIP": skip})
@@ -380,7 +450,7 @@ if sys.argv[1] == "all":
     specs += [(kern._backward_dq, {"MODE": m, "PREC": "tf32"}) for m in (0, 1, 2)]
     specs += [(kern._backward_dkdv, {"MODE": m, "GROUP": 1, "PREC": "tf32"}) for m in (1, 2)]
 for fn, extra in specs:
-    constexprs = {**consts, **extra}
+    constexprs = {k: v for k, v in {**consts, **extra}.items() if k in fn.arg_names}
     signature = {a: "constexpr" if a in constexprs else types.get(a, "*i32") for a in fn.arg_names}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     assert "cubin" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm
@@ -403,8 +473,8 @@ def test_compiles_for_h100(which):
     """The kernels compile (to a cubin for sm_90, by triton's own ptxas; no GPU needed) with
     constexprs the engine uses: what the interpreter accepts, the compiler must accept too.
     In a fresh process, since this one's triton may be the interpreter's. ``main``: the
-    1.5-entmax forward with gradients and the general-α dK/dV kernel (~10 s of CPU);
-    ``all`` (slow): every map × kernel."""
+    1.5-entmax forward with gradients, the general-α dK/dV kernel and the split blocks' pass
+    (~15 s of CPU); ``all`` (slow): every map × kernel."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(te.__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
@@ -417,4 +487,4 @@ def test_compiles_for_h100(which):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"compiled {2 if which == 'main' else 10}" in done.stdout
+    assert f"compiled {3 if which == 'main' else 16}" in done.stdout

@@ -74,6 +74,9 @@ class GpuSuite:
     tile_stages: tuple[int, ...] = (2, 3)
     #: the per-tile maxima kept per row for the threshold's start (``triton_entmax.TOPK``)
     tile_topks: tuple[int, ...] = (16, 32)
+    #: split the query blocks above this many times the mean key blocks
+    #: (``triton_entmax.SPLIT_LONG``; Longformer's global tokens' block)
+    tile_splits: tuple[float, ...] = (4.0,)
     #: strength of the positional locality of the tiles section's peaked case
     locality: float = 1.5
     samples: int = 5
@@ -567,6 +570,10 @@ def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
             for stages in suite.tile_stages
         ]
         + [(f"block 64, top {topk}", {"block": 64, "topk": topk}) for topk in suite.tile_topks]
+        + [
+            (f"block 64, split long x{factor:g}", {"block": 64, "split_long": factor})
+            for factor in suite.tile_splits
+        ]
     )
     for name, (pattern, inputs) in cases.items():
         fn = lambda p=pattern, i=inputs: sa.sparse_attention(*i, p, prob_map="entmax15")  # noqa: E731

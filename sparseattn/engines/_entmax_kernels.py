@@ -6,7 +6,7 @@ appendix B.3; Peters et al. 2019, whose closed form of α-entmax this is): for e
     p_ij = [z_ij − τ_i]₊^r,  r = 1/(α − 1),  z_ij = (α − 1) · scale · q_i·k_j,  Σ_j p_ij = 1,
 
 with j running over the key blocks the row's query block visits (elements masked out by a
-partial block's tile, key padding or the sequence ends take no part). Three kernels:
+partial block's tile, key padding or the sequence ends take no part). The kernels:
 
 * ``_forward``: one program per (query block, batch·head). Pass 0 finds each row's max m_i, number
   of keys and each tile's largest score; then τ (shifted by m, so τ ∈ [−1, −n^{1−α}]) by passes over
@@ -21,6 +21,10 @@ partial block's tile, key padding or the sequence ends take no part). Three kern
   A last pass accumulates p·V over the tiles that hold a non-zero (the others skip the value
   product) and, when gradients are needed, g·V with g = p^{2−α}, Σg and one byte per (row block, key
   block) pair: whether the pair holds a non-zero weight.
+* ``_split_*``: the query blocks that visit far more key blocks than the others (the global
+  tokens' block), when ``triton_entmax.SPLIT_LONG`` is set: the same passes over chunks of
+  their pairs, one program per chunk, one launch per pass, the chunks' sums merged between
+  passes (the comment above ``_chunk``).
 * ``_backward_dq``: one program per (query block, batch·head); ``_backward_dkdv``: one per (key
   block, batch·kv head), looping over the query heads of its GQA group and over the query blocks
   that visit the key block (the layout's columns). Both reuse τ and skip the pairs without
@@ -163,28 +167,6 @@ def _grads(s, ok, whole, tau, do, v, delta, R, MODE: tl.constexpr, PREC: tl.cons
 
 
 @triton.jit
-def _row_block(GIDX, ROW_PTR, K, V, KPM, H, HKV, nbq, n_q, n_k, D: tl.constexpr,
-               DV: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """What a program of a query block (grid (nbq, B·H)) works on: its query block qb and
-    batch·head bh, the range [start, end) of its row's pairs in its layout graph, its query
-    rows and which are inside the sequence, and K, V and KPM moved to its key/value head
-    (b·HKV + h // (H / HKV)) and batch."""
-    qb = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    bkv = b * HKV + h // (H // HKV)
-    g = tl.load(GIDX + bh)
-    start = tl.load(ROW_PTR + g * nbq + qb)
-    end = tl.load(ROW_PTR + g * nbq + qb + 1)
-    rows = qb * BLOCK + tl.arange(0, BLOCK)
-    K_h = K + bkv.to(tl.int64) * n_k * D
-    V_h = V + bkv.to(tl.int64) * n_k * DV
-    KPM_b = KPM + b.to(tl.int64) * n_k
-    return qb, bh, start, end, rows, rows < n_q, K_h, V_h, KPM_b
-
-
-@triton.jit
 def _grad_rows(Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D: tl.constexpr, DV: tl.constexpr,
                BD: tl.constexpr, BDV: tl.constexpr):  # fmt: skip
     """What the backward reads of query rows ``rows`` of batch·head bh: q, dO, τ (+inf past
@@ -279,26 +261,36 @@ def _start(x, R, BLOCK: tl.constexpr, MODE: tl.constexpr, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _forward(
-    Q, K, V, O, TAU, GV, NZ, TMAX, PASSES,
-    ROW_PTR, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
-    n_q, n_k, H, HKV, nbq, n_pairs,
-    mul, AM1, R,
-    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
-    NEED_GRAD: tl.constexpr,
-    MAX_IT: tl.constexpr, TOPK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    SKIP: tl.constexpr,
-):  # fmt: skip
-    qb, bh, start, end, rows, row_ok, K_h, V_h, KPM_b = _row_block(
-        GIDX, ROW_PTR, K, V, KPM, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
-    )
-    pair_base = bh.to(tl.int64) * n_pairs
-    q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
-    rows_in = (qb + 1) * BLOCK <= n_q
+def _program(qb, bh, K, V, KPM, H, HKV, n_q, n_k, D: tl.constexpr, DV: tl.constexpr,
+             BLOCK: tl.constexpr):  # fmt: skip
+    """What a program on query block qb of batch·head bh works on: its query rows, which are
+    inside the sequence, whether the whole block is, and K, V and KPM moved to its key/value
+    head (b·HKV + h // (H / HKV)) and batch."""
+    b = bh // H
+    bkv = b * HKV + (bh % H) // (H // HKV)
+    rows = qb * BLOCK + tl.arange(0, BLOCK)
+    K_h = K + bkv.to(tl.int64) * n_k * D
+    V_h = V + bkv.to(tl.int64) * n_k * DV
+    return rows, rows < n_q, (qb + 1) * BLOCK <= n_q, K_h, V_h, KPM + b.to(tl.int64) * n_k
 
-    # pass 0: row max m, number of keys n of every row, each tile's largest score, and the
-    # TOPK largest of each row's per-tile maxima (a subset of the row: a start for τ)
+
+@triton.jit
+def _pairs(ROW_PTR, ROW_END, GIDX, bh, qb, nbq):
+    """The range [start, end) of query block qb's pairs in bh's layout graph (``ROW_END``:
+    each row block's end, ``ROW_PTR + 1`` unless some are left to the split kernels)."""
+    g = tl.load(GIDX + bh)
+    return tl.load(ROW_PTR + g * nbq + qb), tl.load(ROW_END + g * nbq + qb)
+
+
+@triton.jit
+def _pass0(start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k,
+           mul, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr,
+           PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
+           TOPK: tl.constexpr):  # fmt: skip
+    """Pass 0 over the pairs [start, end): each row's max m (−inf without keys), its number
+    of keys (α ∉ {1.5, 2} only: it bounds τ from above), the (BLOCK, TOPK) tile of its TOPK
+    largest per-tile maxima (a subset of the row: a start for τ), and each tile's largest
+    score, stored at TMAX_b + p."""
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     cnt = tl.zeros((BLOCK,), tl.float32)
     top = ()  # TOPK (BLOCK,) vectors, descending: (BLOCK,) vectors stay in the scores' layout
@@ -312,91 +304,108 @@ def _forward(
         s = _masked(s, ok, whole, -float("inf"))
         t = tl.max(s, 1)
         m = tl.maximum(m, t)
-        if MODE == 0:  # the number of keys bounds τ from above (r ≠ 1, 2 only)
+        if MODE == 0:
             cnt += tl.sum((s > float("-inf")).to(tl.float32), 1)  # from s: in its layout
-        tl.store(TMAX + pair_base + p, tl.max(t, 0))  # the tile's largest score
+        tl.store(TMAX_b + p, tl.max(t, 0))
         top = _insert(top, t, TOPK)
-    has = m > float("-inf")
-    m = tl.where(has, m, 0.0)
+    return m, cnt, _stack(top, BLOCK, TOPK)
 
-    # threshold τ of x = z − m: f(−1) ≥ 0 ≥ f(−n^{1−α}); start at the subset's lower bound
-    tau = _start(_stack(top, BLOCK, TOPK) - m[:, None], R, BLOCK, MODE, TOPK)
-    lo = tau
-    hi = tl.where(has, -tl.exp2(-AM1 * tl.log2(tl.maximum(cnt, 1.0))), 0.0)
-    done = ~has
-    it = 0
-    while (it < MAX_IT) & (tl.sum((~done).to(tl.int32), 0) > 0):
-        c0 = tl.zeros((BLOCK,), tl.float32)
-        s1 = tl.zeros((BLOCK,), tl.float32)
-        s2 = tl.zeros((BLOCK,), tl.float32)
-        y_in = tl.full((BLOCK,), float("inf"), tl.float32)
-        # the pass compares the scores with the absolute threshold m + τ (one fused
-        # multiply-add per score), which rounds τ to the float spacing of m
-        t_abs = m + tau
-        # τ only grows (Newton from the left; for α > 2 the bracket's lo): a tile whose largest
-        # score is below every open row's m + τ holds none of their supports: skip it
-        floor = tl.min(tl.where(has & ~done, m + (lo if MODE == 0 else tau), float("inf")), 0)
-        for p in range(start, end):
-            visit = True
-            if SKIP:  # a branch per tile: its loads cannot be pipelined
-                visit = tl.load(TMAX + pair_base + p) > floor
-            if visit:
-                s, ok, whole, k, cols = _scores(
-                    p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k, mul,
-                    D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
-                )  # fmt: skip
-                y = _masked(s - t_abs[:, None], ok, whole, -float("inf"))  # x − τ, x = z − m
-                d = tl.maximum(y, 0.0)
-                pos = y > 0.0
-                c0 += tl.sum(pos.to(tl.float32), 1)
-                if MODE == 0:
-                    s1 += tl.sum(_weights(d, R, 0), 1)
-                    s2 += tl.sum(_slopes(d, R, 0), 1)
-                else:
-                    s1 += tl.sum(d, 1)
-                    s2 += tl.sum(d * d, 1)
-                    y_in = tl.minimum(y_in, tl.min(tl.where(pos, y, float("inf")), 1))
-        c0 = tl.maximum(c0, 1.0)
-        x_in = tau + y_in  # the least score of S, shifted by m
-        # the closed form τ_S on S = {x > τ} is exact when S keeps every x ≥ τ_S and no x < τ_S:
-        # the scores outside S are ≤ τ, so τ ≤ τ_S (true from the left) replaces their max
-        if MODE == 2:  # Michelot: the Newton step is the closed form on S
-            new = tau + (s1 - 1.0) / c0
-            exact = (tau <= new + EPS) & (new <= x_in + EPS)
-        elif MODE == 1:
-            disc = s1 * s1 - c0 * (s2 - 1.0)
-            t_s = tau + (s1 - tl.sqrt(tl.maximum(disc, 0.0))) / c0
-            exact = (disc >= 0) & (tau <= t_s + EPS) & (t_s <= x_in + EPS)
-            nrm = tl.sqrt(s2)
-            new = tl.where(exact, t_s, tau + (nrm - 1.0) * nrm / tl.maximum(s1, 1e-30))
-        else:
-            f = s1 - 1.0
-            lo = tl.where(f >= 0, tl.maximum(lo, tau), lo)
-            hi = tl.where(f < 0, tl.minimum(hi, tau), hi)
-            # r > 1: Newton on the convex ‖d‖_r − 1 (monotone from the left); r < 1: on f
-            nrm = tl.exp2(AM1 * tl.log2(tl.maximum(s1, 1e-30)))  # (Σ d^r)^{1/r}
-            step_g = (nrm - 1.0) * s1 / tl.maximum(nrm * s2, 1e-30)
-            step_f = f / tl.maximum(R * s2, 1e-30)
-            new = tau + tl.where(R > 1.0, step_g, step_f)
-            keep = ((new > lo) & (new < hi)) | (tl.abs(new - tau) <= TOL)  # False for NaN
-            new = tl.where(keep, new, 0.5 * (lo + hi))
-            exact = f == 0
-        # converged: exact, or a step below TOL or below two float spacings of the absolute
-        # threshold m + τ, on which the passes compare (it exceeds TOL for |m| > 1)
-        conv = exact | (tl.abs(new - tau) <= TOL + 2.4e-7 * tl.abs(m))
-        tau = tl.where(done, tau, new)
-        done = done | conv
-        it += 1
 
-    # last pass: out = Σ p V (and for the backward Σ g V / Σ g and the non-zero pairs)
-    tau_abs = tl.where(has, m + tau, float("inf"))
+@triton.jit
+def _floor(done, m, tau, lo, MODE: tl.constexpr):
+    """τ only grows (Newton from the left; for α > 2 the bracket's lo): a tile whose largest
+    score is below every open row's m + τ holds none of their supports."""
+    return tl.min(tl.where(~done, m + (lo if MODE == 0 else tau), float("inf")), 0)
+
+
+@triton.jit
+def _sums(start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k,
+          mul, t_abs, floor, R, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
+          HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr, PREC: tl.constexpr,
+          UPCAST: tl.constexpr, MODE: tl.constexpr, SKIP: tl.constexpr):  # fmt: skip
+    """A threshold pass over the pairs [start, end) at the absolute threshold t_abs = m + τ
+    (one fused multiply-add per score, which rounds τ to the float spacing of m): per row
+    |S|, Σ d^r (Σ d), Σ d^{r−1} (Σ d²) and the least y of S, with y = x − τ, d = [y]₊ and
+    S = {y > 0}. ``SKIP``: tiles whose largest score is below ``floor`` are skipped (a branch
+    per tile, so their loads cannot be pipelined)."""
+    c0 = tl.zeros((BLOCK,), tl.float32)
+    s1 = tl.zeros((BLOCK,), tl.float32)
+    s2 = tl.zeros((BLOCK,), tl.float32)
+    y_in = tl.full((BLOCK,), float("inf"), tl.float32)
+    for p in range(start, end):
+        visit = True
+        if SKIP:
+            visit = tl.load(TMAX_b + p) > floor
+        if visit:
+            s, ok, whole, k, cols = _scores(
+                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k, mul,
+                D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
+            )  # fmt: skip
+            y = _masked(s - t_abs[:, None], ok, whole, -float("inf"))  # x − τ, x = z − m
+            d = tl.maximum(y, 0.0)
+            pos = y > 0.0
+            c0 += tl.sum(pos.to(tl.float32), 1)
+            if MODE == 0:
+                s1 += tl.sum(_weights(d, R, 0), 1)
+                s2 += tl.sum(_slopes(d, R, 0), 1)
+            else:
+                s1 += tl.sum(d, 1)
+                s2 += tl.sum(d * d, 1)
+                y_in = tl.minimum(y_in, tl.min(tl.where(pos, y, float("inf")), 1))
+    return c0, s1, s2, y_in
+
+
+@triton.jit
+def _update(tau, lo, hi, done, m, c0, s1, s2, y_in, AM1, R, MODE: tl.constexpr):
+    """One step of the threshold search from a pass's sums (:func:`_sums`) at τ; returns
+    (τ, lo, hi, done). The closed form τ_S on S = {x > τ} is exact when S keeps every x ≥ τ_S
+    and no x < τ_S: the scores outside S are ≤ τ, so τ ≤ τ_S (true from the left) replaces
+    their max."""
+    c0 = tl.maximum(c0, 1.0)
+    x_in = tau + y_in  # the least score of S, shifted by m
+    if MODE == 2:  # Michelot: the Newton step is the closed form on S
+        new = tau + (s1 - 1.0) / c0
+        exact = (tau <= new + EPS) & (new <= x_in + EPS)
+    elif MODE == 1:
+        disc = s1 * s1 - c0 * (s2 - 1.0)
+        t_s = tau + (s1 - tl.sqrt(tl.maximum(disc, 0.0))) / c0
+        exact = (disc >= 0) & (tau <= t_s + EPS) & (t_s <= x_in + EPS)
+        nrm = tl.sqrt(s2)
+        new = tl.where(exact, t_s, tau + (nrm - 1.0) * nrm / tl.maximum(s1, 1e-30))
+    else:
+        f = s1 - 1.0
+        lo = tl.where(f >= 0, tl.maximum(lo, tau), lo)
+        hi = tl.where(f < 0, tl.minimum(hi, tau), hi)
+        # r > 1: Newton on the convex ‖d‖_r − 1 (monotone from the left); r < 1: on f
+        nrm = tl.exp2(AM1 * tl.log2(tl.maximum(s1, 1e-30)))  # (Σ d^r)^{1/r}
+        step_g = (nrm - 1.0) * s1 / tl.maximum(nrm * s2, 1e-30)
+        step_f = f / tl.maximum(R * s2, 1e-30)
+        new = tau + tl.where(R > 1.0, step_g, step_f)
+        keep = ((new > lo) & (new < hi)) | (tl.abs(new - tau) <= TOL)  # False for NaN
+        new = tl.where(keep, new, 0.5 * (lo + hi))
+        exact = f == 0
+    # converged: exact, or a step below TOL or below two float spacings of the absolute
+    # threshold m + τ, on which the passes compare (it exceeds TOL for |m| > 1)
+    conv = exact | (tl.abs(new - tau) <= TOL + 2.4e-7 * tl.abs(m))
+    return tl.where(done, tau, new), lo, hi, done | conv
+
+
+@triton.jit
+def _last(start, end, TMAX_b, NZ_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, V_h, KPM_b, row_ok,
+          rows_in, n_k, mul, tau_abs, R, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+          BDV: tl.constexpr, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
+          PREC: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
+          NEED_GRAD: tl.constexpr):  # fmt: skip
+    """The last pass over the pairs [start, end): Σ p V and Σ p per row, and for the backward
+    Σ g V, Σ g (g = p^{2−α}) and one byte per pair at NZ_b + p, whether it holds a non-zero.
+    Tiles below every row's threshold skip both products."""
     acc = tl.zeros((BLOCK, BDV), tl.float32)
     g_acc = tl.zeros((BLOCK, BDV), tl.float32)
     g_sum = tl.zeros((BLOCK,), tl.float32)
     p_sum = tl.zeros((BLOCK,), tl.float32)
     floor = tl.min(tau_abs, 0)
     for p in range(start, end):
-        nz = tl.load(TMAX + pair_base + p) > floor
+        nz = tl.load(TMAX_b + p) > floor
         if nz:  # else no row has a weight in this tile: skip both products
             s, ok, whole, k, cols = _scores(
                 p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k, mul,
@@ -414,16 +423,327 @@ def _forward(
                     g_sum += tl.sum(sl, 1)
                     g_acc += _mm(sl.to(v.dtype), v, PREC, UPCAST)
         if NEED_GRAD:
-            tl.store(NZ + pair_base + p, nz.to(tl.int8))
-    if MODE == 0:  # τ to float precision: renormalise, as bisection does
-        acc = acc / tl.where(p_sum > 0, p_sum, 1.0)[:, None]
+            tl.store(NZ_b + p, nz.to(tl.int8))
+    return acc, g_acc, g_sum, p_sum
+
+
+@triton.jit
+def _finish(O, TAU, GV, bh, rows, row_ok, n_q, acc, g_acc, g_sum, p_sum, tau_abs, open_,
+            DV: tl.constexpr, BDV: tl.constexpr, MODE: tl.constexpr, NEED_GRAD: tl.constexpr,
+            OPEN: tl.constexpr):  # fmt: skip
+    """Store a query block's output rows, τ, and for the backward Σ g V / Σ g. The rows are
+    divided by Σ p for α ∉ {1.5, 2} (τ to float precision, as bisection does) and, with
+    ``OPEN``, where a row is still ``open_`` (not converged in the passes allowed; the main
+    kernel leaves ``OPEN`` off: keeping its ``done`` live through the last pass cost 43 more
+    instructions per tile there, triton 3.9 for sm_90)."""
+    renorm = p_sum > 0
+    if MODE != 0:
+        if OPEN:  # noqa: SIM108 (a compile-time branch)
+            renorm = renorm & open_
+        else:
+            renorm = renorm & False
+    acc = tl.where(renorm[:, None], acc / tl.where(renorm, p_sum, 1.0)[:, None], acc)
     o_base = bh.to(tl.int64) * n_q * DV
     _put(O + o_base, rows, row_ok, acc, DV, BDV)
     tl.store(TAU + bh.to(tl.int64) * n_q + rows, tau_abs, mask=row_ok)
-    tl.store(PASSES + bh.to(tl.int64) * nbq + qb, it + tl.zeros((), tl.int32))
     if NEED_GRAD:
         g_acc = g_acc / tl.where(g_sum > 0, g_sum, 1.0)[:, None]
         _put(GV + o_base, rows, row_ok, g_acc, DV, BDV)
+
+
+@triton.jit
+def _forward(
+    Q, K, V, O, TAU, GV, NZ, TMAX, PASSES,
+    ROW_PTR, ROW_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    n_q, n_k, H, HKV, nbq, n_pairs,
+    mul, AM1, R,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
+    NEED_GRAD: tl.constexpr,
+    MAX_IT: tl.constexpr, TOPK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    SKIP: tl.constexpr,
+):  # fmt: skip
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    start, end = _pairs(ROW_PTR, ROW_END, GIDX, bh, qb, nbq)
+    rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV,
+                                                      BLOCK)  # fmt: skip
+    q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
+    TMAX_b = TMAX + bh.to(tl.int64) * n_pairs
+    m, cnt, top = _pass0(
+        start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k,
+        mul, D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST, MODE, TOPK,
+    )  # fmt: skip
+    has = m > float("-inf")
+    m = tl.where(has, m, 0.0)
+
+    # threshold τ of x = z − m: f(−1) ≥ 0 ≥ f(−n^{1−α}); start at the subset's lower bound
+    tau = _start(top - m[:, None], R, BLOCK, MODE, TOPK)
+    lo = tau
+    hi = tl.where(has, -tl.exp2(-AM1 * tl.log2(tl.maximum(cnt, 1.0))), 0.0)
+    done = ~has
+    it = 0
+    while (it < MAX_IT) & (tl.sum((~done).to(tl.int32), 0) > 0):
+        c0, s1, s2, y_in = _sums(
+            start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k,
+            mul, m + tau, _floor(done, m, tau, lo, MODE), R,
+            D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST, MODE, SKIP,
+        )  # fmt: skip
+        tau, lo, hi, done = _update(tau, lo, hi, done, m, c0, s1, s2, y_in, AM1, R, MODE)
+        it += 1
+
+    tau_abs = tl.where(has, m + tau, float("inf"))
+    acc, g_acc, g_sum, p_sum = _last(
+        start, end, TMAX_b, NZ + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q, K_h,
+        V_h, KPM_b, row_ok, rows_in, n_k, mul, tau_abs, R,
+        D, DV, BD, BDV, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST, MODE, NEED_GRAD,
+    )  # fmt: skip
+    _finish(O, TAU, GV, bh, rows, row_ok, n_q, acc, g_acc, g_sum, p_sum, tau_abs, None,
+            DV, BDV, MODE, NEED_GRAD, False)  # fmt: skip
+    tl.store(PASSES + bh.to(tl.int64) * nbq + qb, it + tl.zeros((), tl.int32))
+
+
+# ------------------------------------------------------------------ split query blocks
+# A query block that visits far more key blocks than the others (the global tokens of a
+# Longformer or BigBird visit all of them) would be one long serial program. Its pairs are
+# cut into chunks, one program per (chunk, batch·head), and the passes run as one launch
+# each: a chunk kernel writes each row's partial sums of its chunk to PART (B·H, chunks, 4,
+# BLOCK), and a merge kernel (one program per split query block and batch·head) adds them
+# and updates the row's state in STATE (6, B·H, n_q): m, τ, lo, hi, done, has. Chunk c
+# covers pairs CH_START[c] : CH_END[c] of row block CH_RB[c] (= g·nbq + query block);
+# split row block r is LONG_RB[r], its chunks LONG_C0[r] : LONG_C1[r].
+@triton.jit
+def _chunk(c, bh, CH_RB, CH_START, CH_END, GIDX, nbq):
+    """(query block, first pair, end pair, whether chunk c belongs to bh's layout graph)."""
+    rb = tl.load(CH_RB + c)
+    return rb % nbq, tl.load(CH_START + c), tl.load(CH_END + c), rb // nbq == tl.load(GIDX + bh)
+
+
+@triton.jit
+def _state(STATE, bh, rows, row_ok, n_q, BH):
+    """The rows' (m, τ, lo, hi, done, has) from STATE."""
+    at = STATE + bh.to(tl.int64) * n_q + rows
+    plane = BH.to(tl.int64) * n_q
+    m = tl.load(at, mask=row_ok, other=0.0)
+    tau = tl.load(at + plane, mask=row_ok, other=0.0)
+    lo = tl.load(at + 2 * plane, mask=row_ok, other=0.0)
+    hi = tl.load(at + 3 * plane, mask=row_ok, other=0.0)
+    done = tl.load(at + 4 * plane, mask=row_ok, other=1.0) != 0
+    has = tl.load(at + 5 * plane, mask=row_ok, other=0.0) != 0
+    return m, tau, lo, hi, done, has
+
+
+@triton.jit
+def _put_state(STATE, bh, rows, row_ok, n_q, BH, m, tau, lo, hi, done, has):
+    at = STATE + bh.to(tl.int64) * n_q + rows
+    plane = BH.to(tl.int64) * n_q
+    tl.store(at, m, mask=row_ok)
+    tl.store(at + plane, tau, mask=row_ok)
+    tl.store(at + 2 * plane, lo, mask=row_ok)
+    tl.store(at + 3 * plane, hi, mask=row_ok)
+    tl.store(at + 4 * plane, done.to(tl.float32), mask=row_ok)
+    tl.store(at + 5 * plane, has.to(tl.float32), mask=row_ok)
+
+
+@triton.jit
+def _split_pass0(
+    Q, K, V, TMAX, PART,
+    CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    n_q, n_k, H, HKV, nbq, n_pairs, n_chunks,
+    mul, R,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
+    MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr, TOPK: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Pass 0 of one chunk: its rows' max, key count and the absolute start threshold of its
+    per-tile maxima (a subset of the row, so a lower bound of the row's τ + m)."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    qb, start, end, mine = _chunk(c, bh, CH_RB, CH_START, CH_END, GIDX, nbq)
+    if mine:
+        rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(
+            qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV, BLOCK
+        )
+        q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
+        m, cnt, top = _pass0(
+            start, end, TMAX + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q, K_h,
+            KPM_b, row_ok, rows_in, n_k, mul, D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
+            MODE, TOPK,
+        )  # fmt: skip
+        has = m > float("-inf")
+        m0 = tl.where(has, m, 0.0)
+        t0 = tl.where(has, m0 + _start(top - m0[:, None], R, BLOCK, MODE, TOPK), -float("inf"))
+        offs = tl.arange(0, BLOCK)
+        part = PART + (bh.to(tl.int64) * n_chunks + c) * 4 * BLOCK + offs
+        tl.store(part, m)
+        tl.store(part + BLOCK, cnt)
+        tl.store(part + 2 * BLOCK, t0)
+
+
+@triton.jit
+def _split_init(
+    STATE, PART, PASSES, LONG_RB, LONG_C0, LONG_C1, GIDX,
+    n_q, BH, nbq, n_chunks, AM1,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Merge pass 0 of a split query block's chunks: m = max, n = Σ, τ's start = the largest
+    chunk start (each is a lower bound), the bracket [τ, −n^{1−α}]; no pass yet."""
+    r = tl.program_id(0)
+    bh = tl.program_id(1)
+    rb = tl.load(LONG_RB + r)
+    if rb // nbq == tl.load(GIDX + bh):
+        qb = rb % nbq
+        offs = tl.arange(0, BLOCK)
+        rows = qb * BLOCK + offs
+        m = tl.full((BLOCK,), float("-inf"), tl.float32)
+        cnt = tl.zeros((BLOCK,), tl.float32)
+        t0 = tl.full((BLOCK,), float("-inf"), tl.float32)
+        for c in range(tl.load(LONG_C0 + r), tl.load(LONG_C1 + r)):
+            part = PART + (bh.to(tl.int64) * n_chunks + c) * 4 * BLOCK + offs
+            m = tl.maximum(m, tl.load(part))
+            cnt += tl.load(part + BLOCK)
+            t0 = tl.maximum(t0, tl.load(part + 2 * BLOCK))
+        has = m > float("-inf")
+        m = tl.where(has, m, 0.0)
+        tau = tl.where(has, tl.maximum(t0 - m, -1.0), -1.0)
+        hi = tl.where(has, -tl.exp2(-AM1 * tl.log2(tl.maximum(cnt, 1.0))), 0.0)
+        _put_state(STATE, bh, rows, rows < n_q, n_q, BH, m, tau, tau, hi, ~has, has)
+        tl.store(PASSES + bh.to(tl.int64) * nbq + qb, tl.zeros((), tl.int32))
+
+
+@triton.jit
+def _split_sums(
+    Q, K, V, TMAX, PART, STATE,
+    CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    n_q, n_k, H, HKV, nbq, n_pairs, n_chunks, BH,
+    mul, R,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
+    MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, SKIP: tl.constexpr,
+):  # fmt: skip
+    """A threshold pass over one chunk (:func:`_sums`), while a row of its block is open."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    qb, start, end, mine = _chunk(c, bh, CH_RB, CH_START, CH_END, GIDX, nbq)
+    if mine:
+        rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(
+            qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV, BLOCK
+        )
+        q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
+        m, tau, lo, hi, done, has = _state(STATE, bh, rows, row_ok, n_q, BH)
+        if tl.sum((~done).to(tl.int32), 0) > 0:
+            c0, s1, s2, y_in = _sums(
+                start, end, TMAX + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q,
+                K_h, KPM_b, row_ok, rows_in, n_k, mul, m + tau, _floor(done, m, tau, lo, MODE),
+                R, D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST, MODE, SKIP,
+            )  # fmt: skip
+            part = PART + (bh.to(tl.int64) * n_chunks + c) * 4 * BLOCK + tl.arange(0, BLOCK)
+            tl.store(part, c0)
+            tl.store(part + BLOCK, s1)
+            tl.store(part + 2 * BLOCK, s2)
+            tl.store(part + 3 * BLOCK, y_in)
+
+
+@triton.jit
+def _split_update(
+    STATE, PART, PASSES, LONG_RB, LONG_C0, LONG_C1, GIDX,
+    n_q, BH, nbq, n_chunks, AM1, R,
+    BLOCK: tl.constexpr, MODE: tl.constexpr,
+):  # fmt: skip
+    """Add a pass's chunk sums of a split query block and step its rows' thresholds
+    (:func:`_update`), counting the pass, while a row is open."""
+    r = tl.program_id(0)
+    bh = tl.program_id(1)
+    rb = tl.load(LONG_RB + r)
+    if rb // nbq == tl.load(GIDX + bh):
+        qb = rb % nbq
+        offs = tl.arange(0, BLOCK)
+        rows = qb * BLOCK + offs
+        row_ok = rows < n_q
+        m, tau, lo, hi, done, has = _state(STATE, bh, rows, row_ok, n_q, BH)
+        if tl.sum((~done).to(tl.int32), 0) > 0:
+            c0 = tl.zeros((BLOCK,), tl.float32)
+            s1 = tl.zeros((BLOCK,), tl.float32)
+            s2 = tl.zeros((BLOCK,), tl.float32)
+            y_in = tl.full((BLOCK,), float("inf"), tl.float32)
+            for c in range(tl.load(LONG_C0 + r), tl.load(LONG_C1 + r)):
+                part = PART + (bh.to(tl.int64) * n_chunks + c) * 4 * BLOCK + offs
+                c0 += tl.load(part)
+                s1 += tl.load(part + BLOCK)
+                s2 += tl.load(part + 2 * BLOCK)
+                y_in = tl.minimum(y_in, tl.load(part + 3 * BLOCK))
+            tau, lo, hi, done = _update(tau, lo, hi, done, m, c0, s1, s2, y_in, AM1, R, MODE)
+            _put_state(STATE, bh, rows, row_ok, n_q, BH, m, tau, lo, hi, done, has)
+            at = PASSES + bh.to(tl.int64) * nbq + qb
+            tl.store(at, tl.load(at) + 1)
+
+
+@triton.jit
+def _split_last(
+    Q, K, V, TMAX, NZ, PART, ACC, GACC, STATE,
+    CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    n_q, n_k, H, HKV, nbq, n_pairs, n_chunks, BH,
+    mul, R,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
+    NEED_GRAD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """The last pass over one chunk (:func:`_last`): its partial Σ p V, Σ p (and Σ g V, Σ g)."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    qb, start, end, mine = _chunk(c, bh, CH_RB, CH_START, CH_END, GIDX, nbq)
+    if mine:
+        rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(
+            qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV, BLOCK
+        )
+        q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
+        m, tau, lo, hi, done, has = _state(STATE, bh, rows, row_ok, n_q, BH)
+        tau_abs = tl.where(has, m + tau, float("inf"))
+        acc, g_acc, g_sum, p_sum = _last(
+            start, end, TMAX + bh.to(tl.int64) * n_pairs, NZ + bh.to(tl.int64) * n_pairs,
+            PAIR_KB, PAIR_MASK, MASKS, q, K_h, V_h, KPM_b, row_ok, rows_in, n_k, mul, tau_abs,
+            R, D, DV, BD, BDV, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST, MODE, NEED_GRAD,
+        )  # fmt: skip
+        at = bh.to(tl.int64) * n_chunks + c
+        offs = tl.arange(0, BLOCK)
+        tl.store(PART + at * 4 * BLOCK + offs, p_sum)
+        tl.store(PART + at * 4 * BLOCK + BLOCK + offs, g_sum)
+        _put(ACC + at * BLOCK * BDV, offs, offs < BLOCK, acc, BDV, BDV)
+        if NEED_GRAD:
+            _put(GACC + at * BLOCK * BDV, offs, offs < BLOCK, g_acc, BDV, BDV)
+
+
+@triton.jit
+def _split_finish(
+    O, TAU, GV, STATE, PART, ACC, GACC, LONG_RB, LONG_C0, LONG_C1, GIDX,
+    n_q, BH, nbq, n_chunks,
+    DV: tl.constexpr, BDV: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr,
+    NEED_GRAD: tl.constexpr,
+):  # fmt: skip
+    """Add the chunks' last passes of a split query block and store its rows (:func:`_finish`;
+    a row still open after the launches' passes is renormalised, as α > 2's are)."""
+    r = tl.program_id(0)
+    bh = tl.program_id(1)
+    rb = tl.load(LONG_RB + r)
+    if rb // nbq == tl.load(GIDX + bh):
+        offs = tl.arange(0, BLOCK)
+        rows = (rb % nbq) * BLOCK + offs
+        row_ok = rows < n_q
+        m, tau, lo, hi, done, has = _state(STATE, bh, rows, row_ok, n_q, BH)
+        acc = tl.zeros((BLOCK, BDV), tl.float32)
+        g_acc = tl.zeros((BLOCK, BDV), tl.float32)
+        p_sum = tl.zeros((BLOCK,), tl.float32)
+        g_sum = tl.zeros((BLOCK,), tl.float32)
+        for c in range(tl.load(LONG_C0 + r), tl.load(LONG_C1 + r)):
+            at = bh.to(tl.int64) * n_chunks + c
+            p_sum += tl.load(PART + at * 4 * BLOCK + offs)
+            g_sum += tl.load(PART + at * 4 * BLOCK + BLOCK + offs)
+            acc += _tile(ACC + at * BLOCK * BDV, offs, offs < BLOCK, BDV, BDV)
+            if NEED_GRAD:
+                g_acc += _tile(GACC + at * BLOCK * BDV, offs, offs < BLOCK, BDV, BDV)
+        tau_abs = tl.where(has, m + tau, float("inf"))
+        _finish(O, TAU, GV, bh, rows, row_ok, n_q, acc, g_acc, g_sum, p_sum, tau_abs, ~done,
+                DV, BDV, MODE, NEED_GRAD, True)  # fmt: skip
 
 
 @triton.jit
@@ -436,11 +756,12 @@ def _backward_dq(
     BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    qb, bh, start, end, rows, row_ok, K_h, V_h, KPM_b = _row_block(
-        GIDX, ROW_PTR, K, V, KPM, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
-    )
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    start, end = _pairs(ROW_PTR, ROW_PTR + 1, GIDX, bh, qb, nbq)
+    rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV,
+                                                      BLOCK)  # fmt: skip
     q, do, tau, delta = _grad_rows(Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D, DV, BD, BDV)
-    rows_in = (qb + 1) * BLOCK <= n_q
     dq = tl.zeros((BLOCK, BD), tl.float32)
     for p in range(start, end):
         if tl.load(NZ + bh.to(tl.int64) * n_pairs + p) != 0:

@@ -47,6 +47,7 @@ __all__ = [
     "entmax_attention",
     "full_rows_entmax",
     "graph_layout",
+    "split_plan",
     "triton_entmax_attention",
     "triton_entmax_unsupported",
     "triton_map_reason",
@@ -81,6 +82,15 @@ WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 STAGES: dict[str, int | None] = {"forward": 2, "backward": None}
 #: Largest head dim (registers of one tile).
 MAX_HEAD_DIM = 256
+#: Split the query blocks that visit more than this many times the mean number of key blocks
+#: (the block of a Longformer's or BigBird's global tokens visits all of them) into chunks of
+#: about twice the mean, one program per chunk, the passes one launch each (None: no split).
+#: Off until a GPU measures it (``tuning(split_long=4.0)``; docs/engines.md, "Where the
+#: Longformer time may go").
+SPLIT_LONG: float | None = None
+#: Threshold passes of a split query block (one launch each; rows done early skip them, and a
+#: row still open after them is renormalised).
+SPLIT_PASSES = 12
 
 _UNSET: Any = object()
 
@@ -92,14 +102,15 @@ def tuning(
     warps: int | None = None,
     stages: int | None = _UNSET,
     topk: int | None = None,
+    split_long: float | None = _UNSET,
 ) -> Iterator[None]:
     """Run the GPU kernels with other knobs inside the ``with`` block, then restore them (the
     bench's tiles section): ``block`` the GPU default tile, ``skip_tiles`` :data:`SKIP_TILES`,
     ``warps`` :data:`WARPS` at that block, ``stages`` both kernels' :data:`STAGES` (None:
-    Triton's default), ``topk`` :data:`TOPK`. Not thread-safe: the knobs are module state, read
-    when a kernel is launched."""
-    global SKIP_TILES, TOPK
-    saved = (DEFAULT_BLOCK["cuda"], SKIP_TILES, dict(WARPS), dict(STAGES), TOPK)
+    Triton's default), ``topk`` :data:`TOPK`, ``split_long`` :data:`SPLIT_LONG`. Not
+    thread-safe: the knobs are module state, read when a kernel is launched."""
+    global SKIP_TILES, TOPK, SPLIT_LONG
+    saved = (DEFAULT_BLOCK["cuda"], SKIP_TILES, dict(WARPS), dict(STAGES), TOPK, SPLIT_LONG)
     try:
         if block is not None:
             if block not in BLOCKS:
@@ -115,9 +126,13 @@ def tuning(
             if topk not in (1, 2, 4, 8, 16, 32, 64):  # tl.arange needs a power of two
                 raise ValueError(f"topk must be a power of two up to 64, got {topk!r}")
             TOPK = topk
+        if split_long is not _UNSET:
+            if split_long is not None and not split_long > 1:
+                raise ValueError(f"split_long must be None or > 1, got {split_long!r}")
+            SPLIT_LONG = split_long
         yield
     finally:
-        DEFAULT_BLOCK["cuda"], SKIP_TILES, TOPK = saved[0], saved[1], saved[4]
+        DEFAULT_BLOCK["cuda"], SKIP_TILES, TOPK, SPLIT_LONG = (*saved[:2], *saved[4:])
         for knobs, old in ((WARPS, saved[2]), (STAGES, saved[3])):
             knobs.clear()
             knobs.update(old)
@@ -396,6 +411,112 @@ def triton_entmax_unsupported(
     return None
 
 
+# ---------------------------------------------------------------------------- split blocks
+@dataclass
+class SplitPlan:
+    """Which query blocks of a layout the split kernels take, and their chunks.
+
+    Attributes:
+        row_end: int32[G·nbq], each row block's end pair for the main kernel: its own end,
+            or its start where the block is split (the main kernel then leaves it empty).
+        ch_rb, ch_start, ch_end: int32[C], chunk c covers pairs ch_start[c] : ch_end[c] of
+            row block ch_rb[c] (= g·nbq + query block).
+        long_rb, long_c0, long_c1: int32[R], split row block r and its chunks.
+    """
+
+    row_end: Tensor
+    ch_rb: Tensor
+    ch_start: Tensor
+    ch_end: Tensor
+    long_rb: Tensor
+    long_c0: Tensor
+    long_c1: Tensor
+
+
+def split_plan(layout: BlockLayout, factor: float, device: torch.device) -> SplitPlan | None:
+    """The query blocks of ``layout`` with more than ``factor`` times the mean number of pairs
+    per non-empty query block, cut into chunks of about twice that mean (at least 8 pairs);
+    None when there are none. Cached on the layout per (factor, device)."""
+    key = ("split", factor, device)
+    if key not in layout._on:
+        row_ptr = layout.row_ptr.cpu().long()
+        counts = row_ptr[1:] - row_ptr[:-1]
+        mean = counts.sum().item() / max(1, int((counts > 0).sum()))
+        chunk = max(8, math.ceil(2 * mean))
+        long = torch.nonzero((counts > factor * mean) & (counts > chunk)).flatten()
+        plan = None
+        if long.numel():
+            per = (counts[long] + chunk - 1) // chunk
+            first = torch.cumsum(per, 0) - per
+            ch_rb = long.repeat_interleave(per)
+            ch_start = row_ptr[ch_rb] + chunk * (
+                torch.arange(int(per.sum())) - first.repeat_interleave(per)
+            )
+            ch_end = torch.minimum(ch_start + chunk, row_ptr[ch_rb + 1])
+            row_end = row_ptr[1:].clone()
+            row_end[long] = row_ptr[long]
+
+            def i32(t: Tensor) -> Tensor:
+                return t.to(device=device, dtype=torch.int32)
+
+            plan = SplitPlan(
+                *map(i32, (row_end, ch_rb, ch_start, ch_end, long, first, first + per))
+            )
+        layout._on[key] = plan
+    return layout._on[key]
+
+
+def _launch_split(
+    plan: SplitPlan, q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout, gidx: Tensor,
+    kpm: Tensor, consts: dict, outs: tuple[Tensor, ...], alpha: float, scale: float,
+    need_grad: bool,
+) -> None:  # fmt: skip
+    """The split query blocks: pass 0 per chunk, merged; :data:`SPLIT_PASSES` threshold
+    passes, each per chunk then merged; the last pass per chunk, merged into ``outs`` (out,
+    τ, Σ g V / Σ g, the non-zero flags, tile maxima, passes: what the main kernel writes)."""
+    kern = _kernels()
+    out, tau, gv, nz, tmax, passes = outs
+    bh, dev = q.shape[0] * q.shape[1], q.device
+    block, dvp = layout.block, _pow2(v.shape[-1])
+    chunks, longs = plan.ch_rb.numel(), plan.long_rb.numel()
+    part = torch.empty(bh, chunks, 4, block, dtype=torch.float32, device=dev)
+    state = torch.empty(6, bh, q.shape[2], dtype=torch.float32, device=dev)
+    acc = torch.empty(bh, chunks, block, dvp, dtype=torch.float32, device=dev)
+    g_acc = torch.empty_like(acc) if need_grad else acc
+    sizes = (*_sizes(q, k), layout.nbq, tmax.shape[1])
+    mul, am1, r = scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0)
+    d, dv, bd, mode = consts["D"], consts["DV"], consts["BD"], consts["MODE"]
+    scored = {key: consts[key] for key in ("HAS_KPM", "PARTIAL", "PREC", "UPCAST", "num_warps")}
+    on_chunks = (plan.ch_rb, plan.ch_start, plan.ch_end, layout.pair_kb, layout.pair_mask)
+    on_chunks += (layout.masks, gidx, kpm)
+    merged = (plan.long_rb, plan.long_c0, plan.long_c1, gidx)
+    kern._split_pass0[(chunks, bh)](
+        q, k, v, tmax, part, *on_chunks, *sizes, chunks, mul, r,
+        D=d, DV=dv, BD=bd, BLOCK=block, MODE=mode, TOPK=TOPK, **scored,
+    )  # fmt: skip
+    kern._split_init[(longs, bh)](
+        state, part, passes, *merged, q.shape[2], bh, layout.nbq, chunks, am1, BLOCK=block
+    )
+    for _ in range(SPLIT_PASSES):
+        kern._split_sums[(chunks, bh)](
+            q, k, v, tmax, part, state, *on_chunks, *sizes, chunks, bh, mul, r,
+            D=d, DV=dv, BD=bd, BLOCK=block, MODE=mode, SKIP=SKIP_TILES, **scored,
+        )  # fmt: skip
+        kern._split_update[(longs, bh)](
+            state, part, passes, *merged, q.shape[2], bh, layout.nbq, chunks, am1, r,
+            BLOCK=block, MODE=mode,
+        )  # fmt: skip
+    kern._split_last[(chunks, bh)](
+        q, k, v, tmax, nz, part, acc, g_acc, state, *on_chunks, *sizes, chunks, bh, mul, r,
+        D=d, DV=dv, BD=bd, BDV=dvp, BLOCK=block, MODE=mode, NEED_GRAD=need_grad, **scored,
+    )  # fmt: skip
+    kern._split_finish[(longs, bh)](
+        out, tau, gv, state, part, acc, g_acc, *merged, q.shape[2], bh, layout.nbq, chunks,
+        DV=dv, BDV=dvp, BLOCK=block, MODE=mode, NEED_GRAD=need_grad,
+        num_warps=consts["num_warps"],
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------- the function
 def _mode(alpha: float) -> int:
     return 2 if alpha == 2.0 else 1 if alpha == 1.5 else 0
@@ -427,15 +548,20 @@ def _launch_forward(
     if need_grad:  # Σ g v / Σ g per row, and whether each (pair, head) holds a non-zero
         gv = torch.empty(bsz, heads, n_q, dv, dtype=torch.float32, device=dev)
         nz = torch.empty(bsz * heads, pairs, dtype=torch.int8, device=dev)
+    kpm_t = dummy.to(torch.int8) if kpm is None else kpm
+    plan = None if SPLIT_LONG is None else split_plan(layout, SPLIT_LONG, dev)
+    consts = _constants(q, v, layout, alpha, kpm is not None, "forward")
     _kernels()._forward[(layout.nbq, bsz * heads)](
         q, k, v, out, tau, gv, nz, tmax, passes,
-        layout.row_ptr, layout.pair_kb, layout.pair_mask, layout.masks, gidx,
-        dummy.to(torch.int8) if kpm is None else kpm,
+        layout.row_ptr, layout.row_ptr[1:] if plan is None else plan.row_end,
+        layout.pair_kb, layout.pair_mask, layout.masks, gidx, kpm_t,
         *_sizes(q, k), layout.nbq, pairs,
         scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0),
-        NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK, SKIP=SKIP_TILES,
-        **_constants(q, v, layout, alpha, kpm is not None, "forward"),
+        NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK, SKIP=SKIP_TILES, **consts,
     )  # fmt: skip
+    if plan is not None:  # after the main kernel, which left the split blocks empty
+        outs = (out, tau, gv, nz, tmax, passes)
+        _launch_split(plan, q, k, v, layout, gidx, kpm_t, consts, outs, alpha, scale, need_grad)
     return out, tau, gv, nz, passes
 
 
