@@ -244,9 +244,17 @@ def test_split_plan_cuts_long_query_blocks_into_chunks():
 
 
 def _counting_splits(monkeypatch) -> list:
+    """The split plans the forward and the backward (dq) use, as they ask for them."""
     calls: list = []
-    real = te._launch_split
-    monkeypatch.setattr(te, "_launch_split", lambda plan, *a: calls.append(plan) or real(plan, *a))
+    real = te.split_plan
+
+    def counted(*args):
+        plan = real(*args)
+        if plan is not None:
+            calls.append(plan)
+        return plan
+
+    monkeypatch.setattr(te, "split_plan", counted)
     return calls
 
 
@@ -263,9 +271,10 @@ def test_split_query_blocks(name, monkeypatch):
     splits = _counting_splits(monkeypatch)
     with te.tuning(split_long=3.0):
         out = te.triton_entmax_attention(q, k, v, graph, prob_map, 0.25, block=16)
-    assert [plan.ch_rb.numel() for plan in splits] == [2]
+    assert [plan.ch_rb.numel() for plan in splits] == [2]  # the forward's
     tol = 1e-4 if alpha == 1.25 else 2e-5
     check(out, q, k, v, _dense_mask(graph, 1, 2), alpha, 0.25, atol=tol, gtol=10 * tol)
+    assert len(splits) == 2  # and the backward's dq
     whole = te.triton_entmax_attention(q, k, v, graph, prob_map, 0.25, block=16)
     torch.testing.assert_close(out, whole, atol=tol, rtol=0)
 
@@ -284,8 +293,8 @@ def test_split_query_blocks_per_head_graphs_key_padding(monkeypatch):
     allowed = _dense_mask(graph, 2, 2) & kpm[:, None, None, :]
     with te.tuning(split_long=3.0):
         out = te.triton_entmax_attention(q, k, v, graph, sa.entmax(1.5), 0.25, kpm, block=16)
-    assert len(splits) == 1
     check(out, q, k, v, allowed, 1.5, 0.25)
+    assert len(splits) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -421,7 +430,8 @@ types = {
     **dict.fromkeys(("n_q", "n_k", "H", "HKV", "nbq", "nbk", "n_pairs", "n_chunks", "BH"), "i32"),
     **dict.fromkeys(("mul", "scale", "AM1", "R"), "fp32"),
     **dict.fromkeys(("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_"), "*bf16"),
-    **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX", "PART", "STATE", "ACC", "GACC"), "*fp32"),
+    **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX", "PART", "STATE", "ACC", "GACC", "DQP"),
+                    "*fp32"),
     **dict.fromkeys(("NZ", "KPM"), "*i8"),
     "MASKS": "*i64",
 }
@@ -440,6 +450,8 @@ if sys.argv[1] == "all":
         (kern._split_update, {"MODE": 1}),
         (kern._split_last, {"MODE": 1, "NEED_GRAD": True, "PREC": "tf32"}),
         (kern._split_finish, {"MODE": 1, "NEED_GRAD": True}),
+        (kern._split_dq, {"MODE": 1, "PREC": "tf32"}),
+        (kern._split_dq_finish, {}),
     ]
     specs += [
         (kern._forward, {"MODE": m, "NEED_GRAD": g, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": p,
@@ -487,4 +499,4 @@ def test_compiles_for_h100(which):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"compiled {3 if which == 'main' else 16}" in done.stdout
+    assert f"compiled {3 if which == 'main' else 18}" in done.stdout

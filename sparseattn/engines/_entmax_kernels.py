@@ -24,7 +24,7 @@ partial block's tile, key padding or the sequence ends take no part). The kernel
 * ``_split_*``: the query blocks that visit far more key blocks than the others (the global
   tokens' block), when ``triton_entmax.SPLIT_LONG`` is set: the same passes over chunks of
   their pairs, one program per chunk, one launch per pass, the chunks' sums merged between
-  passes (the comment above ``_chunk``).
+  passes (the comment above ``_chunk``); ``_split_dq`` the same for their dq.
 * ``_backward_dq``: one program per (query block, batch·head); ``_backward_dkdv``: one per (key
   block, batch·kv head), looping over the query heads of its GQA group and over the query blocks
   that visit the key block (the layout's columns). Both reuse τ and skip the pairs without
@@ -747,9 +747,28 @@ def _split_finish(
 
 
 @triton.jit
+def _dq(start, end, NZ_b, PAIR_KB, PAIR_MASK, MASKS, q, do, tau, delta, K_h, V_h, KPM_b, row_ok,
+        rows_in, n_k, mul, R, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+        BDV: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr,
+        PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """Σ ds K over the pairs [start, end) that hold a non-zero (flags at NZ_b + p)."""
+    dq = tl.zeros((BLOCK, BD), tl.float32)
+    for p in range(start, end):
+        if tl.load(NZ_b + p) != 0:
+            s, ok, whole, k, cols = _scores(
+                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k, mul,
+                D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
+            )  # fmt: skip
+            v = _tile(V_h, cols, cols < n_k, DV, BDV)
+            d, ds = _grads(s, ok, whole, tau, do, v, delta, R, MODE, PREC, UPCAST)
+            dq += _mm(ds.to(k.dtype), k, PREC, UPCAST)
+    return dq
+
+
+@triton.jit
 def _backward_dq(
     Q, K, V, DO, DQ, TAU, DELTA, NZ,
-    ROW_PTR, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    ROW_PTR, ROW_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
     n_q, n_k, H, HKV, nbq, n_pairs,
     mul, scale, R,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
@@ -758,21 +777,63 @@ def _backward_dq(
 ):  # fmt: skip
     qb = tl.program_id(0)
     bh = tl.program_id(1)
-    start, end = _pairs(ROW_PTR, ROW_PTR + 1, GIDX, bh, qb, nbq)
+    start, end = _pairs(ROW_PTR, ROW_END, GIDX, bh, qb, nbq)
     rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV,
                                                       BLOCK)  # fmt: skip
     q, do, tau, delta = _grad_rows(Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D, DV, BD, BDV)
-    dq = tl.zeros((BLOCK, BD), tl.float32)
-    for p in range(start, end):
-        if tl.load(NZ + bh.to(tl.int64) * n_pairs + p) != 0:
-            s, ok, whole, k, cols = _scores(
-                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k, mul,
-                D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
-            )  # fmt: skip
-            v = _tile(V_h, cols, cols < n_k, DV, BDV)
-            d, ds = _grads(s, ok, whole, tau, do, v, delta, R, MODE, PREC, UPCAST)
-            dq += _mm(ds.to(k.dtype), k, PREC, UPCAST)
+    dq = _dq(
+        start, end, NZ + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q, do, tau, delta,
+        K_h, V_h, KPM_b, row_ok, rows_in, n_k, mul, R,
+        D, DV, BD, BDV, BLOCK, MODE, HAS_KPM, PARTIAL, PREC, UPCAST,
+    )  # fmt: skip
     _put(DQ + bh.to(tl.int64) * n_q * D, rows, row_ok, dq * scale, D, BD)
+
+
+@triton.jit
+def _split_dq(
+    Q, K, V, DO, TAU, DELTA, NZ, DQP,
+    CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    n_q, n_k, H, HKV, nbq, n_pairs, n_chunks,
+    mul, R,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """dq of a split query block, one chunk of its pairs: the partial Σ ds K, to DQP."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    qb, start, end, mine = _chunk(c, bh, CH_RB, CH_START, CH_END, GIDX, nbq)
+    if mine:
+        rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(
+            qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV, BLOCK
+        )
+        q, do, tau, delta = _grad_rows(Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D, DV, BD, BDV)
+        dq = _dq(
+            start, end, NZ + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q, do, tau,
+            delta, K_h, V_h, KPM_b, row_ok, rows_in, n_k, mul, R,
+            D, DV, BD, BDV, BLOCK, MODE, HAS_KPM, PARTIAL, PREC, UPCAST,
+        )  # fmt: skip
+        offs = tl.arange(0, BLOCK)
+        _put(DQP + (bh.to(tl.int64) * n_chunks + c) * BLOCK * BD, offs, offs < BLOCK, dq, BD, BD)
+
+
+@triton.jit
+def _split_dq_finish(
+    DQ, DQP, LONG_RB, LONG_C0, LONG_C1, GIDX, n_q, nbq, n_chunks, scale,
+    D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """dq of a split query block: its chunks' partial sums added, scaled and stored."""
+    r = tl.program_id(0)
+    bh = tl.program_id(1)
+    rb = tl.load(LONG_RB + r)
+    if rb // nbq == tl.load(GIDX + bh):
+        offs = tl.arange(0, BLOCK)
+        rows = (rb % nbq) * BLOCK + offs
+        dq = tl.zeros((BLOCK, BD), tl.float32)
+        for c in range(tl.load(LONG_C0 + r), tl.load(LONG_C1 + r)):
+            dq += _tile(DQP + (bh.to(tl.int64) * n_chunks + c) * BLOCK * BD, offs, offs < BLOCK,
+                        BD, BD)  # fmt: skip
+        _put(DQ + bh.to(tl.int64) * n_q * D, rows, rows < n_q, dq * scale, D, BD)
 
 
 @triton.jit

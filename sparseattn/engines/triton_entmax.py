@@ -580,6 +580,7 @@ class _EntmaxAttention(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, tau, gv, nz)
             ctx.layout, ctx.gidx, ctx.kpm = layout, gidx, kpm_t
             ctx.has_kpm, ctx.alpha, ctx.scale = kpm is not None, alpha, scale
+            ctx.split = SPLIT_LONG  # the forward's, whatever the knob is at the backward
         return out
 
     @staticmethod
@@ -595,11 +596,28 @@ class _EntmaxAttention(torch.autograd.Function):
         dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         common = _constants(q, v, layout, alpha, ctx.has_kpm, "backward")
         mul, r = scale * (alpha - 1.0), 1.0 / (alpha - 1.0)
+        plan = None if ctx.split is None else split_plan(layout, ctx.split, q.device)
         kern._backward_dq[(layout.nbq, bsz * heads)](
             q, k, v, do, dq, tau, delta, nz,
-            layout.row_ptr, layout.pair_kb, layout.pair_mask, layout.masks, ctx.gidx, ctx.kpm,
+            layout.row_ptr, layout.row_ptr[1:] if plan is None else plan.row_end,
+            layout.pair_kb, layout.pair_mask, layout.masks, ctx.gidx, ctx.kpm,
             *sizes, layout.nbq, nz.shape[1], mul, scale, r, **common,
         )  # fmt: skip
+        if plan is not None:  # the split query blocks' dq: partial sums per chunk, added
+            chunks, bd = plan.ch_rb.numel(), common["BD"]
+            dqp = torch.empty(
+                bsz * heads, chunks, layout.block, bd, dtype=torch.float32, device=q.device
+            )
+            kern._split_dq[(chunks, bsz * heads)](
+                q, k, v, do, tau, delta, nz, dqp,
+                plan.ch_rb, plan.ch_start, plan.ch_end, layout.pair_kb, layout.pair_mask,
+                layout.masks, ctx.gidx, ctx.kpm,
+                *sizes, layout.nbq, nz.shape[1], chunks, mul, r, **common,
+            )  # fmt: skip
+            kern._split_dq_finish[(plan.long_rb.numel(), bsz * heads)](
+                dq, dqp, plan.long_rb, plan.long_c0, plan.long_c1, ctx.gidx,
+                n_q, layout.nbq, chunks, scale, D=common["D"], BD=bd, BLOCK=layout.block,
+            )  # fmt: skip
         kern._backward_dkdv[(layout.nbk, bsz * hkv)](
             q, k, v, do, dk, dvv, tau, delta, nz,
             layout.col_ptr, layout.col_pair, layout.col_qb, layout.pair_mask, layout.masks,
