@@ -263,7 +263,7 @@ def _counting_splits(monkeypatch) -> list:
 def test_split_query_blocks(name, monkeypatch):
     """The global tokens' query block split into chunks (``tuning(split_long=…)``: one
     program per chunk, each pass one launch, the chunks' sums merged between passes) gives
-    the reference's outputs and gradients, and what the unsplit kernel gives."""
+    the reference's outputs and gradients, and the unsplit kernel's passes and outputs."""
     alpha, prob_map = MAPS[name]
     n = 256
     graph = sa.longformer(16, 2).graph(n)
@@ -275,8 +275,14 @@ def test_split_query_blocks(name, monkeypatch):
     tol = 1e-4 if alpha == 1.25 else 2e-5
     check(out, q, k, v, _dense_mask(graph, 1, 2), alpha, 0.25, atol=tol, gtol=10 * tol)
     assert len(splits) == 2  # and the backward's dq
-    whole = te.triton_entmax_attention(q, k, v, graph, prob_map, 0.25, block=16)
-    torch.testing.assert_close(out, whole, atol=tol, rtol=0)
+    # the same start as the main kernel's, so the same threshold passes (and outputs)
+    call = (*(t.detach() for t in (q, k, v)), te.graph_layout(graph, 16))
+    call += (torch.zeros(2, dtype=torch.int32, device=DEVICE), None, alpha, 0.25, False)
+    with te.tuning(split_long=3.0):
+        split = te._launch_forward(*call)
+    whole = te._launch_forward(*call)
+    assert torch.equal(split[-1], whole[-1])
+    torch.testing.assert_close(split[0], whole[0], atol=tol, rtol=0)
 
 
 @needs_kernels
@@ -430,7 +436,7 @@ types = {
     **dict.fromkeys(("n_q", "n_k", "H", "HKV", "nbq", "nbk", "n_pairs", "n_chunks", "BH"), "i32"),
     **dict.fromkeys(("mul", "scale", "AM1", "R"), "fp32"),
     **dict.fromkeys(("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_"), "*bf16"),
-    **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX", "PART", "STATE", "ACC", "GACC", "DQP"),
+    **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX", "PART", "TOP", "STATE", "ACC", "GACC", "DQP"),
                     "*fp32"),
     **dict.fromkeys(("NZ", "KPM"), "*i8"),
     "MASKS": "*i64",
@@ -446,7 +452,7 @@ specs = [
 if sys.argv[1] == "all":
     specs += [
         (kern._split_pass0, {"MODE": 1, "TOPK": TOPK, "PREC": "tf32"}),
-        (kern._split_init, {}),
+        (kern._split_init, {"MODE": 1, "TOPK": TOPK}),
         (kern._split_update, {"MODE": 1}),
         (kern._split_last, {"MODE": 1, "NEED_GRAD": True, "PREC": "tf32"}),
         (kern._split_finish, {"MODE": 1, "NEED_GRAD": True}),

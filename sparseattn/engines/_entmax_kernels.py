@@ -288,9 +288,9 @@ def _pass0(start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok,
            PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
            TOPK: tl.constexpr):  # fmt: skip
     """Pass 0 over the pairs [start, end): each row's max m (−inf without keys), its number
-    of keys (α ∉ {1.5, 2} only: it bounds τ from above), the (BLOCK, TOPK) tile of its TOPK
-    largest per-tile maxima (a subset of the row: a start for τ), and each tile's largest
-    score, stored at TMAX_b + p."""
+    of keys (α ∉ {1.5, 2} only: it bounds τ from above), its TOPK largest per-tile maxima (a
+    subset of the row: a start for τ; a tuple of (BLOCK,) vectors, :func:`_insert`), and each
+    tile's largest score, stored at TMAX_b + p."""
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     cnt = tl.zeros((BLOCK,), tl.float32)
     top = ()  # TOPK (BLOCK,) vectors, descending: (BLOCK,) vectors stay in the scores' layout
@@ -308,7 +308,7 @@ def _pass0(start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok,
             cnt += tl.sum((s > float("-inf")).to(tl.float32), 1)  # from s: in its layout
         tl.store(TMAX_b + p, tl.max(t, 0))
         top = _insert(top, t, TOPK)
-    return m, cnt, _stack(top, BLOCK, TOPK)
+    return m, cnt, top
 
 
 @triton.jit
@@ -478,7 +478,7 @@ def _forward(
     m = tl.where(has, m, 0.0)
 
     # threshold τ of x = z − m: f(−1) ≥ 0 ≥ f(−n^{1−α}); start at the subset's lower bound
-    tau = _start(top - m[:, None], R, BLOCK, MODE, TOPK)
+    tau = _start(_stack(top, BLOCK, TOPK) - m[:, None], R, BLOCK, MODE, TOPK)
     lo = tau
     hi = tl.where(has, -tl.exp2(-AM1 * tl.log2(tl.maximum(cnt, 1.0))), 0.0)
     done = ~has
@@ -547,16 +547,16 @@ def _put_state(STATE, bh, rows, row_ok, n_q, BH, m, tau, lo, hi, done, has):
 
 @triton.jit
 def _split_pass0(
-    Q, K, V, TMAX, PART,
+    Q, K, V, TMAX, PART, TOP,
     CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
     n_q, n_k, H, HKV, nbq, n_pairs, n_chunks,
-    mul, R,
+    mul,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
     MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr, TOPK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """Pass 0 of one chunk: its rows' max, key count and the absolute start threshold of its
-    per-tile maxima (a subset of the row, so a lower bound of the row's τ + m)."""
+    """Pass 0 of one chunk: its rows' max and key count (to PART) and their TOPK largest
+    per-tile maxima (to TOP, (B·H, chunks, TOPK, BLOCK))."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
     qb, start, end, mine = _chunk(c, bh, CH_RB, CH_START, CH_END, GIDX, nbq)
@@ -570,24 +570,23 @@ def _split_pass0(
             KPM_b, row_ok, rows_in, n_k, mul, D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
             MODE, TOPK,
         )  # fmt: skip
-        has = m > float("-inf")
-        m0 = tl.where(has, m, 0.0)
-        t0 = tl.where(has, m0 + _start(top - m0[:, None], R, BLOCK, MODE, TOPK), -float("inf"))
         offs = tl.arange(0, BLOCK)
-        part = PART + (bh.to(tl.int64) * n_chunks + c) * 4 * BLOCK + offs
-        tl.store(part, m)
-        tl.store(part + BLOCK, cnt)
-        tl.store(part + 2 * BLOCK, t0)
+        at = bh.to(tl.int64) * n_chunks + c
+        tl.store(PART + at * 4 * BLOCK + offs, m)
+        tl.store(PART + at * 4 * BLOCK + BLOCK + offs, cnt)
+        for j in tl.static_range(TOPK):
+            tl.store(TOP + (at * TOPK + j) * BLOCK + offs, top[j])
 
 
 @triton.jit
 def _split_init(
-    STATE, PART, PASSES, LONG_RB, LONG_C0, LONG_C1, GIDX,
-    n_q, BH, nbq, n_chunks, AM1,
-    BLOCK: tl.constexpr,
+    STATE, PART, TOP, PASSES, LONG_RB, LONG_C0, LONG_C1, GIDX,
+    n_q, BH, nbq, n_chunks, AM1, R,
+    BLOCK: tl.constexpr, MODE: tl.constexpr, TOPK: tl.constexpr,
 ):  # fmt: skip
-    """Merge pass 0 of a split query block's chunks: m = max, n = Σ, τ's start = the largest
-    chunk start (each is a lower bound), the bracket [τ, −n^{1−α}]; no pass yet."""
+    """Merge pass 0 of a split query block's chunks: m = max, n = Σ, the TOPK largest of
+    their per-tile maxima and from them τ's start (as the main kernel's: the same start), the
+    bracket [τ, −n^{1−α}]; no pass yet."""
     r = tl.program_id(0)
     bh = tl.program_id(1)
     rb = tl.load(LONG_RB + r)
@@ -597,15 +596,18 @@ def _split_init(
         rows = qb * BLOCK + offs
         m = tl.full((BLOCK,), float("-inf"), tl.float32)
         cnt = tl.zeros((BLOCK,), tl.float32)
-        t0 = tl.full((BLOCK,), float("-inf"), tl.float32)
+        top = ()
+        for _ in tl.static_range(TOPK):
+            top = top + (tl.full((BLOCK,), float("-inf"), tl.float32),)
         for c in range(tl.load(LONG_C0 + r), tl.load(LONG_C1 + r)):
-            part = PART + (bh.to(tl.int64) * n_chunks + c) * 4 * BLOCK + offs
-            m = tl.maximum(m, tl.load(part))
-            cnt += tl.load(part + BLOCK)
-            t0 = tl.maximum(t0, tl.load(part + 2 * BLOCK))
+            at = bh.to(tl.int64) * n_chunks + c
+            m = tl.maximum(m, tl.load(PART + at * 4 * BLOCK + offs))
+            cnt += tl.load(PART + at * 4 * BLOCK + BLOCK + offs)
+            for j in tl.static_range(TOPK):
+                top = _insert(top, tl.load(TOP + (at * TOPK + j) * BLOCK + offs), TOPK)
         has = m > float("-inf")
         m = tl.where(has, m, 0.0)
-        tau = tl.where(has, tl.maximum(t0 - m, -1.0), -1.0)
+        tau = _start(_stack(top, BLOCK, TOPK) - m[:, None], R, BLOCK, MODE, TOPK)
         hi = tl.where(has, -tl.exp2(-AM1 * tl.log2(tl.maximum(cnt, 1.0))), 0.0)
         _put_state(STATE, bh, rows, rows < n_q, n_q, BH, m, tau, tau, hi, ~has, has)
         tl.store(PASSES + bh.to(tl.int64) * nbq + qb, tl.zeros((), tl.int32))

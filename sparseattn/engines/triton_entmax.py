@@ -89,8 +89,10 @@ MAX_HEAD_DIM = 256
 #: Longformer time may go").
 SPLIT_LONG: float | None = None
 #: Threshold passes of a split query block (one launch each; rows done early skip them, and a
-#: row still open after them is renormalised).
-SPLIT_PASSES = 12
+#: row still open after them is renormalised). Its start is the main kernel's, so it takes the
+#: same passes: at most 4 per 64-row block on the Gaussian rows of docs/engines.md's "Work
+#: counts".
+SPLIT_PASSES = 8
 
 _UNSET: Any = object()
 
@@ -480,6 +482,7 @@ def _launch_split(
     block, dvp = layout.block, _pow2(v.shape[-1])
     chunks, longs = plan.ch_rb.numel(), plan.long_rb.numel()
     part = torch.empty(bh, chunks, 4, block, dtype=torch.float32, device=dev)
+    top = torch.empty(bh, chunks, TOPK, block, dtype=torch.float32, device=dev)
     state = torch.empty(6, bh, q.shape[2], dtype=torch.float32, device=dev)
     acc = torch.empty(bh, chunks, block, dvp, dtype=torch.float32, device=dev)
     g_acc = torch.empty_like(acc) if need_grad else acc
@@ -491,12 +494,13 @@ def _launch_split(
     on_chunks += (layout.masks, gidx, kpm)
     merged = (plan.long_rb, plan.long_c0, plan.long_c1, gidx)
     kern._split_pass0[(chunks, bh)](
-        q, k, v, tmax, part, *on_chunks, *sizes, chunks, mul, r,
+        q, k, v, tmax, part, top, *on_chunks, *sizes, chunks, mul,
         D=d, DV=dv, BD=bd, BLOCK=block, MODE=mode, TOPK=TOPK, **scored,
     )  # fmt: skip
     kern._split_init[(longs, bh)](
-        state, part, passes, *merged, q.shape[2], bh, layout.nbq, chunks, am1, BLOCK=block
-    )
+        state, part, top, passes, *merged, q.shape[2], bh, layout.nbq, chunks, am1, r,
+        BLOCK=block, MODE=mode, TOPK=TOPK,
+    )  # fmt: skip
     for _ in range(SPLIT_PASSES):
         kern._split_sums[(chunks, bh)](
             q, k, v, tmax, part, state, *on_chunks, *sizes, chunks, bh, mul, r,
