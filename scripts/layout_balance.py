@@ -7,6 +7,8 @@ of a Longformer's or BigBird's global query tokens visits every key block — is
 program. This prints, per pattern and length, the pairs per query block (mean and max) and the
 longest program's pairs over one SM's share of the whole launch (total pairs · heads / SMs):
 above 1, the launch cannot end before that one program, however the others are scheduled.
+The last column is the longest program once the query blocks above ``--split`` times the
+mean are cut into chunks (``triton_entmax.split_plan``, what ``SPLIT_LONG`` does).
 Device-independent (the layout only); the SM count is a parameter (132: the H100 SXM).
 
     python scripts/layout_balance.py > docs/results/engines/layout-balance/block64.txt
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 import sparseattn as sa
-from sparseattn.engines.triton_entmax import graph_layout
+from sparseattn.engines.triton_entmax import graph_layout, split_plan
 
 
 def main() -> None:
@@ -26,6 +30,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--sms", type=int, default=132)
+    parser.add_argument("--split", type=float, default=4.0)
     args = parser.parse_args()
     patterns = {
         "longformer(512, 16)": sa.longformer(512, 16),
@@ -33,16 +38,25 @@ def main() -> None:
         "bigbird(192, 16, 3, 64)": sa.bigbird(192, 16, 3, 64),
     }
     print(f"block {args.block}, {args.heads} heads, {args.sms} SMs")
-    print("| pattern | n | query blocks | pairs per query block: mean | max | max / SM share |")
-    print("|---|---:|---:|---:|---:|---:|")
+    split = f"split x{args.split:g}: max / SM share"
+    head = "| pattern | n | query blocks | pairs per query block: mean | max | max / SM share |"
+    print(f"{head} {split} |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, pattern in patterns.items():
         for n in args.ns:
             layout = graph_layout(pattern.graph(n), args.block)
             per = (layout.row_ptr[1:] - layout.row_ptr[:-1]).double()
             share = per.sum().item() * args.heads / args.sms
+            plan = split_plan(layout, args.split, torch.device("cpu"))
+            longest = per.max().item()
+            if plan is not None:
+                kept = per.clone()
+                kept[plan.long_rb.long()] = 0
+                longest = max(kept.max().item(), (plan.ch_end - plan.ch_start).max().item())
             print(
                 f"| {name} | {n} | {per.numel()} | {per.mean().item():.1f} | "
-                f"{per.max().item():.0f} | {per.max().item() / share:.2f} |"
+                f"{per.max().item():.0f} | {per.max().item() / share:.2f} | "
+                f"{longest / share:.2f} |"
             )
 
 
