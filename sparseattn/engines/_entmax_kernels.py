@@ -513,10 +513,33 @@ def _forward(
 # covers pairs CH_START[c] : CH_END[c] of row block CH_RB[c] (= g·nbq + query block);
 # split row block r is LONG_RB[r], its chunks LONG_C0[r] : LONG_C1[r].
 @triton.jit
-def _chunk(c, bh, CH_RB, CH_START, CH_END, GIDX, nbq):
-    """(query block, first pair, end pair, whether chunk c belongs to bh's layout graph)."""
+def _chunk(CH_RB, CH_START, CH_END, GIDX, K, V, KPM, H, HKV, nbq, n_q, n_k, D: tl.constexpr,
+           DV: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """What a program on chunk c = program_id(0) of batch·head bh = program_id(1) works on:
+    (c, bh, whether the chunk belongs to bh's layout graph, its first and end pair, then
+    :func:`_program`'s rows, row_ok, rows_in, K_h, V_h, KPM_b)."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
     rb = tl.load(CH_RB + c)
-    return rb % nbq, tl.load(CH_START + c), tl.load(CH_END + c), rb // nbq == tl.load(GIDX + bh)
+    mine = rb // nbq == tl.load(GIDX + bh)
+    rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(
+        rb % nbq, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV, BLOCK
+    )
+    start, end = tl.load(CH_START + c), tl.load(CH_END + c)
+    return c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KPM_b
+
+
+@triton.jit
+def _long(LONG_RB, LONG_C0, LONG_C1, GIDX, nbq, n_q, BLOCK: tl.constexpr):
+    """What a merging program on split row block r = program_id(0) of batch·head bh =
+    program_id(1) works on: (r, bh, whether the block belongs to bh's layout graph, its query
+    block, rows, row_ok, and its chunks' range)."""
+    r = tl.program_id(0)
+    bh = tl.program_id(1)
+    rb = tl.load(LONG_RB + r)
+    rows = (rb % nbq) * BLOCK + tl.arange(0, BLOCK)
+    mine = rb // nbq == tl.load(GIDX + bh)
+    return r, bh, mine, rb % nbq, rows, rows < n_q, tl.load(LONG_C0 + r), tl.load(LONG_C1 + r)
 
 
 @triton.jit
@@ -557,13 +580,10 @@ def _split_pass0(
 ):  # fmt: skip
     """Pass 0 of one chunk: its rows' max and key count (to PART) and their TOPK largest
     per-tile maxima (to TOP, (B·H, chunks, TOPK, BLOCK))."""
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
-    qb, start, end, mine = _chunk(c, bh, CH_RB, CH_START, CH_END, GIDX, nbq)
+    c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KPM_b = _chunk(
+        CH_RB, CH_START, CH_END, GIDX, K, V, KPM, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
+    )
     if mine:
-        rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(
-            qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV, BLOCK
-        )
         q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
         m, cnt, top = _pass0(
             start, end, TMAX + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q, K_h,
@@ -587,19 +607,17 @@ def _split_init(
     """Merge pass 0 of a split query block's chunks: m = max, n = Σ, the TOPK largest of
     their per-tile maxima and from them τ's start (as the main kernel's: the same start), the
     bracket [τ, −n^{1−α}]; no pass yet."""
-    r = tl.program_id(0)
-    bh = tl.program_id(1)
-    rb = tl.load(LONG_RB + r)
-    if rb // nbq == tl.load(GIDX + bh):
-        qb = rb % nbq
+    r, bh, mine, qb, rows, row_ok, first, last = _long(
+        LONG_RB, LONG_C0, LONG_C1, GIDX, nbq, n_q, BLOCK
+    )
+    if mine:
         offs = tl.arange(0, BLOCK)
-        rows = qb * BLOCK + offs
         m = tl.full((BLOCK,), float("-inf"), tl.float32)
         cnt = tl.zeros((BLOCK,), tl.float32)
         top = ()
         for _ in tl.static_range(TOPK):
             top = top + (tl.full((BLOCK,), float("-inf"), tl.float32),)
-        for c in range(tl.load(LONG_C0 + r), tl.load(LONG_C1 + r)):
+        for c in range(first, last):
             at = bh.to(tl.int64) * n_chunks + c
             m = tl.maximum(m, tl.load(PART + at * 4 * BLOCK + offs))
             cnt += tl.load(PART + at * 4 * BLOCK + BLOCK + offs)
@@ -609,7 +627,7 @@ def _split_init(
         m = tl.where(has, m, 0.0)
         tau = _start(_stack(top, BLOCK, TOPK) - m[:, None], R, BLOCK, MODE, TOPK)
         hi = tl.where(has, -tl.exp2(-AM1 * tl.log2(tl.maximum(cnt, 1.0))), 0.0)
-        _put_state(STATE, bh, rows, rows < n_q, n_q, BH, m, tau, tau, hi, ~has, has)
+        _put_state(STATE, bh, rows, row_ok, n_q, BH, m, tau, tau, hi, ~has, has)
         tl.store(PASSES + bh.to(tl.int64) * nbq + qb, tl.zeros((), tl.int32))
 
 
@@ -624,13 +642,10 @@ def _split_sums(
     UPCAST: tl.constexpr, SKIP: tl.constexpr,
 ):  # fmt: skip
     """A threshold pass over one chunk (:func:`_sums`), while a row of its block is open."""
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
-    qb, start, end, mine = _chunk(c, bh, CH_RB, CH_START, CH_END, GIDX, nbq)
+    c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KPM_b = _chunk(
+        CH_RB, CH_START, CH_END, GIDX, K, V, KPM, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
+    )
     if mine:
-        rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(
-            qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV, BLOCK
-        )
         q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
         m, tau, lo, hi, done, has = _state(STATE, bh, rows, row_ok, n_q, BH)
         if tl.sum((~done).to(tl.int32), 0) > 0:
@@ -654,21 +669,18 @@ def _split_update(
 ):  # fmt: skip
     """Add a pass's chunk sums of a split query block and step its rows' thresholds
     (:func:`_update`), counting the pass, while a row is open."""
-    r = tl.program_id(0)
-    bh = tl.program_id(1)
-    rb = tl.load(LONG_RB + r)
-    if rb // nbq == tl.load(GIDX + bh):
-        qb = rb % nbq
+    r, bh, mine, qb, rows, row_ok, first, last = _long(
+        LONG_RB, LONG_C0, LONG_C1, GIDX, nbq, n_q, BLOCK
+    )
+    if mine:
         offs = tl.arange(0, BLOCK)
-        rows = qb * BLOCK + offs
-        row_ok = rows < n_q
         m, tau, lo, hi, done, has = _state(STATE, bh, rows, row_ok, n_q, BH)
         if tl.sum((~done).to(tl.int32), 0) > 0:
             c0 = tl.zeros((BLOCK,), tl.float32)
             s1 = tl.zeros((BLOCK,), tl.float32)
             s2 = tl.zeros((BLOCK,), tl.float32)
             y_in = tl.full((BLOCK,), float("inf"), tl.float32)
-            for c in range(tl.load(LONG_C0 + r), tl.load(LONG_C1 + r)):
+            for c in range(first, last):
                 part = PART + (bh.to(tl.int64) * n_chunks + c) * 4 * BLOCK + offs
                 c0 += tl.load(part)
                 s1 += tl.load(part + BLOCK)
@@ -691,13 +703,10 @@ def _split_last(
     NEED_GRAD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """The last pass over one chunk (:func:`_last`): its partial Σ p V, Σ p (and Σ g V, Σ g)."""
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
-    qb, start, end, mine = _chunk(c, bh, CH_RB, CH_START, CH_END, GIDX, nbq)
+    c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KPM_b = _chunk(
+        CH_RB, CH_START, CH_END, GIDX, K, V, KPM, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
+    )
     if mine:
-        rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(
-            qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV, BLOCK
-        )
         q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
         m, tau, lo, hi, done, has = _state(STATE, bh, rows, row_ok, n_q, BH)
         tau_abs = tl.where(has, m + tau, float("inf"))
@@ -724,19 +733,17 @@ def _split_finish(
 ):  # fmt: skip
     """Add the chunks' last passes of a split query block and store its rows (:func:`_finish`;
     a row still open after the launches' passes is renormalised, as α > 2's are)."""
-    r = tl.program_id(0)
-    bh = tl.program_id(1)
-    rb = tl.load(LONG_RB + r)
-    if rb // nbq == tl.load(GIDX + bh):
+    r, bh, mine, qb, rows, row_ok, first, last = _long(
+        LONG_RB, LONG_C0, LONG_C1, GIDX, nbq, n_q, BLOCK
+    )
+    if mine:
         offs = tl.arange(0, BLOCK)
-        rows = (rb % nbq) * BLOCK + offs
-        row_ok = rows < n_q
         m, tau, lo, hi, done, has = _state(STATE, bh, rows, row_ok, n_q, BH)
         acc = tl.zeros((BLOCK, BDV), tl.float32)
         g_acc = tl.zeros((BLOCK, BDV), tl.float32)
         p_sum = tl.zeros((BLOCK,), tl.float32)
         g_sum = tl.zeros((BLOCK,), tl.float32)
-        for c in range(tl.load(LONG_C0 + r), tl.load(LONG_C1 + r)):
+        for c in range(first, last):
             at = bh.to(tl.int64) * n_chunks + c
             p_sum += tl.load(PART + at * 4 * BLOCK + offs)
             g_sum += tl.load(PART + at * 4 * BLOCK + BLOCK + offs)
@@ -802,13 +809,10 @@ def _split_dq(
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """dq of a split query block, one chunk of its pairs: the partial Σ ds K, to DQP."""
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
-    qb, start, end, mine = _chunk(c, bh, CH_RB, CH_START, CH_END, GIDX, nbq)
+    c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KPM_b = _chunk(
+        CH_RB, CH_START, CH_END, GIDX, K, V, KPM, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
+    )
     if mine:
-        rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(
-            qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV, BLOCK
-        )
         q, do, tau, delta = _grad_rows(Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D, DV, BD, BDV)
         dq = _dq(
             start, end, NZ + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q, do, tau,
@@ -825,17 +829,16 @@ def _split_dq_finish(
     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """dq of a split query block: its chunks' partial sums added, scaled and stored."""
-    r = tl.program_id(0)
-    bh = tl.program_id(1)
-    rb = tl.load(LONG_RB + r)
-    if rb // nbq == tl.load(GIDX + bh):
+    r, bh, mine, qb, rows, row_ok, first, last = _long(
+        LONG_RB, LONG_C0, LONG_C1, GIDX, nbq, n_q, BLOCK
+    )
+    if mine:
         offs = tl.arange(0, BLOCK)
-        rows = (rb % nbq) * BLOCK + offs
         dq = tl.zeros((BLOCK, BD), tl.float32)
-        for c in range(tl.load(LONG_C0 + r), tl.load(LONG_C1 + r)):
+        for c in range(first, last):
             dq += _tile(DQP + (bh.to(tl.int64) * n_chunks + c) * BLOCK * BD, offs, offs < BLOCK,
                         BD, BD)  # fmt: skip
-        _put(DQ + bh.to(tl.int64) * n_q * D, rows, rows < n_q, dq * scale, D, BD)
+        _put(DQ + bh.to(tl.int64) * n_q * D, rows, row_ok, dq * scale, D, BD)
 
 
 @triton.jit
