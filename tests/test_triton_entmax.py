@@ -288,11 +288,12 @@ def test_split_query_blocks(name, monkeypatch):
 @needs_kernels
 def test_split_query_blocks_per_head_graphs_key_padding(monkeypatch):
     """A batched graph where one head's layout has a long query block and the other's has
-    none (the split kernels' programs of the other head do nothing), with key padding."""
+    none (the split kernels' programs of the other head do nothing), with key padding and
+    one key/value head for both query heads (GQA)."""
     n = 256
     splits = _counting_splits(monkeypatch)
     graph = sa.split_heads(sa.longformer(16, 2), sa.window(16)).graph(n, num_heads=2)
-    q, k, v = inputs(2, 2, n, n, 16, seed=13)
+    q, k, v = inputs(2, 2, n, n, 16, kv_heads=1, seed=13)
     kpm = torch.ones(2, n, dtype=torch.bool, device=DEVICE)
     kpm[1, 200:] = False
     kpm[0, 1] = False  # a global token's key
