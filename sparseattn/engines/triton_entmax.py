@@ -85,6 +85,7 @@ MAX_HEAD_DIM = 256
 #: Split the query blocks that visit more than this many times the mean number of key blocks
 #: (the block of a Longformer's or BigBird's global tokens visits all of them) into chunks of
 #: about twice the mean, one program per chunk, the passes one launch each (None: no split).
+#: 1.5-entmax and sparsemax only (their exact closed forms end the search in a few passes).
 #: Off until a GPU measures it (``tuning(split_long=4.0)``; docs/engines.md, "Where the
 #: Longformer time may go").
 SPLIT_LONG: float | None = None
@@ -468,6 +469,12 @@ def split_plan(layout: BlockLayout, factor: float, device: torch.device) -> Spli
     return layout._on[key]
 
 
+def _split_factor(alpha: float) -> float | None:
+    """:data:`SPLIT_LONG` for 1.5-entmax and sparsemax; None (no split) for other α, whose
+    search may take up to MAX_IT passes (bisection for α > 2), a launch pair each."""
+    return None if _mode(alpha) == 0 else SPLIT_LONG
+
+
 def _launch_split(
     plan: SplitPlan, q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout, gidx: Tensor,
     kpm: Tensor, consts: dict, outs: tuple[Tensor, ...], alpha: float, scale: float,
@@ -553,7 +560,8 @@ def _launch_forward(
         gv = torch.empty(bsz, heads, n_q, dv, dtype=torch.float32, device=dev)
         nz = torch.empty(bsz * heads, pairs, dtype=torch.int8, device=dev)
     kpm_t = dummy.to(torch.int8) if kpm is None else kpm
-    plan = None if SPLIT_LONG is None else split_plan(layout, SPLIT_LONG, dev)
+    split = _split_factor(alpha)
+    plan = None if split is None else split_plan(layout, split, dev)
     consts = _constants(q, v, layout, alpha, kpm is not None, "forward")
     _kernels()._forward[(layout.nbq, bsz * heads)](
         q, k, v, out, tau, gv, nz, tmax, passes,
@@ -584,7 +592,7 @@ class _EntmaxAttention(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, tau, gv, nz)
             ctx.layout, ctx.gidx, ctx.kpm = layout, gidx, kpm_t
             ctx.has_kpm, ctx.alpha, ctx.scale = kpm is not None, alpha, scale
-            ctx.split = SPLIT_LONG  # the forward's, whatever the knob is at the backward
+            ctx.split = _split_factor(alpha)  # the forward's, whatever the knob is now
         return out
 
     @staticmethod
