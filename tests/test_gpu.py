@@ -158,8 +158,11 @@ def test_triton_tuning_sets_the_knobs_and_restores_them_on_error():
     from sparseattn.engines import triton_entmax as te
 
     before = (dict(te.DEFAULT_BLOCK), te.SKIP_TILES, dict(te.WARPS), dict(te.STAGES), te.TOPK)
-    with te.tuning(block=128, skip_tiles=not te.SKIP_TILES, warps=2, stages=3, topk=32):
+    split = te.SPLIT_LONG
+    knobs = {"skip_tiles": not te.SKIP_TILES, "warps": 2, "stages": 3, "split_long": 4.0}
+    with te.tuning(block=128, topk=32, **knobs):
         assert (te.DEFAULT_BLOCK["cuda"], te.WARPS[128], te.TOPK) == (128, 2, 32)
+        assert te.SPLIT_LONG == 4.0
         assert te.STAGES == {"forward": 3, "backward": 3}
         assert te.SKIP_TILES is not before[1]
     with pytest.raises(RuntimeError), te.tuning(block=32, stages=None):
@@ -175,4 +178,7 @@ def test_triton_tuning_sets_the_knobs_and_restores_them_on_error():
         pass
     with pytest.raises(ValueError, match="topk must be a power of two"), te.tuning(topk=12):
         pass
-    assert before[4] == te.TOPK
+    bad_split = pytest.raises(ValueError, match="split_long must be None or > 1")
+    with bad_split, te.tuning(split_long=0.5):
+        pass
+    assert before[4] == te.TOPK and split == te.SPLIT_LONG
