@@ -286,6 +286,24 @@ def test_split_query_blocks(name, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("n_q", [1, 20])
+def test_split_decoding_against_a_long_cache(n_q, monkeypatch):
+    """Decoding: one query block (or two) against many key blocks makes fewer programs than
+    the device has multiprocessors (8 here); with the split on, every query block is cut
+    into chunks (flash-decoding's split of the keys), and the result is the reference's."""
+    monkeypatch.setattr(te, "_multiprocessors", lambda device: 8)
+    splits = _counting_splits(monkeypatch)
+    n = 512
+    q, k, v = inputs(1, 1, n_q, n, 16, seed=15)
+    with te.tuning(split_long=4.0):
+        out = te.full_rows_entmax(q, k, v, sa.entmax(1.5), 0.25, None, causal=True, block=16)
+    allowed = torch.arange(n)[None, :] <= torch.arange(n - n_q, n)[:, None]
+    check(out, q, k, v, allowed, 1.5, 0.25)
+    assert len(splits) == 2 and splits[0].long_rb.numel() == -(-n_q // 16)
+    assert splits[0].ch_rb.numel() >= 4 * splits[0].long_rb.numel()
+
+
+@needs_kernels
 def test_no_split_for_other_alphas(monkeypatch):
     """α ∉ {1.5, 2}: the search may take up to MAX_IT passes (bisection for α > 2), so the
     long query block stays in the main kernel whatever ``split_long`` says."""

@@ -537,19 +537,22 @@ def _module(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
 def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     """1.5-entmax (bf16) by the Triton kernels with each tile size and with and without tile
     skipping in the threshold passes, then at block 64 with each number of warps and pipeline
-    stages of the suite: causal over all keys, on Gaussian q, k and on q, k with locality
-    (peaked rows, :func:`with_locality`), and on the Longformer pattern."""
+    stages, ``TOPK`` and split of the suite: causal over all keys, on Gaussian q, k and on q, k
+    with locality (peaked rows, :func:`with_locality`), on the Longformer pattern, and one
+    token decoded against the n keys (causal)."""
     import sparseattn as sa
 
     from ..engines import triton_entmax as te
 
     (q, k, v), g = _inputs(suite, n, torch.bfloat16, grad=True)
     ql, kl = (x.detach().requires_grad_(True) for x in with_locality(q, k, suite.locality))
+    q1 = q[:, :, -1:].detach().requires_grad_(True)  # one token against the whole cache
     causal = sa.dense().causal()
     cases = {
-        "causal": (causal, (q, k, v)),
-        "causal, local": (causal, (ql, kl, v)),
-        "longformer": (sa.longformer(suite.window, suite.sinks), (q, k, v)),
+        "causal": (causal, (q, k, v), g),
+        "causal, local": (causal, (ql, kl, v), g),
+        "longformer": (sa.longformer(suite.window, suite.sinks), (q, k, v), g),
+        "causal, decode": (causal, (q1, k, v), g[:, :, -1:]),
     }
     # the tile rows keep the module's warps and stages; the sweep sets both kernels' stages
     knobs = (
@@ -575,12 +578,12 @@ def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
             for factor in suite.tile_splits
         ]
     )
-    for name, (pattern, inputs) in cases.items():
+    for name, (pattern, inputs, grad) in cases.items():
         fn = lambda p=pattern, i=inputs: sa.sparse_attention(*i, p, prob_map="entmax15")  # noqa: E731
         for who, knob in knobs:
             key = {"section": "tiles", "dtype": "bfloat16", "n": n, "pattern": name}
             with te.tuning(**knob):
-                for mode, call in (("fwd", _fwd(fn)), ("fwd+bwd", _fwd_bwd(fn, inputs, g))):
+                for mode, call in (("fwd", _fwd(fn)), ("fwd+bwd", _fwd_bwd(fn, inputs, grad))):
                     _record(suite, rows, log, {**key, "who": who, "mode": mode}, call)
 
 

@@ -436,17 +436,28 @@ class SplitPlan:
     long_c1: Tensor
 
 
-def split_plan(layout: BlockLayout, factor: float, device: torch.device) -> SplitPlan | None:
+def split_plan(
+    layout: BlockLayout, factor: float, device: torch.device, heads: int = 1, sms: int = 1
+) -> SplitPlan | None:
     """The query blocks of ``layout`` with more than ``factor`` times the mean number of pairs
-    per non-empty query block, cut into chunks of about twice that mean (at least 8 pairs);
-    None when there are none. Cached on the layout per (factor, device)."""
-    key = ("split", factor, device)
+    per non-empty query block, cut into chunks of about twice that mean (at least 8 pairs).
+    When the main kernel would run fewer programs than the device has multiprocessors
+    (``sms``; non-empty query blocks × ``heads``, the launch's batch·heads: decoding, one
+    query block against a long cache), every query block is cut instead, into chunks that
+    make about two programs per multiprocessor (as flash-decoding splits one query's keys).
+    None when no block is cut. Cached on the layout per (factor, device, heads, sms)."""
+    key = ("split", factor, device, heads, sms)
     if key not in layout._on:
         row_ptr = layout.row_ptr.cpu().long()
         counts = row_ptr[1:] - row_ptr[:-1]
-        mean = counts.sum().item() / max(1, int((counts > 0).sum()))
+        busy = int((counts > 0).sum())
+        mean = counts.sum().item() / max(1, busy)
         chunk = max(8, math.ceil(2 * mean))
-        long = torch.nonzero((counts > factor * mean) & (counts > chunk)).flatten()
+        long = (counts > factor * mean) & (counts > chunk)
+        if busy * heads < sms:  # too few programs to fill the device
+            chunk = max(8, math.ceil(counts.sum().item() * heads / (2 * sms)))
+            long = counts > chunk
+        long = torch.nonzero(long).flatten()
         plan = None
         if long.numel():
             per = (counts[long] + chunk - 1) // chunk
@@ -467,6 +478,15 @@ def split_plan(layout: BlockLayout, factor: float, device: torch.device) -> Spli
             )
         layout._on[key] = plan
     return layout._on[key]
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessors (SMs); 1 on CPU, where the interpreter runs programs one
+    after another."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
 
 
 def _split_factor(alpha: float) -> float | None:
@@ -561,7 +581,9 @@ def _launch_forward(
         nz = torch.empty(bsz * heads, pairs, dtype=torch.int8, device=dev)
     kpm_t = dummy.to(torch.int8) if kpm is None else kpm
     split = _split_factor(alpha)
-    plan = None if split is None else split_plan(layout, split, dev)
+    plan = None
+    if split is not None:
+        plan = split_plan(layout, split, dev, bsz * heads, _multiprocessors(dev))
     consts = _constants(q, v, layout, alpha, kpm is not None, "forward")
     _kernels()._forward[(layout.nbq, bsz * heads)](
         q, k, v, out, tau, gv, nz, tmax, passes,
@@ -608,7 +630,9 @@ class _EntmaxAttention(torch.autograd.Function):
         dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         common = _constants(q, v, layout, alpha, ctx.has_kpm, "backward")
         mul, r = scale * (alpha - 1.0), 1.0 / (alpha - 1.0)
-        plan = None if ctx.split is None else split_plan(layout, ctx.split, q.device)
+        plan = None
+        if ctx.split is not None:
+            plan = split_plan(layout, ctx.split, q.device, bsz * heads, _multiprocessors(q.device))
         kern._backward_dq[(layout.nbq, bsz * heads)](
             q, k, v, do, dq, tau, delta, nz,
             layout.row_ptr, layout.row_ptr[1:] if plan is None else plan.row_end,
