@@ -460,6 +460,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sparseattn.engines import _entmax_kernels as kern
+from sparseattn.engines import _entmax_split as split
 from sparseattn.engines.triton_entmax import MAX_IT, TOPK
 
 types = {
@@ -477,17 +478,17 @@ specs = [
     (kern._forward, {"MODE": 1, "NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": "tf32",
                      "SKIP": True}),
     (kern._backward_dkdv, {"MODE": 0, "GROUP": 2, "PREC": "tf32"}),
-    (kern._split_sums, {"MODE": 1, "PREC": "tf32", "SKIP": True}),
+    (split._split_sums, {"MODE": 1, "PREC": "tf32", "SKIP": True}),
 ]
 if sys.argv[1] == "all":
     specs += [
-        (kern._split_pass0, {"MODE": 1, "TOPK": TOPK, "PREC": "tf32"}),
-        (kern._split_init, {"MODE": 1, "TOPK": TOPK}),
-        (kern._split_update, {"MODE": 1}),
-        (kern._split_last, {"MODE": 1, "NEED_GRAD": True, "PREC": "tf32"}),
-        (kern._split_finish, {"MODE": 1, "NEED_GRAD": True}),
-        (kern._split_dq, {"MODE": 1, "PREC": "tf32"}),
-        (kern._split_dq_finish, {}),
+        (split._split_pass0, {"MODE": 1, "TOPK": TOPK, "PREC": "tf32"}),
+        (split._split_init, {"MODE": 1, "TOPK": TOPK}),
+        (split._split_update, {"MODE": 1}),
+        (split._split_last, {"MODE": 1, "NEED_GRAD": True, "PREC": "tf32"}),
+        (split._split_finish, {"MODE": 1, "NEED_GRAD": True}),
+        (split._split_dq, {"MODE": 1, "PREC": "tf32"}),
+        (split._split_dq_finish, {}),
     ]
     specs += [
         (kern._forward, {"MODE": m, "NEED_GRAD": g, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": p,

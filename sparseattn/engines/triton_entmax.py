@@ -152,6 +152,12 @@ def _kernels() -> ModuleType:
     return _KERNELS
 
 
+def _split_kernels() -> ModuleType:
+    """The split query blocks' kernels (:mod:`._entmax_split`), imported on first use."""
+    _kernels()
+    return importlib.import_module("._entmax_split", __package__)
+
+
 def _interpreted() -> bool:
     """Whether the kernels run under Triton's interpreter: TRITON_INTERPRET=1 must have been
     set before triton was imported (its own library functions are built at import)."""
@@ -503,7 +509,7 @@ def _launch_split(
     """The split query blocks: pass 0 per chunk, merged; :data:`SPLIT_PASSES` threshold
     passes, each per chunk then merged; the last pass per chunk, merged into ``outs`` (out,
     τ, Σ g V / Σ g, the non-zero flags, tile maxima, passes: what the main kernel writes)."""
-    kern = _kernels()
+    kern = _split_kernels()
     out, tau, gv, nz, tmax, passes = outs
     bh, dev = q.shape[0] * q.shape[1], q.device
     block, dvp = layout.block, _pow2(v.shape[-1])
@@ -644,13 +650,14 @@ class _EntmaxAttention(torch.autograd.Function):
             dqp = torch.empty(
                 bsz * heads, chunks, layout.block, bd, dtype=torch.float32, device=q.device
             )
-            kern._split_dq[(chunks, bsz * heads)](
+            split_kern = _split_kernels()
+            split_kern._split_dq[(chunks, bsz * heads)](
                 q, k, v, do, tau, delta, nz, dqp,
                 plan.ch_rb, plan.ch_start, plan.ch_end, layout.pair_kb, layout.pair_mask,
                 layout.masks, ctx.gidx, ctx.kpm,
                 *sizes, layout.nbq, nz.shape[1], chunks, mul, r, **common,
             )  # fmt: skip
-            kern._split_dq_finish[(plan.long_rb.numel(), bsz * heads)](
+            split_kern._split_dq_finish[(plan.long_rb.numel(), bsz * heads)](
                 dq, dqp, plan.long_rb, plan.long_c0, plan.long_c1, ctx.gidx,
                 n_q, layout.nbq, chunks, scale, D=common["D"], BD=bd, BLOCK=layout.block,
             )  # fmt: skip
