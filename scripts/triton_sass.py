@@ -27,7 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from sparseattn.engines import _entmax_kernels as kern  # noqa: E402
 from sparseattn.engines import triton_entmax  # noqa: E402
-from sparseattn.engines.triton_entmax import MAX_IT, SKIP_TILES, TOPK  # noqa: E402
+from sparseattn.engines.triton_entmax import LONGEST_FIRST, MAX_IT, SKIP_TILES, TOPK  # noqa: E402
 
 TYPES = {
     **dict.fromkeys(("n_q", "n_k", "H", "HKV", "nbq", "nbk", "n_pairs"), "i32"),
@@ -100,9 +100,10 @@ def main() -> None:
     kernels = {
         "forward": (
             kern._forward,
-            {"NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": args.topk, "SKIP": SKIP_TILES},
+            {"NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": args.topk, "SKIP": SKIP_TILES,
+             "LONGEST_FIRST": LONGEST_FIRST},
         ),  # fmt: skip
-        "backward dq": (kern._backward_dq, {}),
+        "backward dq": (kern._backward_dq, {"LONGEST_FIRST": LONGEST_FIRST}),
         "backward dk dv": (kern._backward_dkdv, {"GROUP": 1}),
     }
     warps = 4 if args.block <= 64 else 8

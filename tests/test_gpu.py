@@ -158,11 +158,11 @@ def test_triton_tuning_sets_the_knobs_and_restores_them_on_error():
     from sparseattn.engines import triton_entmax as te
 
     before = (dict(te.DEFAULT_BLOCK), te.SKIP_TILES, dict(te.WARPS), dict(te.STAGES), te.TOPK)
-    split = te.SPLIT_LONG
+    split = (te.SPLIT_LONG, te.LONGEST_FIRST)
     knobs = {"skip_tiles": not te.SKIP_TILES, "warps": 2, "stages": 3, "split_long": 4.0}
-    with te.tuning(block=128, topk=32, **knobs):
+    with te.tuning(block=128, topk=32, longest_first=not te.LONGEST_FIRST, **knobs):
         assert (te.DEFAULT_BLOCK["cuda"], te.WARPS[128], te.TOPK) == (128, 2, 32)
-        assert te.SPLIT_LONG == 4.0
+        assert te.SPLIT_LONG == 4.0 and te.LONGEST_FIRST is not split[1]
         assert te.STAGES == {"forward": 3, "backward": 3}
         assert te.SKIP_TILES is not before[1]
     with pytest.raises(RuntimeError), te.tuning(block=32, stages=None):
@@ -181,4 +181,4 @@ def test_triton_tuning_sets_the_knobs_and_restores_them_on_error():
     bad_split = pytest.raises(ValueError, match="split_long must be None or > 1")
     with bad_split, te.tuning(split_long=0.5):
         pass
-    assert before[4] == te.TOPK and split == te.SPLIT_LONG
+    assert before[4] == te.TOPK and split == (te.SPLIT_LONG, te.LONGEST_FIRST)

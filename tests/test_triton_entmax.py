@@ -304,6 +304,31 @@ def test_split_decoding_against_a_long_cache(n_q, monkeypatch):
 
 
 @needs_kernels
+def test_longest_first_launch_order():
+    """``tuning(longest_first=True)``: the main kernels take their query blocks longest first
+    (grid (B·H, nbq), the order per layout graph); the outputs, gradients and passes are
+    those of the query-block order, on a causal layout and on per-head graphs with a split
+    block (emptied in the main kernels, so ordered last)."""
+    graph = sa.split_heads(sa.longformer(16, 2), sa.window(16)).graph(256, num_heads=2)
+    cases = [
+        (128, None, te.causal_layout(128, 128, 16), torch.zeros(2, dtype=torch.int32)),
+        (256, 3.0, te.graph_layout(graph, 16), torch.arange(2, dtype=torch.int32)),
+    ]
+    for n, split_long, layout, gidx in cases:
+        q, k, v = inputs(1, 2, n, n, 16, seed=16)
+        runs = []
+        for longest_first in (False, True):
+            with te.tuning(split_long=split_long, longest_first=longest_first):
+                out = te.entmax_attention(q, k, v, layout, 1.5, 0.25, graph_index=gidx.to(DEVICE))
+                grads = torch.autograd.grad(out.sum(), (q, k, v))
+                call = (*(t.detach() for t in (q, k, v)), layout.to(q.device), gidx.to(DEVICE))
+                passes = te._launch_forward(*call, None, 1.5, 0.25, False)[-1]
+            runs.append((out, *grads, passes))
+        for a, b in zip(*runs, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+@needs_kernels
 def test_no_split_for_other_alphas(monkeypatch):
     """α ∉ {1.5, 2}: the search may take up to MAX_IT passes (bisection for α > 2), so the
     long query block stays in the main kernel whatever ``split_long`` says."""
@@ -473,7 +498,7 @@ types = {
     "MASKS": "*i64",
 }
 consts = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": 64, "HAS_KPM": True, "UPCAST": False,
-          "PARTIAL": True}
+          "PARTIAL": True, "LONGEST_FIRST": True}
 specs = [
     (kern._forward, {"MODE": 1, "NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": "tf32",
                      "SKIP": True}),

@@ -77,6 +77,8 @@ class GpuSuite:
     #: split the query blocks above this many times the mean key blocks
     #: (``triton_entmax.SPLIT_LONG``; Longformer's global tokens' block)
     tile_splits: tuple[float, ...] = (4.0,)
+    #: also time every head's query blocks launched longest first (``LONGEST_FIRST``)
+    tile_longest_first: bool = True
     #: strength of the positional locality of the tiles section's peaked case
     locality: float = 1.5
     samples: int = 5
@@ -577,6 +579,8 @@ def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
             (f"block 64, split long x{factor:g}", {"block": 64, "split_long": factor})
             for factor in suite.tile_splits
         ]
+        + [("block 64, longest first", {"block": 64, "longest_first": True})]
+        * suite.tile_longest_first
     )
     for name, (pattern, inputs, grad) in cases.items():
         fn = lambda p=pattern, i=inputs: sa.sparse_attention(*i, p, prob_map="entmax15")  # noqa: E731

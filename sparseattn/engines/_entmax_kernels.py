@@ -274,6 +274,21 @@ def _program(qb, bh, K, V, KPM, H, HKV, n_q, n_k, D: tl.constexpr, DV: tl.conste
 
 
 @triton.jit
+def _query_block(ORDER, GIDX, nbq, LONGEST_FIRST: tl.constexpr):
+    """(query block, batch·head) of this program. Grid (nbq, B·H) in query-block order, or
+    with ``LONGEST_FIRST`` grid (B·H, nbq): every head's query blocks by decreasing number of
+    pairs (ORDER, per layout graph), so that the GPU, which starts programs in grid order,
+    starts the long ones first and the short ones fill the end."""
+    if LONGEST_FIRST:
+        bh = tl.program_id(0)
+        qb = tl.load(ORDER + tl.load(GIDX + bh) * nbq + tl.program_id(1))
+    else:
+        qb = tl.program_id(0)
+        bh = tl.program_id(1)
+    return qb, bh
+
+
+@triton.jit
 def _pairs(ROW_PTR, ROW_END, GIDX, bh, qb, nbq):
     """The range [start, end) of query block qb's pairs in bh's layout graph (``ROW_END``:
     each row block's end, ``ROW_PTR + 1`` unless some are left to the split kernels)."""
@@ -453,17 +468,16 @@ def _finish(O, TAU, GV, bh, rows, row_ok, n_q, acc, g_acc, g_sum, p_sum, tau_abs
 @triton.jit
 def _forward(
     Q, K, V, O, TAU, GV, NZ, TMAX, PASSES,
-    ROW_PTR, ROW_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    ROW_PTR, ROW_END, ORDER, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
     n_q, n_k, H, HKV, nbq, n_pairs,
     mul, AM1, R,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
     NEED_GRAD: tl.constexpr,
     MAX_IT: tl.constexpr, TOPK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    SKIP: tl.constexpr,
+    SKIP: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):  # fmt: skip
-    qb = tl.program_id(0)
-    bh = tl.program_id(1)
+    qb, bh = _query_block(ORDER, GIDX, nbq, LONGEST_FIRST)
     start, end = _pairs(ROW_PTR, ROW_END, GIDX, bh, qb, nbq)
     rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV,
                                                       BLOCK)  # fmt: skip
@@ -524,15 +538,14 @@ def _dq(start, end, NZ_b, PAIR_KB, PAIR_MASK, MASKS, q, do, tau, delta, K_h, V_h
 @triton.jit
 def _backward_dq(
     Q, K, V, DO, DQ, TAU, DELTA, NZ,
-    ROW_PTR, ROW_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    ROW_PTR, ROW_END, ORDER, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
     n_q, n_k, H, HKV, nbq, n_pairs,
     mul, scale, R,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):  # fmt: skip
-    qb = tl.program_id(0)
-    bh = tl.program_id(1)
+    qb, bh = _query_block(ORDER, GIDX, nbq, LONGEST_FIRST)
     start, end = _pairs(ROW_PTR, ROW_END, GIDX, bh, qb, nbq)
     rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV,
                                                       BLOCK)  # fmt: skip

@@ -94,6 +94,15 @@ SPLIT_LONG: float | None = None
 #: same passes: at most 4 per 64-row block on the Gaussian rows of docs/engines.md's "Work
 #: counts".
 SPLIT_PASSES = 8
+#: Launch every head's query blocks longest first (by pairs; grid (B·H, nbq)) instead of in
+#: query-block order, head after head: the GPU starts programs in grid order, so the short
+#: ones then fill the end (causal: the longest blocks are the last ones; the global tokens'
+#: block of a later head starts late). A list schedule of the pair counts on 264 slots
+#: (132 SMs, two programs each) ends at 1.32 / 1.01 times its lower bound in query-block
+#: order / longest first for causal at n = 8192, 1.07 / 1.00 at 32768, 1.25 / 1.00 for
+#: Longformer at 32768 (scripts/layout_balance.py; docs/engines.md). Off until a GPU measures
+#: it (``tuning(longest_first=True)``): it also changes which heads share the L2 cache.
+LONGEST_FIRST = False
 
 _UNSET: Any = object()
 
@@ -106,14 +115,17 @@ def tuning(
     stages: int | None = _UNSET,
     topk: int | None = None,
     split_long: float | None = _UNSET,
+    longest_first: bool | None = None,
 ) -> Iterator[None]:
     """Run the GPU kernels with other knobs inside the ``with`` block, then restore them (the
     bench's tiles section): ``block`` the GPU default tile, ``skip_tiles`` :data:`SKIP_TILES`,
     ``warps`` :data:`WARPS` at that block, ``stages`` both kernels' :data:`STAGES` (None:
-    Triton's default), ``topk`` :data:`TOPK`, ``split_long`` :data:`SPLIT_LONG`. Not
-    thread-safe: the knobs are module state, read when a kernel is launched."""
-    global SKIP_TILES, TOPK, SPLIT_LONG
+    Triton's default), ``topk`` :data:`TOPK`, ``split_long`` :data:`SPLIT_LONG`,
+    ``longest_first`` :data:`LONGEST_FIRST`. Not thread-safe: the knobs are module state,
+    read when a kernel is launched."""
+    global SKIP_TILES, TOPK, SPLIT_LONG, LONGEST_FIRST
     saved = (DEFAULT_BLOCK["cuda"], SKIP_TILES, dict(WARPS), dict(STAGES), TOPK, SPLIT_LONG)
+    saved += (LONGEST_FIRST,)
     try:
         if block is not None:
             if block not in BLOCKS:
@@ -133,9 +145,12 @@ def tuning(
             if split_long is not None and not split_long > 1:
                 raise ValueError(f"split_long must be None or > 1, got {split_long!r}")
             SPLIT_LONG = split_long
+        if longest_first is not None:
+            LONGEST_FIRST = bool(longest_first)
         yield
     finally:
-        DEFAULT_BLOCK["cuda"], SKIP_TILES, TOPK, SPLIT_LONG = (*saved[:2], *saved[4:])
+        DEFAULT_BLOCK["cuda"], SKIP_TILES = saved[:2]
+        TOPK, SPLIT_LONG, LONGEST_FIRST = saved[4:]
         for knobs, old in ((WARPS, saved[2]), (STAGES, saved[3])):
             knobs.clear()
             knobs.update(old)
@@ -431,6 +446,8 @@ class SplitPlan:
         ch_rb, ch_start, ch_end: int32[C], chunk c covers pairs ch_start[c] : ch_end[c] of
             row block ch_rb[c] (= g·nbq + query block).
         long_rb, long_c0, long_c1: int32[R], split row block r and its chunks.
+        order: the main kernels' query blocks longest first (``LONGEST_FIRST``), made on
+            first use.
     """
 
     row_end: Tensor
@@ -440,6 +457,7 @@ class SplitPlan:
     long_rb: Tensor
     long_c0: Tensor
     long_c1: Tensor
+    order: Tensor | None = field(default=None, repr=False)
 
 
 def split_plan(
@@ -484,6 +502,36 @@ def split_plan(
             )
         layout._on[key] = plan
     return layout._on[key]
+
+
+def _rows(
+    layout: BlockLayout, plan: SplitPlan | None, longest_first: bool
+) -> tuple[Tensor, Tensor]:
+    """Each row block's end pair for the main kernels (the split blocks' left empty) and,
+    with ``longest_first``, every layout graph's query blocks by decreasing pairs (int32
+    [G·nbq], cached on the layout; else a placeholder)."""
+    row_end = layout.row_ptr[1:] if plan is None else plan.row_end
+    if not longest_first:
+        return row_end, row_end
+
+    def order() -> Tensor:
+        counts = (row_end.long() - layout.row_ptr[:-1].long()).view(layout.graphs, layout.nbq)
+        by_length = torch.argsort(counts, dim=1, descending=True, stable=True)
+        return by_length.to(torch.int32).flatten().contiguous()
+
+    if plan is not None:
+        if plan.order is None:
+            plan.order = order()
+        return row_end, plan.order
+    key = ("order", row_end.device)
+    if key not in layout._on:
+        layout._on[key] = order()
+    return row_end, layout._on[key]
+
+
+def _grid(layout: BlockLayout, programs: int, longest_first: bool) -> tuple[int, int]:
+    """The main kernels' grid: (nbq, B·H), or (B·H, nbq) longest first (``_query_block``)."""
+    return (programs, layout.nbq) if longest_first else (layout.nbq, programs)
 
 
 @functools.lru_cache(maxsize=8)
@@ -591,13 +639,14 @@ def _launch_forward(
     if split is not None:
         plan = split_plan(layout, split, dev, bsz * heads, _multiprocessors(dev))
     consts = _constants(q, v, layout, alpha, kpm is not None, "forward")
-    _kernels()._forward[(layout.nbq, bsz * heads)](
+    row_end, order = _rows(layout, plan, LONGEST_FIRST)
+    _kernels()._forward[_grid(layout, bsz * heads, LONGEST_FIRST)](
         q, k, v, out, tau, gv, nz, tmax, passes,
-        layout.row_ptr, layout.row_ptr[1:] if plan is None else plan.row_end,
-        layout.pair_kb, layout.pair_mask, layout.masks, gidx, kpm_t,
-        *_sizes(q, k), layout.nbq, pairs,
+        layout.row_ptr, row_end, order, layout.pair_kb, layout.pair_mask, layout.masks, gidx,
+        kpm_t, *_sizes(q, k), layout.nbq, pairs,
         scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0),
-        NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK, SKIP=SKIP_TILES, **consts,
+        NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK, SKIP=SKIP_TILES,
+        LONGEST_FIRST=LONGEST_FIRST, **consts,
     )  # fmt: skip
     if plan is not None:  # after the main kernel, which left the split blocks empty
         outs = (out, tau, gv, nz, tmax, passes)
@@ -620,7 +669,8 @@ class _EntmaxAttention(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, tau, gv, nz)
             ctx.layout, ctx.gidx, ctx.kpm = layout, gidx, kpm_t
             ctx.has_kpm, ctx.alpha, ctx.scale = kpm is not None, alpha, scale
-            ctx.split = _split_factor(alpha)  # the forward's, whatever the knob is now
+            # the forward's knobs, whatever they are at the backward
+            ctx.split, ctx.longest_first = _split_factor(alpha), LONGEST_FIRST
         return out
 
     @staticmethod
@@ -639,11 +689,12 @@ class _EntmaxAttention(torch.autograd.Function):
         plan = None
         if ctx.split is not None:
             plan = split_plan(layout, ctx.split, q.device, bsz * heads, _multiprocessors(q.device))
-        kern._backward_dq[(layout.nbq, bsz * heads)](
+        row_end, order = _rows(layout, plan, ctx.longest_first)
+        kern._backward_dq[_grid(layout, bsz * heads, ctx.longest_first)](
             q, k, v, do, dq, tau, delta, nz,
-            layout.row_ptr, layout.row_ptr[1:] if plan is None else plan.row_end,
-            layout.pair_kb, layout.pair_mask, layout.masks, ctx.gidx, ctx.kpm,
-            *sizes, layout.nbq, nz.shape[1], mul, scale, r, **common,
+            layout.row_ptr, row_end, order, layout.pair_kb, layout.pair_mask, layout.masks,
+            ctx.gidx, ctx.kpm, *sizes, layout.nbq, nz.shape[1], mul, scale, r,
+            LONGEST_FIRST=ctx.longest_first, **common,
         )  # fmt: skip
         if plan is not None:  # the split query blocks' dq: partial sums per chunk, added
             chunks, bd = plan.ch_rb.numel(), common["BD"]
