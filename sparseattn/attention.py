@@ -102,11 +102,6 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool = False) -> Non
         raise ValueError("k must hold at least one key (n_k >= 1): every query needs a key")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k and v must share their length, got {k.shape[-2]} and {v.shape[-2]}")
-    if not _host_checks(q):
-        return
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not all_finite(t):
-            raise ValueError(f"{name} contains NaN or inf")
 
 
 def _host_checks(t: Tensor) -> bool:
@@ -333,8 +328,9 @@ def sparse_attention(
     Raises:
         ValueError/TypeError for bad shapes, dtypes, devices, unknown engines, patterns that
         leave a query without any key, a key padding mask that ignores every key of an item,
-        and (on CPU) NaN/inf inputs and overflowing scores; on a GPU those two checks are
-        skipped, since each would stall the host on the device.
+        and (on CPU) a result that is not finite, naming the input holding NaN/inf or the
+        overflowing scores (the result is checked, so NaN/inf in keys the call never reads
+        does not raise); on a GPU that check is skipped, since it would stall the host.
 
     Dtypes: float64, float32, bfloat16, float16 on every engine; the output has the inputs'
     dtype. Under ``torch.autocast`` q, k, v are cast to the autocast dtype first, as for
@@ -346,6 +342,8 @@ def sparse_attention(
     graphs over any stream of lengths, no ``fullgraph=True`` (docs/engines.md, "torch.compile").
     """
     _check_qkv(q, k, v, check_bool("enable_gqa", enable_gqa))
+    # q is read whole (and is the output's size); k too where the graph is drawn from q·kᵀ
+    _check_inputs_finite(q=q, **({"k": k} if getattr(pattern, "data_dependent", False) else {}))
     rho = resolve_prob_map(prob_map)
     check_probability("dropout_p", dropout_p, allow_one=False)
     check_choice("engine", engine, ["auto", *ENGINES])
@@ -401,15 +399,33 @@ def _attend(
 ) -> Tensor:
     """:func:`sparse_attention` on validated inputs with as many key/value heads as query
     heads; ``valid`` (batch, n_k) is True for real keys (the engines' convention)."""
+    try:
+        out = _run(q, k, v, pattern, rho, engine, scale, valid, dropout_p, score_mod)
+    except NonFiniteScoresError:  # an input holds NaN or inf, or scale · q·k overflowed
+        out = q.new_full((1,), math.nan)
+    return _check_output(out, scale, k=k, v=v)
+
+
+def _run(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: Pattern | AttentionGraph,
+    rho: ProbabilityMap,
+    engine: str,
+    scale: float,
+    valid: Tensor | None,
+    dropout_p: float,
+    score_mod: Callable | None,
+) -> Tensor:
+    """:func:`_attend` without the result check: the full-rows path or a graph engine."""
     causal = _full_rows(pattern, q, k) if engine in ("auto", "rows") else None
     modded = score_mod is not None
     if causal is not None:  # the dense pattern: no n² graph (docs/engines.md, "full rows")
         gpu_map = q.device.type != "cpu" and not reasons("triton", q, k, v, rho, 0.0, modded)
         if engine == "auto" and gpu_map:
-            out = full_rows_entmax(q, k, v, rho, scale, valid, causal)  # sparse maps on a GPU
-        else:
-            out = full_rows_attention(q, k, v, rho, scale, valid, dropout_p, causal, score_mod)
-        return _check_overflow(out, scale)
+            return full_rows_entmax(q, k, v, rho, scale, valid, causal)  # sparse maps on a GPU
+        return full_rows_attention(q, k, v, rho, scale, valid, dropout_p, causal, score_mod)
     graph = resolve_graph(pattern, q, k)
     if engine == "auto":
         engine = choose_engine(graph, q, k, rho, dropout_p, modded, valid is not None)
@@ -418,11 +434,7 @@ def _attend(
         if reason is not None:
             raise ValueError(f"engine={engine!r} cannot run this call: {reason}")
     extra = {} if score_mod is None else {"score_mod": score_mod}
-    try:
-        out = ENGINES[engine](q, k, v, graph, rho, scale, valid, dropout_p, **extra)
-    except NonFiniteScoresError:  # inputs were checked finite: scale · q·k overflowed
-        out = q.new_full((1,), math.nan)
-    return _check_overflow(out, scale)
+    return ENGINES[engine](q, k, v, graph, rho, scale, valid, dropout_p, **extra)
 
 
 def _can_group(pattern: object, rho: ProbabilityMap, engine: str, q: Tensor, k: Tensor) -> bool:
@@ -488,6 +500,7 @@ def attention_weights(
     sample sizes, Sparsefinder's gold graphs) at BERT lengths.
     """
     _check_qkv(q, k, k)
+    _check_inputs_finite(q=q, k=k)  # every score is computed: read them whole
     rho = resolve_prob_map(prob_map)
     scale = _resolve_scale(scale, q)
     valid = None if key_padding_mask is None else _key_validity(key_padding_mask, q, k)
@@ -503,7 +516,7 @@ def attention_weights(
     if score_mod is not None:
         rows = torch.arange(q.shape[-2], device=q.device)
         scores = score_mod(scores, *grid_indices(*q.shape[:2], rows, k.shape[-2], q.device))
-    scores = _check_overflow(scores, scale)
+    scores = _check_output(scores, scale)
     return rho(scores, mask)
 
 
@@ -525,17 +538,28 @@ def _empty_result(q: Tensor, k: Tensor, v: Tensor, last: int | None = None) -> T
     return q.new_zeros(shape) + (q.sum() + k.sum() + v.sum()) * 0
 
 
-def _check_overflow(out: Tensor, scale: float) -> Tensor:
-    """Finite inputs give a finite output unless scale · q·k overflows the dtype: refuse that
-    (on CPU; see :func:`_host_checks`)."""
-    if not _host_checks(out):
+def _check_inputs_finite(**inputs: Tensor) -> None:
+    """Refuse NaN or inf in the named inputs (on CPU; see :func:`_host_checks`)."""
+    for name, t in inputs.items():
+        if _host_checks(t) and not all_finite(t):
+            raise ValueError(f"{name} contains NaN or inf")
+
+
+def _check_output(out: Tensor, scale: float, **inputs: Tensor) -> Tensor:
+    """On CPU (:func:`_host_checks`), refuse a result that is not finite, naming its cause: an
+    input holding NaN or inf, or else scale · q·kᵀ overflowing the dtype.
+
+    Only the result is read on success, so the check costs what the call returns, not what it
+    could read: decoding one token against a long cache with a window reads the window's keys,
+    and so does the check (NaN or inf in keys the call never reads cannot change its result;
+    docs/engines.md, "Checks that read values")."""
+    if not _host_checks(out) or all_finite(out):
         return out
-    if not all_finite(out):
-        raise ValueError(
-            f"scale · q·kᵀ overflows {out.dtype} (scale = {scale:g}): the scores are not "
-            "finite; use a smaller scale, smaller inputs or a wider dtype"
-        )
-    return out
+    _check_inputs_finite(**inputs)
+    raise ValueError(
+        f"scale · q·kᵀ overflows {out.dtype} (scale = {scale:g}): the scores are not "
+        "finite; use a smaller scale, smaller inputs or a wider dtype"
+    )
 
 
 def _key_validity(key_padding_mask: Tensor, q: Tensor, k: Tensor) -> Tensor:

@@ -7,6 +7,7 @@ brute-force mask, float64 softmax, a sort-based float64 sparsemax transcription)
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -224,6 +225,41 @@ def test_other_sparse_attention_arguments_are_named():
     bad = q.clone()
     bad[0, 0, 1, 1] = math.nan
     raises_naming("k", sa.sparse_attention, q, bad, q, sa.dense())
+
+
+@pytest.mark.parametrize("pattern", [sa.window(2), sa.dense(), sa.dense().causal()], ids=str)
+@pytest.mark.parametrize("prob_map", ["softmax", "entmax15", "sparsemax", "hardmax"])
+def test_nan_or_inf_the_call_reads_is_named(pattern, prob_map):
+    """On CPU a result that is not finite names the input holding NaN or inf, on every engine
+    and map; q is checked before the call (some kernels turn a NaN row into a finite one). An
+    inf in k is left out: where it makes a score −inf, that key gets weight 0 and the result
+    stays finite (docs/engines.md, "Checks that read values")."""
+    _host_checks_only(torch.zeros(1))
+    gen = torch.Generator().manual_seed(0)
+    for engine, name, bad in itertools.product(
+        ["auto", "dense", "rows", "block", "gather", "flex"], "qkv", [math.nan, math.inf]
+    ):
+        if (engine == "flex" and prob_map != "softmax") or (name, bad) == ("k", math.inf):
+            continue  # the flex engine runs softmax only
+        q, k, v = (torch.randn(1, 2, 8, 4, generator=gen) for _ in range(3))
+        {"q": q, "k": k, "v": v}[name][0, 0, 0, 0] = bad  # key 0: seen by every pattern
+        with pytest.raises(ValueError, match=f"^{name} contains NaN or inf"):
+            sa.sparse_attention(q, k, v, pattern, prob_map=prob_map, engine=engine)
+
+
+def test_nan_in_keys_the_call_never_reads_is_not_an_error():
+    """The check reads the result, not every input: decoding one token with a window against a
+    long cache reads the window's keys only, and a NaN before the window changes nothing."""
+    _host_checks_only(torch.zeros(1))
+    q, k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 256, 4), torch.randn(1, 2, 256, 4)
+    pattern = sa.window(8).causal()
+    for engine in ("block", "gather"):  # the engines that read the graph's keys only
+        k0, v0 = k.clone(), v.clone()
+        clean = sa.sparse_attention(q, k0, v0, pattern, engine=engine)
+        k0[0, 0, 3], v0[0, 1, 5] = math.nan, math.inf
+        torch.testing.assert_close(sa.sparse_attention(q, k0, v0, pattern, engine=engine), clean)
+        k0[0, 0, 253] = math.nan  # inside the window (keys 251…255)
+        raises_naming("k", sa.sparse_attention, q, k0, v0, pattern, engine=engine)
 
 
 def _host_checks_only(t: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from grad_checks import assert_close_with_grads
 from torch.nn.attention.flex_attention import flex_attention
 
 import sparseattn as sa
@@ -301,6 +302,31 @@ def test_dense_causal_offset_takes_full_rows(prob_map, monkeypatch):
     assert ko.grad[..., n - m :, :].abs().sum() > 0 and vo.grad.abs().sum() > 0
     topleft = torch.nn.functional.scaled_dot_product_attention(q[..., -m:, :], k, v, is_causal=True)
     assert not torch.allclose(topleft, full)
+
+
+@pytest.mark.parametrize("m", [1, 7, 40])
+def test_causal_softmax_masked_sdpa_equals_rows_engine(m, monkeypatch):
+    """Causal softmax rows at an offset or with key padding go to SDPA with a boolean mask in
+    chunks of queries (``_sdpa_causal``): the rows engine's outputs and gradients, with
+    chunks of 3 rows, and zeros for a row that sees only padding (left padding)."""
+    from sparseattn.engines import rows
+
+    monkeypatch.setattr(rows, "MASK_BUDGET", 3 * 2 * 40)  # 3 rows of both batch items
+    q, k, v = qkv(40)
+    kpm = torch.zeros(2, 40, dtype=torch.bool)
+    kpm[1, :36] = True  # item 1: its first 36 keys are padding
+    rho = sa.softmax()
+    for padding in (None, kpm):
+        valid = None if padding is None else ~padding
+        if padding is None and m == 40:
+            continue  # no offset, no padding: is_causal
+        a = [t.clone().requires_grad_() for t in (q[..., -m:, :], k, v)]
+        b = [t.clone().requires_grad_() for t in (q[..., -m:, :], k, v)]
+        out = rows.full_rows_attention(*a, rho, 8**-0.5, valid, causal=True)
+        ref = rows.rows_attention(*b, None, rho, 8**-0.5, valid, causal=True)
+        assert_close_with_grads(out, ref, a, (1e-9, 1e-7), (1e-9, 1e-7), ref_inputs=b)
+        if padding is not None and m == 40:
+            assert out[1, :, :36].abs().max() == 0  # rows that see padding only
 
 
 @pytest.mark.parametrize("name", ["causal_strided", "sliding_window", "causal_bigbird"])

@@ -41,6 +41,9 @@ __all__ = ["full_rows_attention", "rows_attention"]
 #: L3 cache; at n = 4096, 8 heads that is 64 query rows, where the two matrix products run
 #: fastest there); on a GPU a chunk must fill the device.
 BUDGET = {"cpu": 1 << 21, "cuda": 1 << 25}
+#: Mask entries per chunk (B·m·n_k) of :func:`_sdpa_causal`, the causal softmax rows that
+#: ``is_causal`` cannot express (at an offset, or with key padding): 16 MiB of bool.
+MASK_BUDGET = 1 << 24
 
 
 class _Run:
@@ -243,16 +246,19 @@ def full_rows_attention(
     n_q < n_k) without building its graph.
 
     Softmax goes to torch's fused ``scaled_dot_product_attention`` (a batch whose keys are all
-    padding gets a zero output, as on every engine), except causal rows at an offset (SDPA's
-    ``is_causal`` aligns the triangle top-left) and calls with a ``score_mod``; any other map
-    to :func:`rows_attention`. Shapes as :func:`rows_attention`.
+    padding gets a zero output, as on every engine): with ``is_causal``, or where that does not
+    fit (causal rows at an offset: ``is_causal`` aligns the triangle top-left; causal rows with
+    key padding) with a boolean mask per chunk of queries (:func:`_sdpa_causal`); calls with a
+    ``score_mod`` and any other map go to :func:`rows_attention`. Shapes as
+    :func:`rows_attention`.
     """
-    softmax = prob_map.is_softmax and score_mod is None
-    offset = causal and q.shape[-2] != k.shape[-2]
-    if not softmax or offset or (causal and key_padding_mask is not None):
+    if not prob_map.is_softmax or score_mod is not None:
         return rows_attention(
             q, k, v, None, prob_map, scale, key_padding_mask, dropout_p, causal, None, score_mod
         )
+    offset = causal and q.shape[-2] != k.shape[-2]
+    if offset or (causal and key_padding_mask is not None):
+        return _sdpa_causal(q, k, v, scale, key_padding_mask, dropout_p)
     if key_padding_mask is None:
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale
@@ -263,3 +269,37 @@ def full_rows_attention(
         q, k, v, attn_mask=(kpm | ~some)[:, None, None, :], dropout_p=dropout_p, scale=scale
     )
     return out * some[:, :, None, None].to(out.dtype)
+
+
+def _sdpa_causal(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, valid: Tensor | None, dropout_p: float
+) -> Tensor:
+    """Causal softmax rows at an offset (query i at position n_k − n_q + i) and/or with key
+    padding (``valid`` (B, n_k), True for real keys), by SDPA with a boolean mask: chunks of
+    queries whose mask holds at most ``MASK_BUDGET`` entries, each reading only the keys its
+    last row sees. A row with no real key among those it sees gets zeros (as on every engine).
+    """
+    bsz, _, n_q, _ = q.shape
+    shift = k.shape[-2] - n_q
+    if valid is not None:
+        valid = valid.to(q.device)[:, None, None, :]
+    step = max(1, MASK_BUDGET // (bsz * k.shape[-2]))
+    outs = []
+    for i0 in range(0, n_q, step):
+        i1 = min(n_q, i0 + step)
+        end = shift + i1  # the keys row i1 − 1 sees
+        rows = torch.arange(shift + i0, end, device=q.device)
+        mask = torch.arange(end, device=q.device) <= rows[:, None]
+        if valid is not None:
+            mask = mask & valid[..., :end]
+        has = mask.any(-1, keepdim=True) if valid is not None else None
+        out = F.scaled_dot_product_attention(
+            q[:, :, i0:i1],
+            k[:, :, :end],
+            v[:, :, :end],
+            attn_mask=mask if has is None else mask | ~has,
+            dropout_p=dropout_p,
+            scale=scale,
+        )
+        outs.append(out if has is None else out * has.to(out.dtype))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, -2)
