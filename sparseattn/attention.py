@@ -342,8 +342,7 @@ def sparse_attention(
     graphs over any stream of lengths, no ``fullgraph=True`` (docs/engines.md, "torch.compile").
     """
     _check_qkv(q, k, v, check_bool("enable_gqa", enable_gqa))
-    # q is read whole (and is the output's size); k too where the graph is drawn from q·kᵀ
-    _check_inputs_finite(q=q, **({"k": k} if getattr(pattern, "data_dependent", False) else {}))
+    _check_inputs_finite(**_read_whole(q, k, v, pattern))
     rho = resolve_prob_map(prob_map)
     check_probability("dropout_p", dropout_p, allow_one=False)
     check_choice("engine", engine, ["auto", *ENGINES])
@@ -536,6 +535,16 @@ def _empty_result(q: Tensor, k: Tensor, v: Tensor, last: int | None = None) -> T
     shape = (*q.shape[:3], v.shape[-1] if last is None else last)
     # zero times every input keeps the (zero) gradient path to q, k and v
     return q.new_zeros(shape) + (q.sum() + k.sum() + v.sum()) * 0
+
+
+def _read_whole(q: Tensor, k: Tensor, v: Tensor, pattern: object) -> dict[str, Tensor]:
+    """The inputs checked whole before the call (docs/engines.md, "Checks that read values"):
+    q (the output's size); k where the graph is drawn from q·kᵀ; k and v where the call will
+    be differentiated (an inf key can leave the output finite and its gradient NaN)."""
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if training:
+        return {"q": q, "k": k, "v": v}
+    return {"q": q, "k": k} if getattr(pattern, "data_dependent", False) else {"q": q}
 
 
 def _check_inputs_finite(**inputs: Tensor) -> None:

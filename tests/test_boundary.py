@@ -262,6 +262,16 @@ def test_nan_in_keys_the_call_never_reads_is_not_an_error():
         raises_naming("k", sa.sparse_attention, q, k0, v0, pattern, engine=engine)
 
 
+def test_a_call_with_gradients_reads_every_input():
+    """An inf key scored −inf gets weight 0 (a finite output) but a NaN gradient in q: a call
+    that will be differentiated checks q, k and v whole first."""
+    _host_checks_only(torch.zeros(1))
+    q, k, v = torch.rand(1, 1, 4, 3) + 0.1, torch.randn(1, 1, 4, 3), torch.randn(1, 1, 4, 3)
+    k[0, 0, 0, 0] = -math.inf  # q > 0: the scores of key 0 are −inf
+    assert sa.sparse_attention(q, k, v, sa.window(4)).isfinite().all()
+    raises_naming("k", sa.sparse_attention, q.requires_grad_(), k, v, sa.window(4))
+
+
 def _host_checks_only(t: torch.Tensor) -> None:
     """NaN inputs and overflowing scores are refused on CPU only (no host sync on a GPU)."""
     if t.device.type != "cpu":
