@@ -417,6 +417,22 @@ def test_flex_user_path_checks_the_request_once(monkeypatch):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_triton_table_entry_does_not_check_the_request_again(monkeypatch):
+    """As for flex: the engine table's triton entry runs what the dispatcher has checked; the
+    engine function called directly checks (the kernels stubbed: no GPU needed)."""
+    from sparseattn.engines import SPECS, triton_entmax
+
+    asked = []
+    monkeypatch.setattr(triton_entmax, "triton_entmax_unsupported", lambda *a: asked.append(1))
+    monkeypatch.setattr(triton_entmax, "entmax_attention", lambda q, *a: torch.zeros_like(q))
+    q, k, v = qkv(n=64, d=16, dtype=torch.float32)
+    graph = sa.window(8).graph(64)
+    SPECS["triton"].run(q, k, v, graph, entmax(1.5), 0.25)
+    assert asked == []
+    triton_entmax.triton_entmax_attention(q, k, v, graph, entmax(1.5), 0.25)
+    assert asked == [1]
+
+
 def test_flex_compiles_with_its_own_recompile_limit(monkeypatch):
     """The engine's kernels may recompile RECOMPILE_LIMIT times before torch would fall back
     to an unfused O(n²) FlexAttention: passed to ``torch.compile`` where it takes

@@ -807,15 +807,19 @@ def triton_entmax_attention(
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     block: int | None = None,
+    *,
+    check: bool = True,
 ) -> Tensor:
     """α-entmax / sparsemax attention on ``graph`` by the Triton kernels (engine signature).
 
     Shapes: q (B, H, n_q, d), k (B, H_kv, n_k, d), v (B, H_kv, n_k, d_v) → (B, H, n_q, d_v);
     ``graph`` static (batch_shape ()) or batched ((H,), (B, H)); ``key_padding_mask`` (B, n_k),
     True for real keys. ``block``: tile size of the layout (default ``DEFAULT_BLOCK``).
-    Raises ValueError with the reason of :func:`triton_entmax_unsupported` when it cannot run.
+    Raises ValueError with the reason of :func:`triton_entmax_unsupported` when it cannot run;
+    ``check=False`` skips that check: the engine table's entry, called by ``sparse_attention``,
+    which has checked the request already (host time on every call).
     """
-    why = triton_entmax_unsupported(q, k, v, prob_map, dropout_p, graph)
+    why = triton_entmax_unsupported(q, k, v, prob_map, dropout_p, graph) if check else None
     if why is not None:
         raise ValueError(why)
     alpha = _alpha_of(prob_map)
