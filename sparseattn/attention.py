@@ -398,42 +398,28 @@ def _attend(
 ) -> Tensor:
     """:func:`sparse_attention` on validated inputs with as many key/value heads as query
     heads; ``valid`` (batch, n_k) is True for real keys (the engines' convention)."""
+    causal = _full_rows(pattern, q, k) if engine in ("auto", "rows") else None
+    modded = score_mod is not None
     try:
-        out = _run(q, k, v, pattern, rho, engine, scale, valid, dropout_p, score_mod)
+        if causal is not None:  # the dense pattern: no n² graph (docs/engines.md, "full rows")
+            gpu_map = q.device.type != "cpu" and not reasons("triton", q, k, v, rho, 0.0, modded)
+            if engine == "auto" and gpu_map:  # sparse maps on a GPU
+                out = full_rows_entmax(q, k, v, rho, scale, valid, causal)
+            else:
+                out = full_rows_attention(q, k, v, rho, scale, valid, dropout_p, causal, score_mod)
+        else:
+            graph = resolve_graph(pattern, q, k)
+            if engine == "auto":
+                engine = choose_engine(graph, q, k, rho, dropout_p, modded, valid is not None)
+            else:
+                reason = unsupported(engine, q, k, v, rho, dropout_p, modded)
+                if reason is not None:
+                    raise ValueError(f"engine={engine!r} cannot run this call: {reason}")
+            extra = {} if score_mod is None else {"score_mod": score_mod}
+            out = ENGINES[engine](q, k, v, graph, rho, scale, valid, dropout_p, **extra)
     except NonFiniteScoresError:  # an input holds NaN or inf, or scale · q·k overflowed
         out = q.new_full((1,), math.nan)
     return _check_output(out, scale, k=k, v=v)
-
-
-def _run(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    pattern: Pattern | AttentionGraph,
-    rho: ProbabilityMap,
-    engine: str,
-    scale: float,
-    valid: Tensor | None,
-    dropout_p: float,
-    score_mod: Callable | None,
-) -> Tensor:
-    """:func:`_attend` without the result check: the full-rows path or a graph engine."""
-    causal = _full_rows(pattern, q, k) if engine in ("auto", "rows") else None
-    modded = score_mod is not None
-    if causal is not None:  # the dense pattern: no n² graph (docs/engines.md, "full rows")
-        gpu_map = q.device.type != "cpu" and not reasons("triton", q, k, v, rho, 0.0, modded)
-        if engine == "auto" and gpu_map:
-            return full_rows_entmax(q, k, v, rho, scale, valid, causal)  # sparse maps on a GPU
-        return full_rows_attention(q, k, v, rho, scale, valid, dropout_p, causal, score_mod)
-    graph = resolve_graph(pattern, q, k)
-    if engine == "auto":
-        engine = choose_engine(graph, q, k, rho, dropout_p, modded, valid is not None)
-    else:
-        reason = unsupported(engine, q, k, v, rho, dropout_p, modded)
-        if reason is not None:
-            raise ValueError(f"engine={engine!r} cannot run this call: {reason}")
-    extra = {} if score_mod is None else {"score_mod": score_mod}
-    return ENGINES[engine](q, k, v, graph, rho, scale, valid, dropout_p, **extra)
 
 
 def _can_group(pattern: object, rho: ProbabilityMap, engine: str, q: Tensor, k: Tensor) -> bool:
