@@ -528,7 +528,7 @@ for fn, extra in specs:
     signature = {a: "constexpr" if a in constexprs else types.get(a, "*i32") for a in fn.arg_names}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     assert "cubin" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm
-print("compiled", len(specs))
+print("compiled", len(specs), "with triton", triton.__version__)
 """
 
 
@@ -548,10 +548,13 @@ def test_compiles_for_h100(which):
     constexprs the engine uses: what the interpreter accepts, the compiler must accept too.
     In a fresh process, since this one's triton may be the interpreter's. ``main``: the
     1.5-entmax forward with gradients, the general-α dK/dV kernel and the split blocks' pass
-    (~15 s of CPU); ``all`` (slow): every map × kernel."""
+    (~15 s of CPU); ``all`` (slow): every map × kernel. ``SPARSEATTN_TEST_TRITON=DIR``
+    compiles with the triton installed in DIR instead (``pip install --target DIR
+    triton==3.6.0``: the GPU image's)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(te.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    other = env.get("SPARSEATTN_TEST_TRITON", "")
+    env["PYTHONPATH"] = os.pathsep.join([p for p in (other, root, env.get("PYTHONPATH")) if p])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     done = subprocess.run(
         [sys.executable, "-c", _COMPILE, which],
