@@ -565,3 +565,65 @@ def test_compiles_for_h100(which):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"compiled {3 if which == 'main' else 18}" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE != "cpu" or not INTERPRETED, reason="a dry run without a GPU")
+def test_bench_gpu_entmax_dry_run_reaches_the_kernels(tmp_path, monkeypatch):
+    """The GPU bench's sparse-map and tiles sections, run on a GPU simulated on the CPU (the
+    device guard) with the kernels under the interpreter, at n = 256: every row reaches the
+    Triton engine through ``sparse_attention`` — with the knobs the next GPU run measures
+    (``TOPK``, ``SPLIT_LONG``, ``LONGEST_FIRST``) — and none is skipped by an error, so a
+    device call is not spent on a broken row (~4 minutes on 2 cores)."""
+    import dataclasses
+
+    from device_guard import DeviceGuard
+
+    import sparseattn.attention as attention
+    from sparseattn.bench.gpu import GpuSuite, run_gpu_suite
+    from sparseattn.engines import SPECS
+
+    suite = GpuSuite(
+        "dry-run",
+        ns=(),
+        fp32_ns=(),
+        window=32,
+        sinks=2,
+        package_max_n=256,
+        calibrate_ns=(),
+        entmax_ns=(256,),
+        tiles_ns=(256,),
+        tile_blocks=(),
+        tile_warps=(),
+        tile_stages=(),
+        tile_topks=(16,),
+        module_ns=(),
+        stream_ns=(),
+        embed_dim=64,
+        samples=1,
+        min_sample_s=0.0,
+    )
+    seen = []
+    real = te.entmax_attention
+    monkeypatch.setattr(
+        te,
+        "entmax_attention",
+        lambda *a, **k: seen.append((te.TOPK, te.SPLIT_LONG, te.LONGEST_FIRST)) or real(*a, **k),
+    )
+    monkeypatch.setattr(attention, "GPU_DENSE_LIMIT", 0)  # n = 256 would go to masked SDPA
+    with DeviceGuard():
+        # the guard turns the kernels off (they would launch on CUDA); here they interpret
+        # (the guard puts the real entry back when it exits)
+        SPECS["triton"] = dataclasses.replace(SPECS["triton"], available=lambda: None)
+        data = run_gpu_suite(suite, tmp_path, log=lambda _: None)
+    skipped = [
+        r for r in data["rows"] if r.get("skipped", "adasplash missing") != "adasplash missing"
+    ]
+    assert not skipped
+    assert {r["section"] for r in data["rows"]} == {"entmax", "tiles"}
+    assert {
+        (te.TOPK, None, False),
+        (16, None, False),
+        (te.TOPK, 4.0, False),
+        (te.TOPK, None, True),
+    } <= set(seen)
