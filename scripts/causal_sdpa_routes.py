@@ -14,29 +14,17 @@ import argparse
 import functools
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 
 import sparseattn as sa
 from sparseattn.engines.rows import full_rows_attention, rows_attention
-from sparseattn.results import timing_facts
+from sparseattn.results import interleaved_medians, timing_facts
 
 #: (batch, n_q, n_k, left padding of the last item as a share of n_k)
 CASES = [(1, 1, 4096, 0.0), (1, 16, 4096, 0.0), (1, 512, 4096, 0.0), (1, 1, 32768, 0.0),
          (2, 1024, 1024, 0.25), (2, 4096, 4096, 0.25)]  # fmt: skip
-
-
-def interleaved(calls: dict, repeats: int) -> dict[str, float]:
-    """Median ms per call of each call, the calls interleaved."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return {name: sorted(ts)[len(ts) // 2] * 1e3 for name, ts in times.items()}
 
 
 def main() -> None:
@@ -66,7 +54,7 @@ def main() -> None:
         }
         with torch.no_grad():
             torch.testing.assert_close(*(call() for call in calls.values()))
-            ms = interleaved(calls, args.repeats)
+            ms = {name: t * 1e3 for name, t in interleaved_medians(calls, args.repeats).items()}
         row = {"batch": bsz, "n_q": n_q, "n_k": n_k, "padded": pad, **{
             f"{name} ms": round(t, 3) for name, t in ms.items()}}  # fmt: skip
         row["speed-up"] = round(ms["rows engine"] / ms["SDPA, masked chunks"], 2)

@@ -16,28 +16,20 @@ import argparse
 import functools
 import json
 import os
-import platform
 import subprocess
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import sparseattn as sa
+from sparseattn.results import cpu_name, interleaved_medians
 
 PATTERNS = {
     "dense().causal()": lambda: sa.dense().causal(),
     "window(256).causal()": lambda: sa.window(256).causal(),
     "sliding_window(256, sinks=4)": lambda: sa.sliding_window(256, 4),
 }
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def commit() -> str:
@@ -58,15 +50,7 @@ def time_step(n_k: int, gen: torch.Generator, repeats: int) -> dict[str, float]:
     calls = {"SDPA, whole cache": lambda: F.scaled_dot_product_attention(q, k, v)}
     for name, make in PATTERNS.items():
         calls[name] = functools.partial(sa.sparse_attention, q, k, v, make())
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for call in calls.values():
-        call()
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return {name: sorted(ts)[len(ts) // 2] * 1e6 for name, ts in times.items()}
+    return {name: t * 1e6 for name, t in interleaved_medians(calls, repeats).items()}
 
 
 def main() -> None:

@@ -161,6 +161,20 @@ def cpu_name() -> str:
     return _cpuinfo()[0]
 
 
+def interleaved_medians(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each of ``calls`` after one warm-up call each, the calls
+    interleaved (a drift of the machine's speed reaches all of them alike)."""
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
 def timing_facts(threads: int) -> dict:
     """What a timing script records before its first measurement: the CPU model, its torch
     threads, the torch version and the 1-minute load average (``load before``; the script adds
