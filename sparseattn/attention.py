@@ -329,8 +329,9 @@ def sparse_attention(
         ValueError/TypeError for bad shapes, dtypes, devices, unknown engines, patterns that
         leave a query without any key, a key padding mask that ignores every key of an item,
         and (on CPU) a result that is not finite, naming the input holding NaN/inf or the
-        overflowing scores (the result is checked, so NaN/inf in keys the call never reads
-        does not raise); on a GPU that check is skipped, since it would stall the host.
+        overflowing scores (outside training the result is checked, not every input, so
+        NaN/inf in keys the call never reads does not raise); on a GPU that check is skipped,
+        since it would stall the host.
 
     Dtypes: float64, float32, bfloat16, float16 on every engine; the output has the inputs'
     dtype. Under ``torch.autocast`` q, k, v are cast to the autocast dtype first, as for
