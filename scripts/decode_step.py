@@ -17,13 +17,14 @@ import functools
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import sparseattn as sa
-from sparseattn.results import cpu_name, interleaved_medians
+from sparseattn.results import cpu_name  # also in older commits' sparseattn
 
 PATTERNS = {
     "dense().causal()": lambda: sa.dense().causal(),
@@ -44,13 +45,23 @@ def commit() -> str:
 
 
 def time_step(n_k: int, gen: torch.Generator, repeats: int) -> dict[str, float]:
-    """Median µs per call of SDPA over the cache and of each pattern's step, interleaved."""
+    """Median µs per call of SDPA over the cache and of each pattern's step, interleaved (the
+    loop of ``sparseattn.results.interleaved_medians``, written out: older commits, which this
+    script also times, lack that helper)."""
     q = torch.randn(1, 8, 1, 64, generator=gen)
     k, v = (torch.randn(1, 8, n_k, 64, generator=gen) for _ in range(2))
     calls = {"SDPA, whole cache": lambda: F.scaled_dot_product_attention(q, k, v)}
     for name, make in PATTERNS.items():
         calls[name] = functools.partial(sa.sparse_attention, q, k, v, make())
-    return {name: t * 1e6 for name, t in interleaved_medians(calls, repeats).items()}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for call in calls.values():
+        call()
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(ts)[len(ts) // 2] * 1e6 for name, ts in times.items()}
 
 
 def main() -> None:
