@@ -5,6 +5,8 @@ Runs ``sparseattn.experiments.dmin.run`` for each parameter set below on n = 512
 in rounds: round r adds matrix A number r for every n of every set, so a run stopped by
 ``--minutes`` still covers the whole n range with fewer matrices. Each set's metrics.json is
 copied to ``--copy-to`` as ``<run>.json``; ``--plot`` redraws the figures from such copies.
+``--part NAME`` runs other lengths of the same sets in folders of their own (``paper-<set>+NAME``);
+``--plot`` merges a set's parts.
 
 Parameter sets (eq. (6) <= 2n, where the theorem makes a claim, noted; causal A has k + 1
 nonzeros per row with the diagonal, and eq. (22) is evaluated with k + 1):
@@ -50,7 +52,7 @@ def configs(args: argparse.Namespace) -> dict[str, DminConfig]:
             d_step=8,
             coarse=args.coarse,
             device=args.device,
-            run=f"paper-{name}",
+            run=f"paper-{name}" + (f"+{args.part}" if args.part else ""),
             out_dir=args.out_dir,
             threads=args.threads,
             progress=False,
@@ -110,33 +112,52 @@ def _rounds(args: argparse.Namespace, cfgs: dict[str, DminConfig], deadline: flo
             )
 
 
-def replot(folder: Path) -> None:
-    """Recompute summaries and figures from copied ``<run>.json`` files (cells only) and print
-    a Markdown table per set. Where ``coarse_check.json`` (from ``dmin_coarse_check.py``) holds
-    a full ascending-scan d_min for a cell, that value (the paper's definition) replaces the
-    coarse-to-fine one. Also prints the growth of the mean d_min per doubling of n (constant for
-    a ln n law, growing by sqrt 2 per doubling for a sqrt n law) and the exponent p of a fit
-    d = a n^p."""
+def summaries(folder: Path, verbose: bool = False) -> dict[str, tuple[DminConfig, dict]]:
+    """Each set's config and Q = 1 summary from the copied ``<run>.json`` files in ``folder``
+    (their cells, a set's parts merged). Where ``coarse_check.json`` (from
+    ``dmin_coarse_check.py``) holds a full ascending-scan d_min for a cell, that value (the
+    paper's definition) replaces the coarse-to-fine one."""
     check = folder / "coarse_check.json"
     full = json.loads(check.read_text()) if check.exists() else []
-    summaries = {}
-    for path in sorted(folder.glob("paper-*.json")):
-        name = path.stem.removeprefix("paper-")
-        metrics = json.loads(path.read_text())
+    out = {}
+    for name in SETS:
+        parts = [p for p in folder.glob("paper-*.json") if p.stem.split("+")[0] == f"paper-{name}"]
+        if not parts:
+            continue
+        cells = {}
+        for part in sorted(parts):
+            cells.update(json.loads(part.read_text())["cells"])
         for row in full:
-            cell = metrics["cells"].get(row["cell"])
+            cell = cells.get(row["cell"])
             if row["set"] == name and cell and cell["d_min"] != row["full"]:
-                print(f"{name} {row['cell']}: coarse {cell['d_min']} -> full scan {row['full']}")
-                cell["d_min_coarse"], cell["d_min"] = cell["d_min"], row["full"]
-        cfg = DminConfig(**SETS[name], ns=PAPER_NS, d_step=8, coarse=8, run=path.stem)
-        summary = summarise(cfg, metrics["cells"])
-        metrics["summary"] = summary
-        path.write_text(json.dumps(metrics, indent=2) + "\n")
-        plot(cfg, summary, folder / f"{path.stem}.png")
-        _print_table(name, summary["1"])
-        summaries[name] = summary["1"]
-    if summaries:
-        _combined_figure(summaries, folder / "dmin_paper_grid.png")
+                if verbose:
+                    print(f"{name} {row['cell']}: coarse {cell['d_min']} -> full {row['full']}")
+                cell["d_min"] = row["full"]
+        ns = tuple(sorted({c["n"] for c in cells.values()}))
+        cfg = DminConfig(**SETS[name], ns=ns, d_step=8, coarse=8, run=f"paper-{name}")
+        out[name] = (cfg, summarise(cfg, cells)["1"])
+    return out
+
+
+def printed(sets: dict[str, tuple[DminConfig, dict]]) -> list[str]:
+    """The Markdown the docs quote: one row per set, then a per-n table per set."""
+    lines = _summary_table({name: s for name, (_, s) in sets.items()})
+    for name, (_, s) in sets.items():
+        lines += ["", *_per_n_table(name, s)]
+    return lines
+
+
+def replot(folder: Path) -> None:
+    """Write ``printed.md`` (see ``printed``), one figure per set and the combined figure."""
+    sets = summaries(folder, verbose=True)
+    if not sets:
+        raise SystemExit(f"no paper-<set>.json files in {folder}")
+    for name, (cfg, s) in sets.items():
+        plot(cfg, {"1": s}, folder / f"paper-{name}.png")
+    lines = printed(sets)
+    (folder / "printed.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    _combined_figure({name: s for name, (_, s) in sets.items()}, folder / "dmin_paper_grid.png")
 
 
 def _combined_figure(summaries: dict[str, dict], path: Path) -> None:
@@ -152,7 +173,8 @@ def _combined_figure(summaries: dict[str, dict], path: Path) -> None:
         xs = [r["n"] for r in s["table"] for _ in r["d_min"]]
         ys = [d for r in s["table"] for d in r["d_min"]]
         ax.scatter(xs, ys, s=16, facecolors="none", edgecolors="red", label="d_min (one A each)")
-        grid = [512 * 6 ** (t / 60) for t in range(61)]
+        lo, hi = min(xs), max(xs)
+        grid = [lo * (hi / lo) ** (t / 60) for t in range(61)]
         f, q = s["fit"], s["fit_sqrt"]
         ax.plot(
             grid,
@@ -176,32 +198,55 @@ def _combined_figure(summaries: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _print_table(name: str, s: dict) -> None:
-    print(
-        f"\n{name}: k in eq. (6) = {s['k_in_theory']}, eq. (6) <= 2n at {s['theorem_applies_at']}"
-    )
-    print("| n | d_min (5 matrices) | mean | eq. (6) | min(eq. 6, 2n) | mean / bound |")
-    print("|---:|---|---:|---:|---:|---:|")
-    for r in s["table"]:
-        print(
-            f"| {r['n']} | {' '.join(map(str, r['d_min']))} | {r['mean']:.1f} | "
-            f"{r['theorem_d']} | {r['bound']} | {r['mean_over_bound']:.3f} |"
-        )
+def _growth(s: dict) -> tuple[list[tuple[int, float]], float]:
+    """The mean d_min's increase per doubling of n (constant for a ln n law, growing by sqrt 2
+    per doubling for a sqrt n law) and the exponent p of a least-squares fit d = a n^p."""
     means = {r["n"]: r["mean"] for r in s["table"]}
     steps = [(n, means[2 * n] - means[n]) for n in sorted(means) if 2 * n in means]
     xs = [math.log(n) for n in means]
     ys = [math.log(m) for m in means.values()]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     p = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-    p /= sum((x - mx) ** 2 for x in xs)
-    f, q = s["fit"], s["fit_sqrt"]
-    print(
-        f"ln n fit: {f['slope']:.1f} ln n {f['intercept']:+.1f}, R² {f['r2']:.3f}; "
-        f"sqrt n fit: {q['slope']:.2f} sqrt n {q['intercept']:+.1f}, R² {q['r2']:.3f}; "
-        f"eq. (6) slope {s['theory_slope']:.1f} = {s['theory_slope'] / f['slope']:.1f} x fit; "
-        f"power law exponent {p:.3f}; mean increase per doubling "
-        + ", ".join(f"{n}->{2 * n}: {d:+.1f}" for n, d in steps)
-    )
+    return steps, p / sum((x - mx) ** 2 for x in xs)
+
+
+def _summary_table(summaries: dict[str, dict]) -> list[str]:
+    lines = [
+        "| set | eq. (6) ≤ 2n from | mean d_min, first → last n | d_min / min(eq. 6, 2n) "
+        "| ln n fit (R²) | √n fit (R²) | eq. (6) slope / fitted slope "
+        "| growth per doubling of n | power-law exponent |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in summaries.items():
+        first, last = s["table"][0], s["table"][-1]
+        steps, p = _growth(s)
+        f, q = s["fit"], s["fit_sqrt"]
+        applies = s["theorem_applies_at"]
+        lines.append(
+            f"| {name} | {f'n = {applies[0]}' if applies else 'not on this grid'} "
+            f"| {first['mean']:.1f} (n = {first['n']}) → {last['mean']:.1f} (n = {last['n']}) "
+            f"| {first['mean_over_bound']:.3f} → {last['mean_over_bound']:.3f} "
+            f"| {f['slope']:.1f} ln n {f['intercept']:+.1f} ({f['r2']:.3f}) "
+            f"| {q['slope']:.2f} √n {q['intercept']:+.1f} ({q['r2']:.3f}) "
+            f"| {s['theory_slope']:.1f} / {f['slope']:.1f} = {s['theory_slope'] / f['slope']:.1f} "
+            f"| {', '.join(f'{n}→{2 * n}: {d:+.1f}' for n, d in steps)} | {p:.2f} |"
+        )
+    return lines
+
+
+def _per_n_table(name: str, s: dict) -> list[str]:
+    lines = [
+        f"{name}: k in eq. (6) = {s['k_in_theory']}",
+        "",
+        "| n | d_min (one per matrix) | mean | eq. (6) | min(eq. 6, 2n) | mean / bound |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in s["table"]:
+        lines.append(
+            f"| {r['n']} | {' '.join(map(str, r['d_min']))} | {r['mean']:.1f} | "
+            f"{r['theorem_d']} | {r['bound']} | {r['mean_over_bound']:.3f} |"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coarse", type=int, default=8)
     parser.add_argument("--n", type=int, action="append", help="lengths (default paper grid)")
     parser.add_argument("--only", action="append", help="parameter set names (repeat)")
+    parser.add_argument("--part", default=None, help="run folder suffix, for other lengths")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out-dir", default="results/expressivity/dmin-paper")
     parser.add_argument("--copy-to", default=None, help="copy each set's metrics.json here")
