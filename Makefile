@@ -31,9 +31,21 @@ GUARDED := tests/test_attention.py tests/test_causal.py tests/test_gpu.py tests/
 	"tests/test_hf_decoders.py::test_sparse_generation_equals_full_recompute_at_every_step" \
 	"tests/test_hf_decoders.py::test_head_split_with_grouped_query_heads_equals_full_recompute"
 
+# Inductor's on-disk cache is not keyed by the CPU's vector width (torch 2.13): code compiled
+# on an AVX2 CPU is served on an AVX-512 one and the reverse, and computes wrong results. The
+# machines here change CPU between runs, so each width has a cache of its own (docs/engines.md,
+# "Results that depend on the CPU's vector width").
+CPU_WIDTH := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx512 || echo avx2)
+INDUCTOR_CACHE := $(or $(TMPDIR),/tmp)/torchinductor_$(shell id -un)_sparseattn
+export TORCHINDUCTOR_CACHE_DIR ?= $(INDUCTOR_CACHE)_$(CPU_WIDTH)
+# The tests whose results depend on that width, run again as an AVX2-only CPU would run them.
+AVX2 := tests/test_flex_cpu.py tests/test_score_mods.py tests/test_flex_interop.py
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check sparseattn tests
 	$(PY) -m pytest
+	ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CACHE_DIR=$(INDUCTOR_CACHE)_avx2 \
+		$(PY) -m pytest -p no:cacheprovider $(AVX2)
 	$(PY) -m pytest --device guard -p no:cacheprovider $(GUARDED)
 	TRITON_INTERPRET=1 $(PY) -m pytest -p no:cacheprovider tests/test_triton_entmax.py
 

@@ -231,9 +231,11 @@ def test_other_sparse_attention_arguments_are_named():
 @pytest.mark.parametrize("prob_map", ["softmax", "entmax15", "sparsemax", "hardmax"])
 def test_nan_or_inf_the_call_reads_is_named(pattern, prob_map):
     """On CPU a result that is not finite names the input holding NaN or inf, on every engine
-    and map; q is checked before the call (some kernels turn a NaN row into a finite one). An
-    inf in k is left out: where it makes a score −inf, that key gets weight 0 and the result
-    stays finite (docs/engines.md, "Checks that read values")."""
+    and map; q is checked before the call (some kernels turn a NaN row into a finite one), and
+    the flex engine reads k before its call (torch's CPU kernel gives the rows that read a NaN
+    key zeros, on AVX2 and AVX-512: tests/test_flex_cpu.py). An inf in k is left out: where it
+    makes a score −inf, that key gets weight 0 and the result stays finite (docs/engines.md,
+    "Checks that read values")."""
     _host_checks_only(torch.zeros(1))
     gen = torch.Generator().manual_seed(0)
     for engine, name, bad in itertools.product(

@@ -450,7 +450,11 @@ def test_flex_compiles_with_its_own_recompile_limit(monkeypatch):
     for has_limit in (True, False):
         monkeypatch.setattr(flex, "_COMPILE_HAS_LIMIT", has_limit)
         flex._compiled.__wrapped__(False)()
-    assert seen == [{"dynamic": False, "recompile_limit": flex.RECOMPILE_LIMIT}, {"dynamic": False}]
+    options = {"options": {"cpp.simdlen": flex._cpu_vector_bits()}}  # Inductor's cache key
+    assert seen == [
+        {"dynamic": False, "recompile_limit": flex.RECOMPILE_LIMIT, **options},
+        {"dynamic": False, **options},
+    ]
     assert limits[0] == torch._dynamo.config.recompile_limit  # no patch
     assert limits[1] == max(flex.RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
 

@@ -29,8 +29,10 @@ def _slopes(heads: int) -> torch.Tensor:
     return torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)])
 
 
-def _modified(kind: str, s: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _modified(kind: str | None, s: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     n_q, n_k = s.shape[-2:]
+    if kind is None:
+        return s
     if kind == "bias":
         return s + bias
     if kind == "alibi":
@@ -164,22 +166,32 @@ def test_gqa_and_half_precision():
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_flex_forward():
-    """The flex engine hands the modifier to FlexAttention (CPU: forward, compiled)."""
+def _bait(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """k as a view into a longer buffer whose keys past n score 1000·|q_last|² with the last
+    query: a kernel that reads keys past n and lets them reach the result goes wrong for sure
+    (whatever memory holds), not from run to run."""
+    past = 1e3 * q[:, :, -1:].expand(-1, -1, 16, -1)
+    return torch.cat([k, past], dim=2)[:, :, : k.shape[2]]
+
+
+@pytest.mark.parametrize("n", [72, 128])
+@pytest.mark.parametrize("kind", [None, "bias", "alibi", "softcap", "chain"])
+def test_flex_forward_equals_float64(kind, n):
+    """The flex engine hands the modifier to FlexAttention (CPU: forward, compiled) and equals
+    the float64 reference at lengths that are (128) and are not (72) multiples of its block, on
+    inputs drawn in float64 and rounded, with keys past n that would show any read of them. On
+    AVX2 (``ATEN_CPU_CAPABILITY=avx2``) torch's own kernel reads such keys at n = 72 with
+    d = 16 (docs/engines.md, "Results that depend on the CPU's vector width")."""
     if unsupported("flex", *(torch.zeros(1, 1, 1, 16),) * 3, sa.softmax(), 0.0, True):
         pytest.skip("FlexAttention cannot run here")
-    q, k, v = (t.detach().float() for t in _inputs())
-    bias = torch.randn(1, H, N, N)
+    q, k, v = (t.detach().float() for t in _inputs(n))
+    k = _bait(q, k)
+    bias = torch.randn(1, H, n, n, generator=torch.Generator().manual_seed(1))
+    pattern = sa.longformer(8, 2)
     with torch.no_grad():
-        out = sa.sparse_attention(
-            q,
-            k,
-            v,
-            sa.longformer(8, 2),
-            engine="flex",
-            score_mod=sm.chain(sm.softcap(2.0), sm.bias(bias)),
-        )
-    ref = _reference(q, k, v, sa.longformer(8, 2), "softmax", "chain", bias.double())
+        mod = None if kind is None else _mod(kind, bias)
+        out = sa.sparse_attention(q, k, v, pattern, engine="flex", score_mod=mod)
+    ref = _reference(q, k, v, pattern, "softmax", kind, bias.double())
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from ..graph import AttentionGraph
-from ..maps import ProbabilityMap
+from ..maps import NonFiniteScoresError, ProbabilityMap
+from ..validate import all_finite
 from .layout import block_pairs
 
 __all__ = [
@@ -45,6 +46,18 @@ __all__ = [
 
 #: FlexAttention's default (and on CPU, fastest) block size.
 FLEX_BLOCK = 128
+#: Inductor's CPU FlexAttention kernel (torch 2.13, ``cpp_flex_attention_template.py``) scores
+#: a block of keys with a micro-GEMM whose register tile is 1 query × 16 keys
+#: (``GemmBlocking(1, 16, 1)``), and its tail tile (fewer than 16 keys left) has two branches. The
+#: first, taken when the head dim is a multiple of the vector width and below 24 and the tail a
+#: multiple of the vector width, loads and stores a whole tile of 16 keys: it reads up to 15 keys
+#: past the block and writes their scores past the row (``cpp_micro_gemm.py``, the ``tail_n``
+#: branch of ``CppMicroGemmFP32Vec``). With 8 floats a vector (AVX2) a tail of 8 keys takes it;
+#: with 16 (AVX-512) no tail does. The stray scores land in the row maxima of the first queries
+#: when the key block is the whole sequence: wrong rows, different from run to run
+#: (docs/engines.md, "Results that depend on the CPU's vector width").
+_TILE_KEYS, _TILE_HEAD_DIM_LIMIT = 16, 24
+
 #: Cost of one scored entry of compiled FlexAttention at block 128 relative to one entry of
 #: the block engine at block 64 (ENTRY_COST[64] = 1), measured on CPU (docs/benchmarks.md).
 FLEX_ENTRY_COST = 5.0
@@ -72,6 +85,39 @@ def flex_refuses(q: Tensor, k: Tensor, v: Tensor, *_) -> str | None:
     if q.device.type == "cuda" and min(q.shape[-1], v.shape[-1]) < 16:
         return f"on a GPU it needs head dims >= 16, got d = {q.shape[-1]}, d_v = {v.shape[-1]}"
     return None
+
+
+@functools.cache
+def _cpu_vector_bits() -> int | None:
+    """The width in bits of the vectors in the code Inductor emits on this CPU: 512 with
+    AVX-512, 256 with AVX2 (also where ``ATEN_CPU_CAPABILITY=avx2`` lowers it); None without
+    a vector ISA.
+
+    The engine compiles with it as ``cpp.simdlen``: the same code, but a key of Inductor's
+    on-disk cache, which torch 2.13 does not key by the CPU. Without it, code generated for
+    AVX2 (loops stepping by 8 floats) is served on an AVX-512 CPU (vectors of 16) and the
+    reverse, and computes wrong results (docs/engines.md)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    return isa.bit_width() if isa else None
+
+
+def _cpu_vector_floats() -> int:
+    """Floats per vector in the code Inductor emits on this CPU: 16 with AVX-512, 8 with AVX2,
+    8 without a vector ISA (ATen's scalar ``Vectorized<float>`` is 32 bytes wide)."""
+    return (_cpu_vector_bits() or 256) // 32
+
+
+def _cpu_safe_head_dim(d: int, n_k: int, block: int) -> int:
+    """The head dim to hand Inductor's CPU kernel for q·kᵀ: ``d``, or ``d + 1`` where ``d``
+    would take the micro-GEMM branch that reads past the last key block (see
+    :data:`_TILE_KEYS`). Zero columns added to q and k leave every score unchanged."""
+    vlen = _cpu_vector_floats()
+    split = min(block, n_k)
+    tail = ((n_k - 1) % split + 1) % _TILE_KEYS  # keys in the last, partial tile of a block
+    faulty = tail % vlen == 0 and tail > 0 and d % vlen == 0 and d < _TILE_HEAD_DIM_LIMIT
+    return d + 1 if faulty else d
 
 
 def _bucket(x: int) -> int:
@@ -335,9 +381,10 @@ def _compiled(dynamic: bool | None):
 
         _FLEX.append(flex_attention)
     fn = _flex_generic if dynamic else _flex
+    options = {"cpp.simdlen": _cpu_vector_bits()}
     if _COMPILE_HAS_LIMIT:
-        return torch.compile(fn, dynamic=dynamic, recompile_limit=RECOMPILE_LIMIT)
-    compiled = torch.compile(fn, dynamic=dynamic)
+        return torch.compile(fn, dynamic=dynamic, options=options, recompile_limit=RECOMPILE_LIMIT)
+    compiled = torch.compile(fn, dynamic=dynamic, options=options)
     limit = torch._dynamo.config.patch(
         recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
     )
@@ -372,9 +419,15 @@ def flex_attention_engine(
     ``score_mod`` is FlexAttention's own (the same convention), compiled into the kernel.
     ``check=False`` skips the capability check: the engine table's entry, called by
     ``sparse_attention``, which has checked the request already (host time on every call).
+
+    On CPU, k is read whole before the call: torch's CPU kernel gives a row that reads a NaN
+    key zeros, not NaN, so the result could not show it. Head dims that would take the CPU
+    micro-GEMM's faulty tail branch run with one zero column added to q and k
+    (:data:`_TILE_KEYS`).
     Raises:
         ValueError: when FlexAttention cannot compute the request (the reasons of
             :mod:`sparseattn.engines.capabilities`).
+        NonFiniteScoresError: on CPU, when k holds NaN or inf (``sparse_attention`` names k).
     """
     if check:
         from .capabilities import unsupported
@@ -386,6 +439,12 @@ def flex_attention_engine(
     block_mask, generic = _cached_block_mask(graph, block, q.device)
     if key_padding_mask is not None:
         block_mask, generic = _padded_block_mask(graph, block_mask, key_padding_mask), False
+    if q.device.type == "cpu":
+        if not all_finite(k):  # the kernel returns zeros for the rows that read such a key
+            raise NonFiniteScoresError("k holds NaN or inf, which FlexAttention would hide")
+        d = _cpu_safe_head_dim(q.shape[-1], k.shape[-2], block)
+        if d != q.shape[-1]:  # the padded columns add 0 to every score
+            q, k = (torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (q, k))
     # a score_mod's Python constants (softcap's c) fail as dynamic floats: one kernel per
     # shape there
     dynamic = _dynamic(q, k, v, generic and score_mod is None)
