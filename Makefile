@@ -35,7 +35,7 @@ GUARDED := tests/test_attention.py tests/test_causal.py tests/test_gpu.py tests/
 # on an AVX2 CPU is served on an AVX-512 one and the reverse, and computes wrong results. The
 # machines here change CPU between runs, so each width has a cache of its own (docs/engines.md,
 # "Results that depend on the CPU's vector width").
-CPU_WIDTH := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx512 || echo avx2)
+CPU_WIDTH := $(or $(ATEN_CPU_CAPABILITY),$(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx512 || echo avx2))
 INDUCTOR_CACHE := $(or $(TMPDIR),/tmp)/torchinductor_$(shell id -un)_sparseattn
 export TORCHINDUCTOR_CACHE_DIR ?= $(INDUCTOR_CACHE)_$(CPU_WIDTH)
 # The tests whose results depend on that width, run again as an AVX2-only CPU would run them.
