@@ -7,6 +7,7 @@ from .maps import ProbabilityMap, entmax, hardmax, softmax, sparselin_gen, spars
 from .patterns import (
     Pattern,
     bigbird,
+    bigbird_blocks,
     block_local,
     causal_bigbird,
     causal_fixed,
@@ -38,6 +39,7 @@ __all__ = [
     "SparseAttention",
     "attention_weights",
     "bigbird",
+    "bigbird_blocks",
     "block_local",
     "causal_bigbird",
     "causal_fixed",

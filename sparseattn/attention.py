@@ -10,6 +10,7 @@ take the complement (True for real keys); it is formed once, here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -659,6 +660,13 @@ class SparseAttention(nn.Module):
             pattern.head_sizes(num_heads)  # validate now, not at the first forward
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.pattern = pattern
+        # a pattern learned from data (SparseBERT's mask logits, ...) is state: its tensors are
+        # buffers, so the state dict carries them and loading one rebuilds the pattern
+        self._pattern_tensors = _tensor_fields(pattern)
+        for name in self._pattern_tensors:
+            self.register_buffer(f"pattern_{name}", getattr(pattern, name))
+        if self._pattern_tensors:
+            self.register_load_state_dict_post_hook(_rebuild_pattern)
         self.prob_map = resolve_prob_map(prob_map)
         self.engine = engine
         self.dropout = dropout
@@ -734,3 +742,21 @@ class SparseAttention(nn.Module):
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, pattern={self.pattern!r}, "
             f"prob_map={self.prob_map!r}, engine={self.engine!r}{mod}"
         )
+
+
+def _tensor_fields(pattern: object) -> list[str]:
+    """The fields of a dataclass pattern that hold tensors (a learned mask's logits)."""
+    if not dataclasses.is_dataclass(pattern):
+        return []
+    return [
+        f.name for f in dataclasses.fields(pattern) if isinstance(getattr(pattern, f.name), Tensor)
+    ]
+
+
+def _rebuild_pattern(module: SparseAttention, _incompatible) -> None:
+    """After ``load_state_dict``: the pattern made again from the loaded buffers (on the host,
+    where patterns build their graphs)."""
+    tensors = {
+        name: getattr(module, f"pattern_{name}").detach().cpu() for name in module._pattern_tensors
+    }
+    module.pattern = dataclasses.replace(module.pattern, **tensors)

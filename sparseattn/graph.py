@@ -112,6 +112,11 @@ class AttentionGraph:
         self.predicate: Callable[[torch.device], Callable | None] | None = None
         self._cache: dict[Hashable, object] = {}
 
+    def __getstate__(self) -> dict:
+        """What pickle and ``copy.deepcopy`` keep: the edges, not the engines' cached plans nor
+        the predicate (a pattern's; a pickled graph is a plain edge set)."""
+        return {**self.__dict__, "_cache": {}, "predicate": None}
+
     # ------------------------------------------------------------------ cache and device
     @property
     def device(self) -> torch.device:

@@ -81,6 +81,18 @@ class ProbabilityMap:
         self.alpha = alpha_tensor
         self._kernel = kernel
         self._fast = fast
+        #: (public factory, its arguments): how ``pickle``, ``copy.deepcopy`` and
+        #: :func:`prob_map_config` rebuild this map (its kernels are closures); set by the
+        #: factories below.
+        self.recipe: tuple[Callable[..., ProbabilityMap], tuple] | None = None
+
+    def __reduce__(self):
+        if self.recipe is None:
+            raise TypeError(
+                f"{self!r} was not made by a factory of sparseattn.maps (softmax, entmax, ...): "
+                "it cannot be pickled or copied"
+            )
+        return self.recipe
 
     @property
     def is_softmax(self) -> bool:
@@ -295,17 +307,24 @@ def _entmax_tensor(alpha: Tensor) -> ProbabilityMap:
             )
         return _EntmaxAlphaFunction.apply(z, valid, alpha)
 
-    return ProbabilityMap(
+    rho = ProbabilityMap(
         "entmax",
         kernel,
         sparse=True,
         alpha_tensor=alpha,
         fast=lambda s, valid: entmax_rows(s, valid, alpha.detach().to(s.dtype), out=s),
     )
+    return _made_by(rho, entmax, alpha)
 
 
 def _fixed_fast(alpha: float) -> Callable[[Tensor, Tensor | None], Tensor]:
     return lambda s, valid: entmax_rows(s, valid, alpha, out=s)
+
+
+def _made_by(rho: ProbabilityMap, factory: Callable[..., ProbabilityMap], *args) -> ProbabilityMap:
+    """``rho`` with its recipe: ``factory(*args)`` gives it back (pickle, deepcopy, config)."""
+    rho.recipe = (factory, args)
+    return rho
 
 
 def _check_real(name: str, value: object) -> float:
@@ -318,7 +337,7 @@ def _check_real(name: str, value: object) -> float:
 
 def softmax() -> ProbabilityMap:
     """Softmax σ_S (Yun et al. appendix B.1): p_j = exp(v_j) / Σ_i exp(v_i) over valid entries."""
-    return ProbabilityMap("softmax", _softmax, sparse=False)
+    return _made_by(ProbabilityMap("softmax", _softmax, sparse=False), softmax)
 
 
 def hardmax() -> ProbabilityMap:
@@ -327,13 +346,14 @@ def hardmax() -> ProbabilityMap:
     Ties: the weight is split uniformly, 1/m to each of the m tied maxima, so ``[1, 3, 3, 0]`` →
     ``[0, 0.5, 0.5, 0]``. The map is piecewise constant: its gradient is exactly zero.
     """
-    return ProbabilityMap("hardmax", _hardmax, sparse=True)
+    return _made_by(ProbabilityMap("hardmax", _hardmax, sparse=True), hardmax)
 
 
 def sparsemax() -> ProbabilityMap:
     """Sparsemax (Martins & Astudillo 2016), the Euclidean projection onto the simplex:
     p = [v − τ]₊ with Σ p = 1; equals ``entmax(2)``. Exact, sort-based."""
-    return ProbabilityMap("sparsemax", _entmax_kernel(2.0), sparse=True, fast=_fixed_fast(2.0))
+    rho = ProbabilityMap("sparsemax", _entmax_kernel(2.0), sparse=True, fast=_fixed_fast(2.0))
+    return _made_by(rho, sparsemax)
 
 
 def sparselin_gen(lam: float) -> ProbabilityMap:
@@ -349,7 +369,9 @@ def sparselin_gen(lam: float) -> ProbabilityMap:
     def kernel(z: Tensor, valid: Tensor) -> Tensor:
         return sparsemax_kernel(z / (1 - lam), valid)
 
-    return ProbabilityMap("sparselin_gen", kernel, sparse=True, lam=lam)
+    return _made_by(
+        ProbabilityMap("sparselin_gen", kernel, sparse=True, lam=lam), sparselin_gen, lam
+    )
 
 
 def entmax(alpha: float | Tensor) -> ProbabilityMap:
@@ -377,11 +399,14 @@ def entmax(alpha: float | Tensor) -> ProbabilityMap:
     if alpha < 1.0:
         raise ValueError(f"alpha must be >= 1 (1 = softmax), got {alpha}")
     if alpha == 1.0:
-        return ProbabilityMap("entmax", _softmax, sparse=False, alpha=alpha)
+        return _made_by(
+            ProbabilityMap("entmax", _softmax, sparse=False, alpha=alpha), entmax, alpha
+        )
     kernel, fast = _entmax_kernel(alpha), _fixed_fast(alpha)
     if alpha - 1.0 < _WIDEN_BELOW:  # 1/(α − 1) exponents lose float32 precision: use float64
         kernel, fast = _in_float64(kernel), _in_float64(fast)
-    return ProbabilityMap("entmax", kernel, sparse=True, fast=fast, alpha=alpha)
+    rho = ProbabilityMap("entmax", kernel, sparse=True, fast=fast, alpha=alpha)
+    return _made_by(rho, entmax, alpha)
 
 
 #: For 1 < α < 1 + _WIDEN_BELOW, α-entmax of float32/16 scores is computed in float64 (in
@@ -408,6 +433,7 @@ class _Support(ProbabilityMap):
             alpha_tensor=rho.alpha,
         )
         self.rho = rho
+        self.recipe = (support, (rho,))
 
     def with_alpha(self, alpha: Tensor) -> ProbabilityMap:
         return _Support(self.rho.with_alpha(alpha))

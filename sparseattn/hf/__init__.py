@@ -41,11 +41,17 @@ layer), so a ``cycle(A1, A2)`` gives layer l the pattern A_{l mod 2} (Yun §5.1 
 laid over the padded length with right padding (the tokenizers' default); padding keys are
 masked out.
 
+Saving and loading (docs/persistence.md): ``sparsify`` writes its configuration into
+``model.config`` (so ``save_pretrained`` keeps it, versioned) and :func:`from_pretrained`
+loads a saved model with it; ``import sparseattn.hf`` registers the kernel with transformers.
+
 The package, imports running one way (each module uses only those listed after it):
-:mod:`~sparseattn.hf.capture` (``capture_attention``, ``attention_sparsity``) and
-:mod:`~sparseattn.hf.cache` (``window_cache``, over :mod:`sparseattn.kvcache`) →
+:mod:`~sparseattn.hf.capture` (``capture_attention``, ``attention_sparsity``),
+:mod:`~sparseattn.hf.cache` (``window_cache``, over :mod:`sparseattn.kvcache`) and
+:mod:`~sparseattn.hf.load` (``from_pretrained``) →
 :mod:`~sparseattn.hf.registry` (``sparsify``, ``restore``, ``layer_specs``, registration) →
 :mod:`~sparseattn.hf.adapter` (the registered kernel, GQA, the layer's graph) →
+:mod:`~sparseattn.hf.persist` (the saved configuration's form) →
 :mod:`~sparseattn.hf.accounting` (the real-token counts) → :mod:`~sparseattn.hf.mask` (the
 mask decomposition) and :mod:`~sparseattn.hf.state` (layer specs, records, the model's state).
 MiniLM loading lives in :mod:`sparseattn.minilm`; ``hf.load_minilm``, ``hf.encode`` and
@@ -59,12 +65,16 @@ from ..kvcache import evictable_extent
 from ..minilm import encode, load_minilm, mean_pool
 from .cache import window_cache
 from .capture import attention_sparsity, capture_attention
-from .registry import layer_names, layer_specs, restore, sparsify
+from .load import from_pretrained
+from .persist import NotConfiguredError
+from .registry import layer_names, layer_specs, register, restore, sparsify
 from .state import ATTN_NAME, VALUE_PROJECTIONS, AttentionRecord, LayerContext, LayerSpec
 
-# transformers itself is imported on first use (it is slow to import); its absence is an
-# error now, naming the extra that installs it.
+# transformers is needed; its absence is an error now, naming the extra that installs it.
 check_installed("transformers", "hf", "sparseattn.hf")
+# The kernel is registered with transformers on import (importing transformers, ~1 s): a model
+# saved with attn_implementation "sparseattn" loads, and one saved whole runs.
+register()
 
 __all__ = [
     "ATTN_NAME",
@@ -72,14 +82,17 @@ __all__ = [
     "AttentionRecord",
     "LayerContext",
     "LayerSpec",
+    "NotConfiguredError",
     "attention_sparsity",
     "capture_attention",
     "encode",
     "evictable_extent",
+    "from_pretrained",
     "layer_names",
     "layer_specs",
     "load_minilm",
     "mean_pool",
+    "register",
     "restore",
     "sparsify",
     "window_cache",

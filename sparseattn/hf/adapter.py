@@ -22,10 +22,12 @@ from ..patterns.fixed import Dense
 from ..score_mods import bias, chain, softcap
 from .accounting import account, nonzero_weights
 from .mask import MaskView, mask_view
+from .persist import CONFIG_KEY, NotConfiguredError
 from .state import AttentionRecord, Capture, LayerContext, LayerSpec
 
 __all__ = ["attention_forward"]
 
+_UNSET = object()  # a module sparsify never saw (vs None: one it left exact)
 _EXACT = LayerSpec(dense(), softmax(), "dense", sparse_attention, takes_gqa=True)
 
 
@@ -253,9 +255,15 @@ def attention_forward(
         raise ValueError("sparseattn attention does not support attention sinks ('s_aux')")
     score_mod = model_score_mod(kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "position_bias")}
-    hook = module.__dict__.get("_sparseattn")
+    hook = module.__dict__.get("_sparseattn", _UNSET)
     exact = (module, query, key, value, attention_mask, scaling, dropout, score_mod, kwargs)
-    if hook is None:  # an attention module sparsify did not configure (cross-attention)
+    if hook is _UNSET and hasattr(getattr(module, "config", None), CONFIG_KEY):
+        raise NotConfiguredError(
+            f"{type(module).__name__}: this model was saved sparsified and loaded without its "
+            "sparse configuration; load it with sparseattn.hf.from_pretrained(path, "
+            "model_class=...) (or sparsify it again)"
+        )
+    if hook is None or hook is _UNSET:  # a module sparsify left exact (cross-attention)
         return _exact_attention(*exact)
     state, layer, value_proj = hook
     hidden_states = module.__dict__.pop("_sparseattn_input", None)

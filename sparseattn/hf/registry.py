@@ -19,6 +19,7 @@ from ..maps import ProbabilityMap, resolve_prob_map
 from ..patterns import HeadSplit, Pattern, PatternCycle, as_cycle, dense
 from ..validate import check_choice, check_model
 from .adapter import attention_forward
+from .persist import forget_config, record_config
 from .state import (
     ATTN_NAME,
     VALUE_PROJECTIONS,
@@ -29,7 +30,7 @@ from .state import (
     model_state,
 )
 
-__all__ = ["attention_modules", "layer_names", "layer_specs", "restore", "sparsify"]
+__all__ = ["attention_modules", "layer_names", "layer_specs", "register", "restore", "sparsify"]
 
 
 @functools.cache
@@ -55,13 +56,15 @@ def _is_cross_attention(name: str, module: nn.Module) -> bool:
     )
 
 
-def _named_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _named_attention(model: nn.Module, cross: bool = False) -> list[tuple[str, nn.Module]]:
+    """The modules that look their kernel up in transformers' registry: self-attention ones,
+    or with ``cross`` the cross-attention ones."""
     if not hasattr(model, "set_attn_implementation"):
         return []
     return [
         (name, m)
         for name, m in model.named_modules()
-        if _dispatches(type(m)) and not _is_cross_attention(name, m)
+        if _dispatches(type(m)) and _is_cross_attention(name, m) == cross
     ]
 
 
@@ -118,7 +121,10 @@ def _wants_context(method: Method) -> bool:
     return _declares(method, "context")
 
 
-def _register() -> None:
+def register() -> None:
+    """Register the kernel and its mask function with transformers as ``ATTN_NAME``
+    (``import sparseattn.hf`` does): then a model whose config names ``"sparseattn"`` loads,
+    and a sparsified model saved whole with ``torch.save`` runs in a new process."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
@@ -210,7 +216,7 @@ def sparsify(
 
     state = model_state(model)
     if state is None:
-        _register()
+        register()
         state = State(model.config._attn_implementation, num_layers, {})
         model.set_attn_implementation(ATTN_NAME)
         if model.config._attn_implementation != ATTN_NAME:
@@ -219,7 +225,10 @@ def sparsify(
         for index, module in enumerate(modules):
             module.__dict__["_sparseattn"] = (state, index, _value_projection(module))
             state.hooks.append(module.register_forward_pre_hook(_stash_input, with_kwargs=True))
+        for _, module in _named_attention(model, cross=True):
+            module.__dict__["_sparseattn"] = None  # exact attention, by design
     state.specs.update(specs)
+    record_config(model, state)
     return model
 
 
@@ -232,10 +241,11 @@ def restore(model: nn.Module) -> nn.Module:
     model.set_attn_implementation(state.original)
     for handle in state.hooks:
         handle.remove()
-    for module in attention_modules(model):
+    for _, module in _named_attention(model) + _named_attention(model, cross=True):
         module.__dict__.pop("_sparseattn", None)
         module.__dict__.pop("_sparseattn_input", None)
     del model.__dict__["_sparseattn"]
+    forget_config(model)
     return model
 
 

@@ -1,6 +1,7 @@
 """Sparsity patterns {A_k^l} (Yun et al. §3.1) and their compositions (§5.1)."""
 
 from .base import Causal, Pattern
+from .bigbird_blocks import bigbird_blocks
 from .causal import causal_bigbird, causal_fixed, causal_strided, sliding_window
 from .compose import HeadSplit, PatternCycle, Union, as_cycle, cycle, split_heads, union
 from .diagonal import NoDiagonal, dense_no_diagonal, no_diagonal
@@ -54,6 +55,7 @@ __all__ = [
     "Union",
     "as_cycle",
     "bigbird",
+    "bigbird_blocks",
     "block_local",
     "causal_bigbird",
     "causal_fixed",

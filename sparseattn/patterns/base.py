@@ -22,6 +22,10 @@ __all__ = ["GRAPH_CACHE_SIZE", "Pattern", "Causal", "check_positive"]
 #: varying lengths holds at most this many graphs and plans per pattern object.
 GRAPH_CACHE_SIZE = 8
 
+#: The attributes in which a pattern keeps what it derives (graphs, device copies, drawn
+#: tables): memos, left out of its pickles and copies and made again on first use.
+MEMOS = frozenset({"_cache", "_tensors", "_tables", "_drawn"})
+
 
 @dataclasses.dataclass(frozen=True)
 class Pattern(abc.ABC):
@@ -37,6 +41,10 @@ class Pattern(abc.ABC):
     """
 
     data_dependent: ClassVar[bool] = False
+
+    def __getstate__(self) -> dict:
+        """What pickle and ``copy.deepcopy`` keep: the pattern's fields, not its memos."""
+        return {k: v for k, v in self.__dict__.items() if k not in MEMOS}
 
     @property
     def name(self) -> str:

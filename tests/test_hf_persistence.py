@@ -1,0 +1,136 @@
+"""A sparsified Hugging Face model as an artifact (docs/persistence.md): ``save_pretrained``
+writes its sparse configuration into config.json, ``hf.from_pretrained`` gives back a model
+whose outputs equal the saved one's (in a fresh process), the plain ``AutoModel`` path raises
+instead of running dense, and a model saved whole with ``torch.save`` runs after
+``import sparseattn.hf``. Random-weight models built from configs; nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from test_persistence import _fresh
+from tiny_models import tiny_bert, tiny_llama
+
+import sparseattn as sa
+from sparseattn import hf
+from sparseattn.serialize import FORMAT
+
+IDS = torch.randint(1, 99, (2, 20), generator=torch.Generator().manual_seed(0))
+MASK = torch.ones(2, 20, dtype=torch.long)
+MASK[1, 15:] = 0  # padding: the mask function must reach the kernel after loading
+
+
+def _save(model, path, **inputs):
+    with torch.no_grad():
+        out = model(**inputs)
+    model.save_pretrained(path)
+    logits = getattr(out, "logits", None)
+    torch.save(out.last_hidden_state if logits is None else logits, os.path.join(path, "ref.pt"))
+
+
+CASES = {
+    "softmax": dict(pattern=sa.window(4)),
+    "entmax15": dict(pattern=sa.cycle(sa.window(4), sa.longformer(4, 1)), prob_map="entmax15"),
+    "sparsemax": dict(pattern=sa.bigbird(4, 1, 1, 4), prob_map="sparsemax", engine="block"),
+    "alpha13": dict(pattern=sa.split_heads(sa.window(2), sa.strided(4)), prob_map=sa.entmax(1.3)),
+}
+
+
+def test_save_pretrained_round_trips_in_a_fresh_process(tmp_path):
+    for name, kwargs in CASES.items():
+        _save(
+            hf.sparsify(tiny_bert(), **kwargs), tmp_path / name, input_ids=IDS, attention_mask=MASK
+        )
+    one_layer = hf.sparsify(tiny_bert("BertForMaskedLM"), sa.window(2), layers=[1])
+    _save(one_layer, tmp_path / "masked_lm", input_ids=IDS, attention_mask=MASK)
+    decoder = hf.sparsify(tiny_llama(), sa.sliding_window(6, 1), prob_map="entmax15")
+    _save(decoder, tmp_path / "llama", input_ids=IDS, attention_mask=MASK)
+    saved = json.loads((tmp_path / "softmax" / "config.json").read_text())
+    assert saved["attn_implementation"] == "sparseattn"
+    assert saved["sparseattn"]["format"] == FORMAT
+    got = _fresh(
+        f"""
+        import json, torch, transformers
+        import sparseattn.hf as hf
+        d, ids, mask = {str(tmp_path)!r}, {IDS.tolist()!r}, {MASK.tolist()!r}
+        ids, mask = torch.tensor(ids), torch.tensor(mask)
+        classes = {{"masked_lm": transformers.AutoModelForMaskedLM,
+                    "llama": transformers.AutoModelForCausalLM}}
+        out = {{}}
+        for name in {[*CASES, "masked_lm", "llama"]!r}:
+            model = hf.from_pretrained(f"{{d}}/{{name}}", model_class=classes.get(name))
+            with torch.no_grad():
+                res = model(input_ids=ids, attention_mask=mask)
+            res = getattr(res, "logits", None) if name in classes else res.last_hidden_state
+            out[name] = float((res - torch.load(f"{{d}}/{{name}}/ref.pt")).abs().max())
+        plain = transformers.AutoModel.from_pretrained(f"{{d}}/softmax")
+        try:
+            plain(input_ids=ids)
+            out["plain"] = "ran"
+        except hf.NotConfiguredError as err:
+            out["plain"] = str(err)
+        print(json.dumps(out))
+        """
+    )
+    plain = got.pop("plain")
+    assert got == dict.fromkeys([*CASES, "masked_lm", "llama"], 0.0)
+    assert "hf.from_pretrained" in plain
+
+
+def test_without_sparseattn_transformers_refuses_the_saved_model(tmp_path):
+    hf.sparsify(tiny_bert(), sa.window(4)).save_pretrained(tmp_path)
+    got = _fresh(
+        f"""
+        import json, transformers
+        try:
+            transformers.AutoModel.from_pretrained({str(tmp_path)!r})
+            print(json.dumps("loaded"))
+        except ValueError as err:
+            print(json.dumps(str(err)))
+        """
+    )
+    assert "sparseattn" in got and "not supported" in got
+
+
+def test_a_model_saved_whole_runs_after_import(tmp_path):
+    model = hf.sparsify(tiny_bert(), sa.longformer(4, 1), prob_map="entmax15")
+    with torch.no_grad():
+        torch.save(model(input_ids=IDS).last_hidden_state, tmp_path / "ref.pt")
+    torch.save(model, tmp_path / "model.pt")
+    got = _fresh(
+        f"""
+        import json, torch
+        import sparseattn.hf
+        d = {str(tmp_path)!r}
+        model = torch.load(d + "/model.pt", weights_only=False)
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor({IDS.tolist()!r})).last_hidden_state
+        print(json.dumps(float((out - torch.load(d + "/ref.pt")).abs().max())))
+        """
+    )
+    assert got == 0.0
+
+
+def test_restore_forgets_the_configuration(tmp_path):
+    model = hf.restore(hf.sparsify(tiny_bert(), sa.window(4)))
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "sparseattn" not in saved and saved.get("attn_implementation") != "sparseattn"
+
+
+def test_a_newer_format_and_an_unsaved_layer_are_named(tmp_path):
+    hf.sparsify(tiny_bert(), sa.window(4)).save_pretrained(tmp_path / "new")
+    path = tmp_path / "new" / "config.json"
+    config = json.loads(path.read_text())
+    config["sparseattn"]["format"] = FORMAT + 1
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"format {FORMAT + 1}.*upgrade sparseattn"):
+        hf.from_pretrained(tmp_path / "new")
+    hf.sparsify(tiny_bert(), sa.window(4), method="mca", alpha=0.2).save_pretrained(
+        tmp_path / "mca"
+    )
+    with pytest.raises(ValueError, match="layer 0's sparse configuration was not saved"):
+        hf.from_pretrained(tmp_path / "mca")
