@@ -453,7 +453,7 @@ def block_attention(
     graph: AttentionGraph,
     prob_map: ProbabilityMap,
     scale: float,
-    key_padding_mask: Tensor | None = None,
+    key_valid: Tensor | None = None,
     dropout_p: float = 0.0,
     block: int | None = None,
     budget: int | None = None,
@@ -467,7 +467,7 @@ def block_attention(
         prob_map: any ProbabilityMap; it sees each query's row of all its selected blocks,
             with the element mask as ``valid``.
         scale: score scale.
-        key_padding_mask: (B, n_k) bool, True for real keys.
+        key_valid: (B, n_k) bool, True for real keys.
         dropout_p: dropout on the attention weights.
         block: block size (16–128 are sensible); None picks one by :func:`choose_block`.
         budget: most score entries per chunk (a single row block may exceed it); None:
@@ -483,8 +483,8 @@ def block_attention(
         block = choose_block(graph, train)
     plan = block_plan(graph, block).to(q.device)
     key_ok = None
-    if key_padding_mask is not None:
-        kpm = key_padding_mask.to(q.device)
+    if key_valid is not None:
+        kpm = key_valid.to(q.device)
         pad = -kpm.shape[-1] % plan.block
         if pad:
             kpm = F.pad(kpm, (0, pad), value=False)

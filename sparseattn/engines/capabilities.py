@@ -103,7 +103,7 @@ class EngineSpec:
 
     Attributes:
         name: the ``engine=`` name.
-        run: the engine, ``run(q, k, v, graph, prob_map, scale, key_padding_mask, dropout_p)``,
+        run: the engine, ``run(q, k, v, graph, prob_map, scale, key_valid, dropout_p)``,
             called on requests this spec accepts (it need not check them again).
         why: one sentence on what the engine is for.
         devices: device types it runs on.

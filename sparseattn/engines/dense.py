@@ -23,27 +23,27 @@ def dense_attention(
     graph: AttentionGraph,
     prob_map: ProbabilityMap,
     scale: float,
-    key_padding_mask: Tensor | None = None,
+    key_valid: Tensor | None = None,
     dropout_p: float = 0.0,
     score_mod: Callable | None = None,
 ) -> Tensor:
     """out_i = Σ_{j ∈ A_i} ρ(score_mod(scale · q_i·k_j))_j v_j over a dense mask (Yun eq. 3).
 
     Shapes: q (B, H, n_q, d), k (B, H, n_k, d), v (B, H, n_k, d_v) → (B, H, n_q, d_v);
-    ``key_padding_mask`` (B, n_k), True for real keys; ``score_mod`` as in
+    ``key_valid`` (B, n_k), True for real keys; ``score_mod`` as in
     ``sparse_attention`` (autograd reaches what it reads).
     """
     # the mask, 4-D on q's device, cached on the graph (auto picks dense for small score
     # matrices, where building it costs as much as the attention); SDPA on CPU runs a 3-D
     # (H, n_q, n_k) mask ~3x slower than (1, H, n_q, n_k)
     mask = graph.cached(("dense_mask", q.device), lambda: _mask4d(graph.to(q.device)))
-    if key_padding_mask is None and prob_map.is_softmax and score_mod is None:
+    if key_valid is None and prob_map.is_softmax and score_mod is None:
         # every row has a key (checked by the API), so SDPA's fused kernel is exact here
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale
         )
-    if key_padding_mask is not None:
-        mask = mask & key_padding_mask[:, None, None, :]
+    if key_valid is not None:
+        mask = mask & key_valid[:, None, None, :]
     dtype = compute_dtype(q)  # half precision on CPU: float32 scores and weights
     scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
     if score_mod is not None:

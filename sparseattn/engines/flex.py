@@ -131,7 +131,7 @@ def graph_block_mask(
     batch: int = 1,
     heads: int = 1,
     block: int = FLEX_BLOCK,
-    key_padding_mask: Tensor | None = None,
+    key_valid: Tensor | None = None,
     device: torch.device | str = "cpu",
 ):
     """A FlexAttention ``BlockMask`` for ``graph`` (built from its block layout in O(E)).
@@ -141,17 +141,17 @@ def graph_block_mask(
         batch, heads: the BlockMask's leading sizes; a size of 1 broadcasts over any batch
             (heads) of q, in the block lists and in the ``mask_mod``.
         block: the BlockMask's block size.
-        key_padding_mask: optional (batch, n_k) bool, True for real keys; then every block is
+        key_valid: optional (batch, n_k) bool, True for real keys; then every block is
             treated as partial so that the padding is applied everywhere.
     Returns:
         ``torch.nn.attention.flex_attention.BlockMask`` of shape (batch, heads, n_q, n_k);
         its ``mask_mod`` is the pattern's element-wise predicate where the graph has one
         (``graph.predicate``), else a look-up in a table of the partial blocks' masks.
     """
-    return _block_mask(graph, batch, heads, block, key_padding_mask, device)[0]
+    return _block_mask(graph, batch, heads, block, key_valid, device)[0]
 
 
-def _block_mask(graph, batch, heads, block, key_padding_mask, device):
+def _block_mask(graph, batch, heads, block, key_valid, device):
     """(BlockMask, whether its mask_mod is element-wise, without look-ups: then one
     length-generic kernel computes it) — see :func:`graph_block_mask`."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -174,7 +174,7 @@ def _block_mask(graph, batch, heads, block, key_padding_mask, device):
     pair_keys = pairs.keys
     rb, kb = pair_keys // nbk, pair_keys % nbk  # rb = g·nbq + i
     full = pairs.full
-    if key_padding_mask is not None:  # full blocks skip mask_mod: the padding needs it
+    if key_valid is not None:  # full blocks skip mask_mod: the padding needs it
         full = torch.zeros_like(full)
     element_wise = predicate is not None
     if predicate is None:
@@ -195,8 +195,8 @@ def _block_mask(graph, batch, heads, block, key_padding_mask, device):
     kv_num, kv_idx = lists(~full)
     full_num, full_idx = lists(full)
     mask_mod = predicate
-    if key_padding_mask is not None:
-        key_ok = key_padding_mask.to(dev).expand(batch, n_k)
+    if key_valid is not None:
+        key_ok = key_valid.to(dev).expand(batch, n_k)
         mask_mod = _padded(predicate, key_ok)
     block_mask = BlockMask.from_kv_blocks(
         kv_num.to(dev),
@@ -207,7 +207,7 @@ def _block_mask(graph, batch, heads, block, key_padding_mask, device):
         mask_mod=mask_mod,
         seq_lengths=(n_q, n_k),
     )
-    return block_mask, element_wise and key_padding_mask is None
+    return block_mask, element_wise and key_valid is None
 
 
 def _block_table(pairs, full, n_graphs, nbq, nbk, block, graph_of, dev):
@@ -403,7 +403,7 @@ def flex_attention_engine(
     graph: AttentionGraph,
     prob_map: ProbabilityMap,
     scale: float,
-    key_padding_mask: Tensor | None = None,
+    key_valid: Tensor | None = None,
     dropout_p: float = 0.0,
     block: int = FLEX_BLOCK,
     score_mod: Callable | None = None,
@@ -437,8 +437,8 @@ def flex_attention_engine(
             raise ValueError(f"engine='flex' cannot run this call: {reason}; use engine='block'")
     # the BlockMask keeps the graph's own leading shape; its size-1 dims broadcast over q's
     block_mask, generic = _cached_block_mask(graph, block, q.device)
-    if key_padding_mask is not None:
-        block_mask, generic = _padded_block_mask(graph, block_mask, key_padding_mask), False
+    if key_valid is not None:
+        block_mask, generic = _padded_block_mask(graph, block_mask, key_valid), False
     if q.device.type == "cpu":
         if not all_finite(k):  # the kernel returns zeros for the rows that read such a key
             raise NonFiniteScoresError("k holds NaN or inf, which FlexAttention would hide")
@@ -449,6 +449,6 @@ def flex_attention_engine(
     # shape there
     dynamic = _dynamic(q, k, v, generic and score_mod is None)
     out = _compiled(dynamic)(q, k, v, score_mod, block_mask, scale, k.shape[1] != q.shape[1])
-    if key_padding_mask is not None:  # rows whose keys are all padding: zeros (maps' rule)
+    if key_valid is not None:  # rows whose keys are all padding: zeros (maps' rule)
         out = out.nan_to_num(0.0)
     return out

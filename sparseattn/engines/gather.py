@@ -236,7 +236,7 @@ def gather_attention(
     graph: AttentionGraph,
     prob_map: ProbabilityMap,
     scale: float,
-    key_padding_mask: Tensor | None = None,
+    key_valid: Tensor | None = None,
     dropout_p: float = 0.0,
     budget: int | None = None,
     score_mod: Callable | None = None,
@@ -257,8 +257,8 @@ def gather_attention(
     if not static:
         graph = graph.expand((bsz, heads))
     key_ok = None
-    if key_padding_mask is not None:
-        key_ok = key_padding_mask.to(q.device).repeat_interleave(heads, 0).reshape(b, -1)
+    if key_valid is not None:
+        key_ok = key_valid.to(q.device).repeat_interleave(heads, 0).reshape(b, -1)
     budget = BUDGET.get(q.device.type, BUDGET["cuda"]) if budget is None else budget
     run = _Run(graph, static, n_q, n_k, b, budget, prob_map, scale, key_ok, dropout_p, q.device)
     run = run.with_score_mod(score_mod, heads)

@@ -50,7 +50,7 @@ class _Run:
     """The chunks and what each needs, shared by forward and backward."""
 
     def __init__(
-        self, q, k, graph, prob_map, scale, key_padding_mask, dropout_p, causal, budget, score_mod
+        self, q, k, graph, prob_map, scale, key_valid, dropout_p, causal, budget, score_mod
     ):
         bsz, heads, n_q, _ = q.shape
         self.score_mod = score_mod
@@ -58,7 +58,7 @@ class _Run:
         self.n_k, self.shape = k.shape[-2], (bsz, heads)
         self.prob_map, self.scale, self.dropout_p, self.causal = prob_map, scale, dropout_p, causal
         self.offset = self.n_k - n_q if causal else 0  # query i sits at position offset + i
-        self.key_ok = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+        self.key_ok = None if key_valid is None else key_valid[:, None, None, :]
         if graph is not None:  # its device copy is cached on it: copied once per device
             graph = graph.to(q.device)
         if graph is not None and graph.batch_shape:
@@ -190,7 +190,7 @@ def rows_attention(
     graph: AttentionGraph | None,
     prob_map: ProbabilityMap,
     scale: float,
-    key_padding_mask: Tensor | None = None,
+    key_valid: Tensor | None = None,
     dropout_p: float = 0.0,
     causal: bool = False,
     budget: int | None = None,
@@ -205,7 +205,7 @@ def rows_attention(
         prob_map: any ProbabilityMap, including ``entmax(tensor)`` with one α per row
             (its gradient in α is returned).
         scale: score scale.
-        key_padding_mask: (B, n_k) bool, True for real keys.
+        key_valid: (B, n_k) bool, True for real keys.
         dropout_p: dropout on the attention weights.
         causal: rows see keys j ≤ i only (the causal dense pattern). With n_q < n_k the queries
             sit at positions n_k − n_q … n_k − 1 (prefill in pieces, decoding): row i sees
@@ -224,7 +224,7 @@ def rows_attention(
     alpha = prob_map.row_alpha(bsz, heads, n_q)
     if alpha is not None:
         alpha = alpha.to(dtype)
-    kpm = None if key_padding_mask is None else key_padding_mask.to(q.device)
+    kpm = None if key_valid is None else key_valid.to(q.device)
     budget = BUDGET.get(q.device.type, BUDGET["cuda"]) if budget is None else budget
     run = _Run(q, k, graph, prob_map, scale, kpm, dropout_p, causal, budget, score_mod)
     out = _RowsAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), alpha, run, *run.mod_tensors)
@@ -237,7 +237,7 @@ def full_rows_attention(
     v: Tensor,
     prob_map: ProbabilityMap,
     scale: float,
-    key_padding_mask: Tensor | None = None,
+    key_valid: Tensor | None = None,
     dropout_p: float = 0.0,
     causal: bool = False,
     score_mod: Callable | None = None,
@@ -254,16 +254,16 @@ def full_rows_attention(
     """
     if not prob_map.is_softmax or score_mod is not None:
         return rows_attention(
-            q, k, v, None, prob_map, scale, key_padding_mask, dropout_p, causal, None, score_mod
+            q, k, v, None, prob_map, scale, key_valid, dropout_p, causal, None, score_mod
         )
     offset = causal and q.shape[-2] != k.shape[-2]
-    if offset or (causal and key_padding_mask is not None):
-        return _sdpa_causal(q, k, v, scale, key_padding_mask, dropout_p)
-    if key_padding_mask is None:
+    if offset or (causal and key_valid is not None):
+        return _sdpa_causal(q, k, v, scale, key_valid, dropout_p)
+    if key_valid is None:
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale
         )
-    kpm = key_padding_mask.to(q.device)
+    kpm = key_valid.to(q.device)
     some = kpm.any(-1, keepdim=True)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=(kpm | ~some)[:, None, None, :], dropout_p=dropout_p, scale=scale

@@ -10,7 +10,7 @@ skips pairs without non-zero weights and needs no n × n tensor (memory O(n·d +
 Entry points:
 
 * :func:`triton_entmax_attention` — the engines' signature
-  ``(q, k, v, graph, prob_map, scale, key_padding_mask=None, dropout_p=0.0) -> out``;
+  ``(q, k, v, graph, prob_map, scale, key_valid=None, dropout_p=0.0) -> out``;
 * :func:`entmax_attention` — the same on a :class:`BlockLayout` (e.g. :func:`dense_layout` or
   :func:`causal_layout`, which need no graph: the dense and causal patterns as layouts);
 * :func:`triton_entmax_unsupported` — None if a request can run here, else why not.
@@ -764,7 +764,7 @@ def entmax_attention(
     layout: BlockLayout,
     alpha: float,
     scale: float | None = None,
-    key_padding_mask: Tensor | None = None,
+    key_valid: Tensor | None = None,
     graph_index: Tensor | None = None,
 ) -> Tensor:
     """α-entmax attention (α > 1; 2 = sparsemax) over a block layout, Yun et al. eq. (3).
@@ -776,7 +776,7 @@ def entmax_attention(
         layout: from :func:`graph_layout`, :func:`dense_layout` or :func:`causal_layout`.
         alpha: α > 1 (1.5 and 2 exact; others Newton/bisection to float precision).
         scale: score scale, default 1/sqrt(d).
-        key_padding_mask: (B, n_k) bool, True for real keys. A row left without keys gives 0.
+        key_valid: (B, n_k) bool, True for real keys. A row left without keys gives 0.
         graph_index: int32 (B·H,), the layout graph of each (batch, head); default all 0.
     Returns:
         (B, H, n_q, d_v) in the inputs' dtype; differentiable in q, k and v.
@@ -791,8 +791,8 @@ def entmax_attention(
     if graph_index is None:
         graph_index = torch.zeros(bsz * heads, dtype=torch.int32, device=q.device)
     kpm = None
-    if key_padding_mask is not None:
-        kpm = key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
+    if key_valid is not None:
+        kpm = key_valid.to(device=q.device, dtype=torch.int8).contiguous()
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return _EntmaxAttention.apply(q, k, v, layout, graph_index, kpm, float(alpha), scale, need_grad)
 
@@ -804,7 +804,7 @@ def triton_entmax_attention(
     graph: AttentionGraph,
     prob_map: ProbabilityMap,
     scale: float,
-    key_padding_mask: Tensor | None = None,
+    key_valid: Tensor | None = None,
     dropout_p: float = 0.0,
     block: int | None = None,
     *,
@@ -813,7 +813,7 @@ def triton_entmax_attention(
     """α-entmax / sparsemax attention on ``graph`` by the Triton kernels (engine signature).
 
     Shapes: q (B, H, n_q, d), k (B, H_kv, n_k, d), v (B, H_kv, n_k, d_v) → (B, H, n_q, d_v);
-    ``graph`` static (batch_shape ()) or batched ((H,), (B, H)); ``key_padding_mask`` (B, n_k),
+    ``graph`` static (batch_shape ()) or batched ((H,), (B, H)); ``key_valid`` (B, n_k),
     True for real keys. ``block``: tile size of the layout (default ``DEFAULT_BLOCK``).
     Raises ValueError with the reason of :func:`triton_entmax_unsupported` when it cannot run;
     ``check=False`` skips that check: the engine table's entry, called by ``sparse_attention``,
@@ -830,7 +830,7 @@ def triton_entmax_attention(
         ("triton_entmax_graph_index", bsz, heads, q.device),
         lambda: _graph_index(graph.batch_shape, bsz, heads, q.device),
     )
-    return entmax_attention(q, k, v, layout, alpha, scale, key_padding_mask, gidx)
+    return entmax_attention(q, k, v, layout, alpha, scale, key_valid, gidx)
 
 
 def full_rows_entmax(
@@ -839,17 +839,17 @@ def full_rows_entmax(
     v: Tensor,
     prob_map: ProbabilityMap,
     scale: float,
-    key_padding_mask: Tensor | None,
+    key_valid: Tensor | None,
     causal: bool,
     block: int | None = None,
 ) -> Tensor:
     """The dense pattern (``sa.dense()``, or causal: queries at the end of the keys) by the
     Triton kernels, without a graph: the dense or causal layout, built once per (n_q, n_k,
-    block, device). Shapes and ``key_padding_mask`` (True for real keys) as
+    block, device). Shapes and ``key_valid`` (True for real keys) as
     :func:`triton_entmax_attention`."""
     block = DEFAULT_BLOCK.get(q.device.type, 64) if block is None else block
     layout = _full_layout(q.shape[2], k.shape[2], block, causal, q.device)
-    return entmax_attention(q, k, v, layout, _alpha_of(prob_map), scale, key_padding_mask)
+    return entmax_attention(q, k, v, layout, _alpha_of(prob_map), scale, key_valid)
 
 
 @functools.lru_cache(maxsize=16)
