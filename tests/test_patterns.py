@@ -236,13 +236,21 @@ def test_compositions_union_cycle_split():
         (sa.random, {"k": 3, "density": 0.1}, ValueError),
         (sa.random, {"density": 1.5}, ValueError),
         (sa.bigbird, {"w": 4, "block": 0}, ValueError),
-        (sa.longformer, {"w": 4, "global_tokens": 0}, ValueError),
+        (sa.longformer, {"w": 4, "global_tokens": -1}, ValueError),
         (sa.topk, {"k": 0}, ValueError),
     ],
 )
 def test_bad_pattern_parameters(factory, kwargs, error):
     with pytest.raises(error):
         factory(**kwargs)
+
+
+def test_longformer_has_no_global_token_by_default():
+    """As the Longformer model, whose global tokens come per call: window(w) alone."""
+    for n in (5, 16):
+        want = sa.window(4).graph(n).to_dense()
+        assert torch.equal(sa.longformer(4).graph(n).to_dense(), want)
+        assert torch.equal(sa.longformer(4, []).graph(n).to_dense(), want)
 
 
 def test_graph_length_must_be_positive():

@@ -18,6 +18,7 @@ from ..graph import AttentionGraph
 from ..maps import ProbabilityMap, resolve_prob_map
 from ..patterns import HeadSplit, Pattern, PatternCycle, as_cycle, dense
 from ..validate import check_choice, check_model
+from . import longformer
 from .adapter import attention_forward
 from .persist import forget_config, record_config
 from .state import (
@@ -71,7 +72,10 @@ def _named_attention(model: nn.Module, cross: bool = False) -> list[tuple[str, n
 def layer_names(model: nn.Module) -> list[str]:
     """The qualified names of the self-attention modules, position l holding layer l of
     ``sparsify(..., layers=)``: e.g. a T5 lists the encoder's ``SelfAttention`` modules, then
-    the decoder's. ValueError as :func:`attention_modules`."""
+    the decoder's (a Longformer: its ``LongformerSelfAttention`` modules). ValueError as
+    :func:`attention_modules`."""
+    if longformer.is_longformer(model):
+        return longformer.layer_names(model)
     attention_modules(model)  # raises for a model without any
     return [name for name, _ in _named_attention(model)]
 
@@ -165,7 +169,16 @@ def sparsify(
         index, an unknown engine, a head split that does not fit the model's heads, or a
         context method on a model whose q, k, v come from one fused projection;
         TypeError for a pattern or method of the wrong type.
+
+    A model holding transformers' ``LongformerSelfAttention`` modules (Longformer, which does
+    not dispatch through ``AttentionInterface``) goes to :func:`sparseattn.hf.longformer.sparsify`:
+    window (the layer's own without ``pattern``) ∪ the call's global tokens, its global
+    projections for the global rows; no persistence yet.
     """
+    if longformer.is_longformer(model):
+        return longformer.sparsify(
+            model, pattern, prob_map, engine, method, layers, **method_options
+        )
     modules = attention_modules(model)
     num_layers = len(modules)
     pattern = dense() if pattern is None else pattern
@@ -235,6 +248,8 @@ def sparsify(
 def restore(model: nn.Module) -> nn.Module:
     """Undo :func:`sparsify`: the original attention implementation, exactly (no-op if none)."""
     check_model(model)
+    if longformer.is_longformer(model):
+        return longformer.restore(model)
     state = model_state(model)
     if state is None:
         return model
@@ -252,5 +267,7 @@ def restore(model: nn.Module) -> nn.Module:
 def layer_specs(model: nn.Module) -> dict[int, LayerSpec]:
     """The configured layers of a sparsified model (empty for an unmodified one)."""
     check_model(model)
+    if longformer.is_longformer(model):
+        return longformer.layer_specs(model)
     state = model_state(model)
     return {} if state is None else dict(state.specs)

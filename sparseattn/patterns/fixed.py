@@ -456,11 +456,19 @@ def block_local(block: int) -> Pattern:
     return BlockLocal(block)
 
 
-def longformer(w: int, global_tokens: int | Sequence[int] = 1) -> Pattern:
-    """Longformer (Beltagy et al.): window(w) ∪ global tokens."""
+def longformer(w: int, global_tokens: int | Sequence[int] = 0) -> Pattern:
+    """Longformer (Beltagy et al. 2020): window(w) ∪ global tokens — the first
+    ``global_tokens`` positions (an int) or the given positions. None by default, as in the
+    Longformer model, whose global tokens are chosen per call (``global_attention_mask``);
+    until 2026-11-29 the default was one (token 0)."""
     from .compose import union
 
-    return union(Window(w), _global(global_tokens), name="longformer")
+    if isinstance(global_tokens, int) and not isinstance(global_tokens, bool):
+        none = check_int("global_tokens", global_tokens, 0) == 0
+    else:
+        none = isinstance(global_tokens, (list, tuple)) and not global_tokens
+    parts = (Window(w),) if none else (Window(w), _global(global_tokens))
+    return union(*parts, name="longformer")
 
 
 def bigbird(

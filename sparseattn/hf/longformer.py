@@ -1,0 +1,402 @@
+"""Longformer (transformers' ``LongformerSelfAttention``) on sparseattn's engines.
+
+Longformer's self-attention does not dispatch through ``transformers.AttentionInterface``: it
+computes its banded scores itself (``_sliding_chunks_query_key_matmul``) and has a second set of
+projections for its global tokens. :func:`sparsify` (``sparseattn.hf.sparsify`` sends any model
+holding ``LongformerSelfAttention`` modules here) replaces, per instance, the ``forward`` of
+each chosen layer's ``LongformerSelfAttention`` by :func:`longformer_forward`, which computes
+what transformers' code computes (transformers 5.24):
+
+* Local rows (real tokens without global attention), with the layer's ``query``, ``key`` and
+  ``value``: query i attends to the keys of its window ∪ the item's global tokens, minus the
+  padding keys, the global keys with their *regular* key and value vectors (as transformers
+  does: the global projections serve only the global rows). The window is the layer's own,
+  ``config.attention_window[layer]`` = 2·w₁ tokens, keys i − w₁ … i + w₁ with w₁ =
+  ``attention_window // 2`` (transformers' ``one_sided_attn_window_size``), which is
+  ``window(attention_window)``; a ``pattern=`` given to ``sparsify`` replaces it. One
+  :func:`sparseattn.sparse_attention` call per layer (or the ``method`` hook) on an
+  :class:`~sparseattn.graph.AttentionGraph` of batch shape (batch, 1) — (batch, heads) for a
+  per-head pattern — built per call from the pattern's graph, the item's global columns and its
+  padding: O(B·(E + n·g)) edges for E pattern edges and g global tokens, merged by binary
+  search (:meth:`AttentionGraph.union`), no n × n mask. It is built anew each call (no cache
+  yet: the engines' plans are made again too).
+* Global rows (``global_attention_mask`` 1), with ``query_global``, ``key_global`` and
+  ``value_global``: each attends to every real (non-padding) key; only the global rows' queries
+  are projected. One dense :func:`~sparseattn.sparse_attention` call (engine ``auto``, the
+  full-rows path) with the key padding mask, the map ρ of the layer; the method hook does not
+  apply there.
+* Padding rows: output 0 (transformers zeroes their probabilities), no gradient.
+
+Queries are divided by √d before the scores and ``scale=1`` is passed (transformers' order of
+operations). With ``prob_map="softmax"`` (the default) the result equals transformers' to
+float rounding, outputs and gradients (in float64 to ~1e-7 only: transformers computes its
+softmax in float32 whatever the model's dtype, sparseattn in the model's); dropout
+(``attention_probs_dropout_prob`` in training) is applied to the weights of both parts by the
+engines, with their own random draws.
+
+Not yet: ``output_attentions=True`` (refused: transformers returns the banded weights in its own
+layout), persistence (``save_pretrained`` keeps no sparse configuration of a Longformer;
+:func:`~sparseattn.hf.from_pretrained` cannot load one), :func:`~sparseattn.hf.capture_attention`
+and :func:`~sparseattn.hf.attention_sparsity` (they see a Longformer as not sparsified).
+:func:`restore` puts the original ``forward`` back: the model is the original one exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..attention import resolve_graph, sparse_attention
+from ..engines import ENGINES
+from ..graph import AttentionGraph, broadcast_or_none
+from ..maps import ProbabilityMap, resolve_prob_map
+from ..patterns import HeadSplit, Pattern, PatternCycle, as_cycle, dense, window
+from ..validate import check_choice, check_model
+from .state import LayerContext, LayerSpec, Method, check_layers
+
+__all__ = [
+    "attention_modules",
+    "is_longformer",
+    "layer_names",
+    "layer_specs",
+    "local_graph",
+    "longformer_forward",
+    "restore",
+    "sparsify",
+]
+
+#: The attribute (on the model and on each patched module) holding the configuration.
+_KEY = "_sparseattn_longformer"
+
+
+@dataclasses.dataclass
+class LongformerState:
+    """Held by a sparsified Longformer (``model.__dict__[_KEY]``): each configured layer's
+    spec, and each patched module's own ``forward`` attribute before the patch (None: it had
+    none, the class's ``forward`` ran)."""
+
+    specs: dict[int, LayerSpec]
+    originals: dict[int, Callable | None] = dataclasses.field(default_factory=dict)
+
+
+def _self_attention_class() -> type | None:
+    try:
+        from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
+    except ImportError:  # a transformers without Longformer
+        return None
+    return LongformerSelfAttention
+
+
+def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    cls = _self_attention_class()
+    if cls is None:
+        return []
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, cls)]
+
+
+def is_longformer(model: nn.Module) -> bool:
+    """Whether ``model`` holds transformers' ``LongformerSelfAttention`` modules (or is one)."""
+    return isinstance(model, nn.Module) and bool(_named_modules(model))
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The ``LongformerSelfAttention`` modules, in layer order (module l is layer l)."""
+    check_model(model)
+    modules = [m for _, m in _named_modules(model)]
+    if not modules:
+        raise ValueError(f"{type(model).__name__} holds no LongformerSelfAttention module")
+    return modules
+
+
+def layer_names(model: nn.Module) -> list[str]:
+    """The qualified names of the ``LongformerSelfAttention`` modules (``layers=`` indices)."""
+    attention_modules(model)
+    return [name for name, _ in _named_modules(model)]
+
+
+def _state(model: nn.Module) -> LongformerState | None:
+    return model.__dict__.get(_KEY)
+
+
+def _resolve_method(method: Method | str | None, options: dict) -> Method:
+    """``method`` as :func:`sparseattn.hf.sparsify` takes it: None (sparse_attention), a callable
+    with its signature, or a name with options (``"mca"``)."""
+    if isinstance(method, str):
+        from ..montecarlo import MCAMethod
+
+        named = {"mca": MCAMethod}
+        if method not in named:
+            raise ValueError(f"method must be one of {sorted(named)} or a callable, got {method!r}")
+        return named[method](**options)
+    if options:
+        raise TypeError(f"options {sorted(options)} need a named method, e.g. method='mca'")
+    if method is None:
+        return sparse_attention
+    if not callable(method):
+        raise TypeError(
+            f"method must be callable like sparse_attention, got {type(method).__name__}"
+        )
+    return method
+
+
+def _wants_context(method: Method) -> bool:
+    try:
+        return "context" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def sparsify(
+    model: nn.Module,
+    pattern: Pattern | PatternCycle | Sequence[Pattern] | AttentionGraph | None = None,
+    prob_map: str | ProbabilityMap = "softmax",
+    engine: str = "auto",
+    method: Method | str | None = None,
+    layers: Iterable[int] | None = None,
+    **method_options,
+) -> nn.Module:
+    """:func:`sparseattn.hf.sparsify` for a model holding ``LongformerSelfAttention`` modules
+    (the module docstring says what each layer then computes).
+
+    ``pattern`` None: each layer its own window, ``window(config.attention_window[layer])``
+    (transformers' keys i − w/2 … i + w/2), exactly transformers' attention for softmax. A
+    Pattern, a cycle or sequence of patterns (layer l: pattern l mod p), ``split_heads`` or an
+    AttentionGraph of the padded length (a multiple of ``max(attention_window)``) replaces the
+    window; the global tokens of each call (``global_attention_mask``) are added to it, and the
+    padding taken out, as for the window. ``prob_map``, ``engine``, ``method`` and ``layers``
+    as there; calling it again changes only ``layers``; layers never configured keep
+    transformers' own code. Modifies ``model`` in place and returns it; :func:`restore` undoes
+    it. Nothing is written to ``model.config`` (no persistence yet).
+    """
+    modules = attention_modules(model)
+    num_layers = len(modules)
+    if pattern is None:
+        per_layer: Callable[[int], Pattern | AttentionGraph] = lambda layer: window(  # noqa: E731
+            2 * modules[layer].one_sided_attn_window_size
+        )
+    elif isinstance(pattern, AttentionGraph):
+        per_layer = lambda _layer: pattern  # noqa: E731
+    elif isinstance(pattern, (Pattern, PatternCycle, list, tuple)):
+        per_layer = as_cycle(pattern).__getitem__
+    else:
+        raise TypeError(
+            "pattern must be a Pattern, a cycle/sequence of patterns, an AttentionGraph or None, "
+            f"got {type(pattern).__name__}"
+        )
+    rho = resolve_prob_map(prob_map)
+    method = _resolve_method(method, method_options)
+    check_choice("engine", engine, ["auto", *ENGINES])
+    chosen = check_layers(layers, num_layers)
+    chosen_layers = range(num_layers) if chosen is None else chosen
+    wants_context = _wants_context(method)
+    specs = {}
+    for layer in chosen_layers:
+        layer_pattern = per_layer(layer)
+        if isinstance(layer_pattern, HeadSplit):
+            layer_pattern.head_sizes(modules[layer].num_heads)
+        specs[layer] = LayerSpec(layer_pattern, rho, engine, method, wants_context)
+
+    state = _state(model)
+    if state is None:
+        state = LongformerState({})
+        model.__dict__[_KEY] = state
+    for layer in specs:
+        module = modules[layer]
+        if layer not in state.originals:
+            state.originals[layer] = module.__dict__.get("forward")
+            module.__dict__[_KEY] = (state, layer)
+            # a partial of a module-level function: deepcopy and pickle keep it bound right
+            module.forward = functools.partial(longformer_forward, module)
+    state.specs.update(specs)
+    return model
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """Undo :func:`sparsify`: each patched module gets its original ``forward`` back."""
+    check_model(model)
+    state = _state(model)
+    if state is None:
+        return model
+    modules = attention_modules(model)
+    for layer, original in state.originals.items():
+        module = modules[layer]
+        module.__dict__.pop("forward", None)
+        module.__dict__.pop(_KEY, None)
+        if original is not None:
+            module.__dict__["forward"] = original
+    del model.__dict__[_KEY]
+    return model
+
+
+def layer_specs(model: nn.Module) -> dict[int, LayerSpec]:
+    """The configured layers of a sparsified Longformer (empty for an unmodified one)."""
+    check_model(model)
+    state = _state(model)
+    return {} if state is None else dict(state.specs)
+
+
+# ---------------------------------------------------------------------------- the forward
+def _global_positions(is_global: Tensor) -> tuple[Tensor, Tensor]:
+    """(positions (B, g), counts (B,)): item b's global positions ascending in its first
+    counts[b] slots, then its other positions ascending (so that the B·g positions are
+    distinct within an item); g = the most global tokens of an item."""
+    counts = is_global.sum(-1)
+    g = int(counts.max()) if counts.numel() else 0
+    order = torch.sort((~is_global).to(torch.uint8), dim=-1, stable=True).indices
+    return order[:, :g], counts
+
+
+def local_graph(
+    pattern: Pattern | AttentionGraph,
+    q: Tensor,
+    k: Tensor,
+    is_global: Tensor,
+    is_padding: Tensor,
+) -> AttentionGraph:
+    """The local rows' graph of one call: the pattern's graph ∪ each item's global columns,
+    without padding keys (padding rows keep theirs: their output is zeroed).
+
+    q, k: (B, H, n, d); is_global, is_padding: (B, n) bool. Returns a graph of batch shape
+    (B, 1), or (B, H) for a per-head pattern, of O(B·(E + n·g)) edges for a pattern graph of E
+    edges and at most g global tokens per item (a merge by binary search, no n × n mask)."""
+    base = resolve_graph(pattern, q, k)
+    dev = base.device
+    bsz, n = is_global.shape
+    is_global, is_padding = is_global.to(dev), is_padding.to(dev)
+    shape = broadcast_or_none(base.batch_shape, (bsz, 1))
+    if shape is None or len(shape) != 2:
+        raise ValueError(f"the pattern's graph of batch shape {base.batch_shape} is not per head")
+    graph = base.expand(shape)
+    if bool(is_global.any()):
+        pos, counts = _global_positions(is_global)
+        g = pos.shape[1]
+        slots = torch.arange(g, device=dev)
+        valid = slots < counts[:, None]
+        # ascending rows: global positions, then n, n + 1, … in the empty slots
+        index = torch.where(valid, pos, n + slots)[:, None, None, :].expand(bsz, 1, n, g)
+        columns = AttentionGraph.from_neighbours(index, valid[:, None, None, :], n)
+        graph = graph | columns
+    if bool(is_padding.any()):
+        rows = graph.row_indices()
+        item = rows // (graph.num_rows // bsz)
+        drop = is_padding[item, graph.col] & ~is_padding[item, rows % n]
+        if bool(drop.any()):
+            keep = ~drop
+            degrees = torch.bincount(rows[keep], minlength=graph.num_rows)
+            crow = torch.zeros(graph.num_rows + 1, dtype=torch.long, device=dev)
+            torch.cumsum(degrees, 0, out=crow[1:])
+            graph = AttentionGraph(crow, graph.col[keep], n, n, graph.batch_shape)
+    return graph
+
+
+def _split(x: Tensor, heads: int) -> Tensor:
+    """(B, n, H·d) → (B, H, n, d)."""
+    bsz, n, _ = x.shape
+    return x.view(bsz, n, heads, -1).transpose(1, 2)
+
+
+def _global_rows(
+    module: nn.Module,
+    hidden_states: Tensor,
+    is_global: Tensor,
+    is_padding: Tensor,
+    prob_map: ProbabilityMap,
+    dropout: float,
+) -> Tensor:
+    """The global rows' output (B, n, H, d) — zeros at the other rows: ``query_global`` of the
+    global tokens against ``key_global``, ``value_global`` of every real key (transformers'
+    ``_compute_global_attn_output_from_hidden``)."""
+    bsz, n, embed = hidden_states.shape
+    heads, head_dim = module.num_heads, module.head_dim
+    pos, _ = _global_positions(is_global)  # (B, g); empty slots hold other positions
+    g = pos.shape[1]
+    picked = hidden_states.gather(1, pos[..., None].expand(bsz, g, embed))
+    q = _split(module.query_global(picked) / math.sqrt(head_dim), heads)
+    k = _split(module.key_global(hidden_states), heads)
+    v = _split(module.value_global(hidden_states), heads)
+    # an item of padding only has no global token: its (unused) rows may read every key
+    kpm = is_padding & (~is_padding).any(-1, keepdim=True)
+    out = sparse_attention(
+        q,
+        k,
+        v,
+        dense(),
+        prob_map=prob_map,
+        scale=1.0,
+        key_padding_mask=kpm if bool(kpm.any()) else None,
+        dropout_p=dropout,
+    )  # (B, H, g, d)
+    index = pos[:, :, None, None].expand(bsz, g, heads, head_dim)
+    return out.new_zeros(bsz, n, heads, head_dim).scatter(1, index, out.transpose(1, 2))
+
+
+def longformer_forward(
+    module: nn.Module,
+    hidden_states: Tensor,
+    attention_mask: Tensor | None = None,
+    is_index_masked: Tensor | None = None,
+    is_index_global_attn: Tensor | None = None,
+    is_global_attn: bool | None = None,
+    output_attentions: bool = False,
+) -> tuple[Tensor]:
+    """``LongformerSelfAttention.forward`` on sparseattn (bound to ``module`` by
+    :func:`sparsify`): hidden_states (B, n, E) with n the padded length; ``attention_mask``
+    (B, n) < 0 for padding, > 0 for global tokens, 0 for local ones (transformers' extended
+    mask), or the two masks it derives (``is_index_masked``, ``is_index_global_attn``).
+    Returns ``(output (B, n, E),)``."""
+    state, layer = module.__dict__[_KEY]
+    spec = state.specs[layer]
+    if output_attentions:
+        raise ValueError(
+            "output_attentions is not supported by a sparsified Longformer (transformers "
+            "returns its banded weights in its own layout); call sparseattn.hf.restore(model) "
+            "for them"
+        )
+    bsz, n, embed = hidden_states.shape
+    heads, head_dim = module.num_heads, module.head_dim
+    if is_index_masked is None:
+        is_index_masked = (
+            attention_mask < 0
+            if attention_mask is not None
+            else torch.zeros(bsz, n, dtype=torch.bool, device=hidden_states.device)
+        )
+    if is_index_global_attn is None:
+        is_index_global_attn = (
+            attention_mask > 0 if attention_mask is not None else torch.zeros_like(is_index_masked)
+        )
+    if is_global_attn is None:
+        is_global_attn = bool(is_index_global_attn.any())
+
+    q = _split(module.query(hidden_states) / math.sqrt(head_dim), heads)
+    k = _split(module.key(hidden_states), heads)
+    v = _split(module.value(hidden_states), heads)
+    dropout = module.dropout if module.training else 0.0
+    graph = local_graph(spec.pattern, q, k, is_index_global_attn, is_index_masked)
+    extra = {}
+    if spec.wants_context:
+        extra["context"] = LayerContext(layer, module, hidden_states, module.value)
+    out = spec.method(
+        q,
+        k,
+        v,
+        graph,
+        prob_map=spec.prob_map,
+        engine=spec.engine,
+        scale=1.0,
+        key_padding_mask=None,
+        dropout_p=dropout,
+        **extra,
+    ).transpose(1, 2)  # (B, n, H, d)
+    if is_global_attn:
+        glob = _global_rows(
+            module, hidden_states, is_index_global_attn, is_index_masked, spec.prob_map, dropout
+        )
+        out = torch.where(is_index_global_attn[:, :, None, None], glob, out)
+    out = out.masked_fill(is_index_masked[:, :, None, None], 0.0)
+    return (out.reshape(bsz, n, embed),)
