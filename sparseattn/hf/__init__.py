@@ -50,6 +50,8 @@ The package, imports running one way (each module uses only those listed after i
 :mod:`~sparseattn.hf.cache` (``window_cache``, over :mod:`sparseattn.kvcache`) and
 :mod:`~sparseattn.hf.load` (``from_pretrained``) →
 :mod:`~sparseattn.hf.registry` (``sparsify``, ``restore``, ``layer_specs``, registration) →
+:mod:`~sparseattn.hf.longformer` (Longformer's self-attention, which does not dispatch through
+``AttentionInterface``, on the engines: docs/checkpoints.md) and
 :mod:`~sparseattn.hf.adapter` (the registered kernel, GQA, the layer's graph) →
 :mod:`~sparseattn.hf.persist` (the saved configuration's form) →
 :mod:`~sparseattn.hf.accounting` (the real-token counts) → :mod:`~sparseattn.hf.mask` (the
