@@ -3,9 +3,10 @@
 A random-weight ``LongformerModel`` of Longformer-base's width (hidden 768, 12 heads,
 attention window 512), its first ``LongformerSelfAttention`` called directly on (1, n, 768)
 hidden states with ``--globals`` global tokens (the first ones), projections included, forward
-only, under ``torch.no_grad``: interleaved medians of ``--repeats`` warm calls, peak memory of
-one call in a process of its own (the peak resident set over the resident set before the call), and the largest difference of
-the two outputs.
+only, under ``torch.no_grad``: interleaved medians of ``--repeats`` warm calls, peak memory
+of one call in a process of its own (the peak resident set, reset through
+``/proc/self/clear_refs`` just before the call, over the resident set then), and the largest
+difference of the two outputs.
 
     python scripts/longformer_layer.py --ns 1024 4096 --threads 1 \
         --out docs/results/hf/longformer-layer-1t.json
@@ -24,16 +25,20 @@ import torch
 from sparseattn.results import interleaved_medians, machine_facts, timing_facts
 
 ONE_CALL = """
-import resource, sys, torch
+import sys, torch
 sys.path.insert(0, {root!r})
 from longformer_layer import build
 torch.set_num_threads({threads})
 attn, args = build({n}, {globals}, {sparse})
-with open("/proc/self/statm") as f:
-    before = int(f.read().split()[1]) * resource.getpagesize() / 1024  # resident now, KB
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))  # kB
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak resident set (VmHWM) restarts from the resident set now
+before = status("VmRSS:")
 with torch.no_grad():
     attn(*args)
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+print((status("VmHWM:") - before) / 1024)
 """
 
 

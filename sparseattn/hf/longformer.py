@@ -47,6 +47,7 @@ import dataclasses
 import functools
 import inspect
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -83,6 +84,37 @@ class LongformerState:
 
     specs: dict[int, LayerSpec]
     originals: dict[int, Callable | None] = dataclasses.field(default_factory=dict)
+    #: the last :data:`GRAPHS` local graphs, keyed by layer, length, device and the call's
+    #: global and padding masks: a model called again with the same masks (a batch shape, the
+    #: question tokens of a task) reuses the graph and the engines' plans cached on it
+    graphs: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+
+    def __getstate__(self) -> dict:
+        """Pickles and copies hold the configuration, not the graphs."""
+        return {**self.__dict__, "graphs": OrderedDict()}
+
+
+#: How many local graphs a sparsified Longformer keeps (all layers together).
+GRAPHS = 16
+
+
+def _cached_local_graph(
+    state: LongformerState, layer: int, spec: LayerSpec, q, k, is_global, is_padding
+):
+    """:func:`local_graph`, memoised in ``state.graphs`` for static patterns (a data-dependent
+    one is drawn from q and k each call)."""
+    if getattr(spec.pattern, "data_dependent", False):
+        return local_graph(spec.pattern, q, k, is_global, is_padding)
+    masks = torch.stack([is_global, is_padding]).cpu().numpy().tobytes()
+    key = (layer, tuple(is_global.shape), q.shape[1], q.device, masks)
+    graph = state.graphs.get(key)
+    if graph is None:
+        graph = state.graphs[key] = local_graph(spec.pattern, q, k, is_global, is_padding)
+        while len(state.graphs) > GRAPHS:
+            state.graphs.popitem(last=False)
+    else:
+        state.graphs.move_to_end(key)
+    return graph
 
 
 def _self_attention_class() -> type | None:
@@ -377,7 +409,7 @@ def longformer_forward(
     k = _split(module.key(hidden_states), heads)
     v = _split(module.value(hidden_states), heads)
     dropout = module.dropout if module.training else 0.0
-    graph = local_graph(spec.pattern, q, k, is_index_global_attn, is_index_masked)
+    graph = _cached_local_graph(state, layer, spec, q, k, is_index_global_attn, is_index_masked)
     extra = {}
     if spec.wants_context:
         extra["context"] = LayerContext(layer, module, hidden_states, module.value)
