@@ -19,18 +19,18 @@ from .state import LayerSpec, State
 __all__ = ["account", "nonzero_weights"]
 
 
-def _real_key_counts(graph: AttentionGraph, kpm: Tensor | None, bsz: int) -> Tensor:
+def _real_key_counts(graph: AttentionGraph, key_valid: Tensor | None, bsz: int) -> Tensor:
     """(batch, graph heads, n_q) float64: how many real keys each query may attend to."""
     shape = graph.batch_shape
     if len(shape) > 2:
         raise ValueError(f"graph batch_shape {shape} has more than (batch, heads) dims")
     g_b, g_h = (1,) * (2 - len(shape)) + shape
     n_q = graph.n_q
-    if kpm is None:
+    if key_valid is None:
         counts = graph.degrees.double().reshape(g_b, g_h, n_q)
     else:
         rows = graph.row_indices()
-        weight = kpm.cpu().double()
+        weight = key_valid.cpu().double()
         if g_b == 1:
             counts = torch.zeros(bsz, graph.num_rows, dtype=torch.float64)
             counts.index_add_(1, rows, weight[:, graph.col])
@@ -71,20 +71,22 @@ def account(
     edges counted."""
     bsz, heads, n_q = q.shape[:3]
     n_k = k.shape[-2]
-    if view.kpm is None and view.structure is None:  # every token real: closed forms
+    if view.key_valid is None and view.structure is None:  # every token real: closed forms
         per_item = n_q * (n_k - n_q) + n_q * (n_q + 1) // 2 if view.causal else n_q * n_k
         pairs = float(per_item * bsz * heads)
         edges = pairs if graph is None else _edges_without_padding(graph, bsz, heads)
         state.edges[layer] = state.edges.get(layer, 0.0) + edges
         state.pairs[layer] = state.pairs.get(layer, 0.0) + pairs
         return edges
-    real = torch.ones(bsz, n_k, dtype=torch.bool) if view.kpm is None else view.kpm.cpu()
+    real = (
+        torch.ones(bsz, n_k, dtype=torch.bool) if view.key_valid is None else view.key_valid.cpu()
+    )
     real_q = real[:, n_k - n_q :]
     pairs = float((_possible_keys(view, real, n_q) * real_q).sum()) * heads
     if graph is None:  # exact attention
         edges = pairs
     else:
-        counts = _real_key_counts(graph, view.kpm, bsz)
+        counts = _real_key_counts(graph, view.key_valid, bsz)
         starved = (counts == 0) & real_q[:, None, :]
         if starved.any():
             b, h, i = (int(x) for x in starved.nonzero()[0])
@@ -134,11 +136,11 @@ def nonzero_weights(
             prob_map=support(spec.prob_map),
             engine=spec.engine,
             scale=scale,
-            key_padding_mask=None if view.kpm is None else ~view.kpm,
+            key_padding_mask=None if view.key_valid is None else ~view.key_valid,
             enable_gqa=enable_gqa,
             score_mod=score_mod,
         )
     counts = counts.reshape(counts.shape[0], -1, n_q)
-    if view.kpm is not None:
-        counts = counts * view.kpm[:, None, view.kpm.shape[-1] - n_q :].to(counts.dtype)
+    if view.key_valid is not None:
+        counts = counts * view.key_valid[:, None, view.key_valid.shape[-1] - n_q :].to(counts.dtype)
     return float(counts.double().sum())

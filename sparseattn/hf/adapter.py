@@ -101,8 +101,8 @@ def _layer_graph(spec: LayerSpec, q: Tensor, k: Tensor, view: MaskView) -> Atten
     pattern = spec.causal_pattern if view.causal else spec.pattern
     if view.pads is not None and isinstance(pattern, Pattern):
         graph = _shifted_graph(pattern, q, k, view.pads)
-    elif getattr(pattern, "uses_key_padding", False) and view.kpm is not None:
-        graph = resolve_graph(pattern.build(q, k, key_padding_mask=~view.kpm), q, k)
+    elif getattr(pattern, "uses_key_padding", False) and view.key_valid is not None:
+        graph = resolve_graph(pattern.build(q, k, key_padding_mask=~view.key_valid), q, k)
     else:
         graph = resolve_graph(pattern, q, k)
     if view.structure is not None:
@@ -129,7 +129,7 @@ def _record(
     graph: AttentionGraph,
     q: Tensor,
     k: Tensor,
-    kpm: Tensor | None,
+    key_valid: Tensor | None,
     spec: LayerSpec,
     scale: float,
     score_mod: Callable | None = None,
@@ -137,16 +137,16 @@ def _record(
     n_k = k.shape[-2]
     allowed = graph.to_dense().to(q.device)
     allowed = allowed.reshape(*((1,) * (4 - allowed.dim())), *allowed.shape)
-    if kpm is None:
-        kpm = torch.ones(q.shape[0], n_k, dtype=torch.bool, device=q.device)
-    allowed = allowed & kpm[:, None, None, :]
+    if key_valid is None:
+        key_valid = torch.ones(q.shape[0], n_k, dtype=torch.bool, device=q.device)
+    allowed = allowed & key_valid[:, None, None, :]
     with torch.no_grad():
         scores = (q @ k.transpose(-1, -2)) * scale
         if score_mod is not None:
             rows = torch.arange(q.shape[-2], device=q.device)
             scores = score_mod(scores, *grid_indices(*q.shape[:2], rows, n_k, q.device))
         probs = spec.prob_map(scores, allowed)
-    record = AttentionRecord(layer, q.detach(), k.detach(), scores, probs, allowed, ~kpm)
+    record = AttentionRecord(layer, q.detach(), k.detach(), scores, probs, allowed, ~key_valid)
     if capture.callback is None:
         capture.records.append(record)
     else:
@@ -311,7 +311,7 @@ def attention_forward(
         prob_map=spec.prob_map,
         engine=spec.engine,
         scale=scale,
-        key_padding_mask=None if view.kpm is None else ~view.kpm,
+        key_padding_mask=None if view.key_valid is None else ~view.key_valid,
         dropout_p=dropout,
         **extra,
     )
@@ -323,5 +323,5 @@ def attention_forward(
         )
     state.nonzero[layer] = state.nonzero.get(layer, 0.0) + edges
     if capturing:
-        _record(capture, layer, graph, query, key, view.kpm, spec, scale, score_mod)
+        _record(capture, layer, graph, query, key, view.key_valid, spec, scale, score_mod)
     return out.transpose(1, 2).contiguous(), None

@@ -17,14 +17,14 @@ __all__ = ["MaskView", "mask_view"]
 class MaskView:
     """What a layer call's HF mask says, split into the parts sparseattn applies.
 
-    kpm: (batch, n_k) bool, True for real keys, or None (no padding);
+    key_valid: (batch, n_k) bool, True for real keys, or None (no padding);
     causal: the layer is causal (queries at n_k − n_q … n_k − 1 see keys j ≤ their position);
     structure: (batch, 1, n_q, n_k) bool or None — the model's own mask beyond causality and
-        padding (e.g. ModernBERT's local layers), padding keys re-allowed (kpm masks them);
+        padding (e.g. ModernBERT's local layers), padding keys re-allowed (key_valid masks them);
     pads: (batch,) long or None — left padding of a causal layer (patterns start after it).
     """
 
-    kpm: Tensor | None
+    key_valid: Tensor | None
     causal: bool
     structure: Tensor | None
     pads: Tensor | None
@@ -75,18 +75,18 @@ def mask_view(
     if mask.dim() != 4 or mask.shape[1] != 1:
         raise ValueError(f"expected a (batch, 1, n_q, n_k) attention mask, got {tuple(mask.shape)}")
     mask = mask.expand(bsz, 1, n_q, n_k)[:, 0]
-    kpm = mask.any(-2)  # a real key is seen by some query (its own, in a causal layer)
-    expected = kpm[:, None, :].expand_as(mask)
+    key_valid = mask.any(-2)  # a real key is seen by some query (its own, in a causal layer)
+    expected = key_valid[:, None, :].expand_as(mask)
     if causal:
         expected = expected & _lower_right_tril(n_q, n_k, mask.device)
-        if n_q < n_k and not bool(kpm[:, -1].all()):
+        if n_q < n_k and not bool(key_valid[:, -1].all()):
             raise ValueError(
                 "the newest key is masked for a query at an offset: a static cache (keys past "
                 "the current position unfilled); sparsify supports dynamic caches"
             )
-    structure = None if torch.equal(mask, expected) else (mask | ~kpm[:, None, :])[:, None]
+    structure = None if torch.equal(mask, expected) else (mask | ~key_valid[:, None, :])[:, None]
     pads = None
     if causal:
-        pads = (kpm.cumsum(-1) == 0).sum(-1).cpu()
+        pads = (key_valid.cumsum(-1) == 0).sum(-1).cpu()
         pads = pads if bool(pads.any()) else None
-    return MaskView(None if bool(kpm.all()) else kpm, causal, structure, pads)
+    return MaskView(None if bool(key_valid.all()) else key_valid, causal, structure, pads)
