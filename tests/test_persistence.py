@@ -35,9 +35,12 @@ MAPS = {
 
 
 def _fresh(code: str, timeout: float = 300) -> dict:
-    """Run ``code`` in a new Python process; it prints one JSON line, returned."""
+    """Run ``code`` in a new Python process with this one's torch thread count (another count
+    reduces in another order: equal outputs are then close, not equal; a test earlier in the
+    run may have set one thread); it prints one JSON line, returned."""
+    threads = f"import torch\ntorch.set_num_threads({torch.get_num_threads()})\n"
     run = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, "-c", threads + textwrap.dedent(code)],
         capture_output=True,
         text=True,
         timeout=timeout,
