@@ -7,7 +7,6 @@ laid over the real tokens, grouped-query k and v handed over unrepeated where th
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -23,7 +22,7 @@ from ..score_mods import bias, chain, softcap
 from .accounting import account, nonzero_weights
 from .mask import MaskView, mask_view
 from .persist import CONFIG_KEY, NotConfiguredError
-from .state import AttentionRecord, Capture, LayerContext, LayerSpec
+from .state import AttentionRecord, Capture, LayerContext, LayerSpec, declares
 
 __all__ = ["attention_forward"]
 
@@ -174,12 +173,7 @@ def model_score_mod(kwargs: dict) -> Callable | None:
 
 
 def _takes_score_mod(method: Callable) -> bool:
-    if method is sparse_attention:
-        return True
-    try:
-        return "score_mod" in inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
+    return method is sparse_attention or declares(method, "score_mod")
 
 
 def eager_attention(

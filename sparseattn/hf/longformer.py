@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -59,7 +58,7 @@ from ..graph import AttentionGraph, broadcast_or_none
 from ..maps import ProbabilityMap, resolve_prob_map
 from ..patterns import HeadSplit, Pattern, PatternCycle, as_cycle, dense, window
 from ..validate import check_choice, check_model
-from .state import LayerContext, LayerSpec, Method, check_layers
+from .state import LayerContext, LayerSpec, Method, check_layers, declares
 
 __all__ = [
     "attention_modules",
@@ -177,13 +176,6 @@ def _resolve_method(method: Method | str | None, options: dict) -> Method:
     return method
 
 
-def _wants_context(method: Method) -> bool:
-    try:
-        return "context" in inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def sparsify(
     model: nn.Module,
     pattern: Pattern | PatternCycle | Sequence[Pattern] | AttentionGraph | None = None,
@@ -226,7 +218,7 @@ def sparsify(
     check_choice("engine", engine, ["auto", *ENGINES])
     chosen = check_layers(layers, num_layers)
     chosen_layers = range(num_layers) if chosen is None else chosen
-    wants_context = _wants_context(method)
+    wants_context = declares(method, "context")
     specs = {}
     for layer in chosen_layers:
         layer_pattern = per_layer(layer)

@@ -28,6 +28,7 @@ from .state import (
     Method,
     State,
     check_layers,
+    declares,
     model_state,
 )
 
@@ -111,18 +112,6 @@ def _value_projection(module: nn.Module) -> nn.Linear | None:
 def _stash_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook: keep the layer input for a method hook that asks for a LayerContext."""
     module.__dict__["_sparseattn_input"] = args[0] if args else kwargs.get("hidden_states")
-
-
-def _declares(method: Method, parameter: str) -> bool:
-    """Whether ``method``'s signature names ``parameter``."""
-    try:
-        return parameter in inspect.signature(method).parameters
-    except (TypeError, ValueError):  # builtins without a signature
-        return False
-
-
-def _wants_context(method: Method) -> bool:
-    return _declares(method, "context")
 
 
 def register() -> None:
@@ -211,8 +200,8 @@ def sparsify(
     chosen = check_layers(layers, num_layers)
     chosen_layers = range(num_layers) if chosen is None else chosen
     heads = model.config.get_text_config().num_attention_heads
-    wants_context = _wants_context(method)
-    takes_gqa = method is sparse_attention or _declares(method, "enable_gqa")
+    wants_context = declares(method, "context")
+    takes_gqa = method is sparse_attention or declares(method, "enable_gqa")
     specs = {}
     for layer in chosen_layers:
         layer_pattern = per_layer(layer)

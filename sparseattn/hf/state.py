@@ -7,6 +7,7 @@ point shares. Imports nothing else of :mod:`sparseattn.hf`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterable
 
 from torch import Tensor, nn
@@ -26,6 +27,7 @@ __all__ = [
     "Method",
     "State",
     "check_layers",
+    "declares",
     "model_state",
 ]
 
@@ -129,6 +131,15 @@ class State:
     pairs: dict[int, float] = dataclasses.field(default_factory=dict)
     nonzero: dict[int, float] = dataclasses.field(default_factory=dict)
     capture: Capture | None = None
+
+
+def declares(method: Method, parameter: str) -> bool:
+    """Whether a method hook's signature names ``parameter`` (``context``, ``enable_gqa``,
+    ``score_mod``): what it asks for beyond :func:`sparseattn.sparse_attention`'s arguments."""
+    try:
+        return parameter in inspect.signature(method).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
 
 
 def check_layers(layers: object, num_layers: int | None = None) -> list[int] | None:
