@@ -24,9 +24,14 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from .memo import Memo
 from .validate import check_int, check_positive
 
-__all__ = ["PIECE_EDGES", "AttentionGraph"]
+__all__ = ["PIECE_EDGES", "PLANS_PER_GRAPH", "AttentionGraph"]
+
+#: Entries a graph's memo keeps: the engines' plans, block masks and device copies of one
+#: graph (a few per engine, block size and device), least recently used first out.
+PLANS_PER_GRAPH = 64
 
 T = TypeVar("T")
 
@@ -110,12 +115,13 @@ class AttentionGraph:
         #: ``mask_mod`` on ``device`` (or None), set by the static pattern that built it
         #: (:meth:`Pattern.mask_mod`); None for graphs made any other way.
         self.predicate: Callable[[torch.device], Callable | None] | None = None
-        self._cache: dict[Hashable, object] = {}
+        #: what the engines derive from this graph (:meth:`cached`)
+        self.memo = Memo(PLANS_PER_GRAPH)
 
     def __getstate__(self) -> dict:
-        """What pickle and ``copy.deepcopy`` keep: the edges, not the engines' cached plans nor
-        the predicate (a pattern's; a pickled graph is a plain edge set)."""
-        return {**self.__dict__, "_cache": {}, "predicate": None}
+        """What pickle and ``copy.deepcopy`` keep: the edges, not the engines' cached plans
+        (an empty memo) nor the predicate (a pattern's; a pickled graph is a plain edge set)."""
+        return {**self.__dict__, "predicate": None}
 
     # ------------------------------------------------------------------ cache and device
     @property
@@ -131,19 +137,14 @@ class AttentionGraph:
         call at a seen length reuses all of it. Keys are tuples whose first item names the
         owner, e.g. ``("block_plan", 64)``; anything device-specific has the device in its key.
         """
-        cache = self._cache
-        if key not in cache:
-            cache[key] = make()
-        return cache[key]
+        return self.memo.get(key, make)
 
     def uncache(self, owner: str | None = None) -> None:
         """Drop the cached entries of ``owner`` (the first item of their keys), or all; the
         benchmarks time planning from a cold graph this way."""
-        if owner is None:
-            self._cache.clear()
-            return
-        for key in [k for k in self._cache if (k[0] if isinstance(k, tuple) else k) == owner]:
-            del self._cache[key]
+        self.memo.discard(
+            None if owner is None else lambda k: (k[0] if isinstance(k, tuple) else k) != owner
+        )
 
     def to(self, device: torch.device | str) -> AttentionGraph:
         """This graph with ``crow`` and ``col`` on ``device``: ``self`` when they are there,
@@ -252,6 +253,13 @@ class AttentionGraph:
             valid = torch.ones_like(index, dtype=torch.bool)
         elif not isinstance(valid, Tensor) or valid.dtype != torch.bool:
             raise TypeError("valid must be a bool tensor broadcastable to index, or None")
+        elif broadcast_or_none(tuple(index.shape), tuple(valid.shape)) is None:
+            raise ValueError(
+                f"valid of shape {tuple(valid.shape)} does not broadcast to index's "
+                f"{tuple(index.shape)} (..., n_q, K)"
+            )
+        elif valid.device != index.device:
+            raise ValueError(f"valid is on {valid.device}, index on {index.device}")
         index, valid = torch.broadcast_tensors(index, valid)
         *batch_shape, n_q, k = index.shape
         if k < 2 or bool((index[..., 1:] > index[..., :-1]).all()):

@@ -224,8 +224,7 @@ def test_offset_graph_does_not_build_the_full_graph():
         graph = pattern.graph(n, 1)
         row = pattern.allows(n - 1, torch.arange(n), n)
         assert graph.n_q == 1 and torch.equal(graph.to(row.device).col, row.nonzero().squeeze(1))
-        cache = pattern.__dict__.get("_cache", {})
-        assert n not in cache and list(cache) == [(n, 1)]
+        assert pattern.memo("graphs").keys() == [(n, 1)]
 
 
 def test_offset_needs_a_causal_pattern():

@@ -17,7 +17,7 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask, fl
 
 import sparseattn as sa
 from sparseattn.patterns import NAMED
-from sparseattn.patterns.fixed import DRAWS_PER_PATTERN
+from sparseattn.patterns.base import MEMO_SIZES
 
 N = 200
 STATIC = {name: (f, kw) for name, (f, kw) in NAMED.items() if name != "topk"}
@@ -94,11 +94,12 @@ def test_random_allows_is_deterministic_and_its_cache_bounded(name):
     torch.manual_seed(123)  # the global RNG plays no part
     assert torch.equal(pattern.allows(i[:, None], i[None, :], N), first)
     assert torch.equal(first, fresh(name).graph(N).to(i.device).to_dense())
-    for n in range(1, 3 * DRAWS_PER_PATTERN):
+    draws = MEMO_SIZES["draws"]
+    for n in range(1, 3 * draws):
         pattern.allows(i[:, None], i[None, :], n)
     parts = getattr(pattern, "parts", (pattern,))  # bigbird is a union
     for part in parts:
-        assert len(part.__dict__.get("_drawn", {})) <= DRAWS_PER_PATTERN
+        assert len(part.memo("draws")) <= draws
 
 
 @pytest.mark.slow

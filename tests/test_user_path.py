@@ -49,10 +49,10 @@ def test_same_pattern_object_same_graph_and_plan(name):
     g1, g2 = pattern.build(q, k), pattern.build(q, k)
     assert g1 is g2 and g1 is pattern.graph(40)
     out1 = sa.sparse_attention(q, k, v, pattern, engine="block")
-    plans = dict(g1._cache)  # block choice, pairs, plans (and device copies) of this graph
+    plans = {key: g1.memo.peek(key) for key in g1.memo}  # block choice, pairs, plans, copies
     out2 = sa.sparse_attention(q, k, v, pattern, engine="block")
-    assert g1._cache.keys() == plans.keys()
-    assert all(g1._cache[key] is plan for key, plan in plans.items())
+    assert set(g1.memo) == plans.keys()
+    assert all(g1.memo.peek(key) is plan for key, plan in plans.items())
     assert torch.equal(out1, out2)  # first call (builds) and cached call agree exactly
 
 
@@ -74,7 +74,7 @@ def test_graph_cache_is_bounded_lru():
     assert pattern.graph(16) is first  # still held (and now most recently used)
     for n in range(100, 100 + GRAPH_CACHE_SIZE):
         pattern.graph(n)
-    assert len(pattern.__dict__["_cache"]) == GRAPH_CACHE_SIZE
+    assert len(pattern.memo("graphs")) == GRAPH_CACHE_SIZE
     assert pattern.graph(16) is not first  # evicted, rebuilt equal
     assert pattern.graph(16) == first
 

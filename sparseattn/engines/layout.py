@@ -15,13 +15,15 @@ The plan (block pairs, groups, element masks of partial blocks) is built once pe
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from ..graph import PIECE_EDGES, AttentionGraph
+from ..graph import PIECE_EDGES, PLANS_PER_GRAPH, AttentionGraph
+from ..memo import Memo
 
 __all__ = [
     "BLOCK_MIN_FILL",
@@ -205,6 +207,8 @@ class BlockPlan:
     pairs: int
     partial: int
     edges: int
+    #: its chunk lists (per lead, budget and path) and device copies
+    memo: Memo = field(default_factory=lambda: Memo(PLANS_PER_GRAPH), repr=False, compare=False)
 
     @property
     def fill(self) -> float:
@@ -220,57 +224,59 @@ class BlockPlan:
         blocks that extend a run on either side with the same element mask in every row block
         of the run (the edges of a band) join it, masked by an additive bias (:func:`_band`).
         """
-        cache = self.__dict__.setdefault("_chunks", {})
-        if (lead, budget, split) not in cache:
-            out, b = [], self.block
-            for grp in self.groups:
-                main, others = _longest_run(grp.full) if split else (grp.full, None)
-                for lo, hi, run in _segments(main, grp.keep if split else None):
-                    full, part = main[lo:hi], grp.part[lo:hi]
-                    keep = None if grp.keep is None else grp.keep[lo:hi]
-                    extra = None if others is None else others[lo:hi]
-                    bias = None
-                    if run is None and extra is not None:  # no run: all full blocks gathered
-                        full, extra = torch.cat([full, extra], 1), None
-                    if split and run is not None and keep is not None:
-                        full, part, keep, bias, run = _band(full, part, keep, run, b)
-                    cf, cp = full.shape[1], part.shape[1]
-                    ce = 0 if extra is None else extra.shape[1]
-                    if not split:
-                        weight = cf + cp
-                    else:  # a run is a view, gathered full blocks count a quarter (streamed)
-                        weight = cp + 1 + (ce + 3) // 4 if run is not None else cp + (cf + 3) // 4
-                    step = max(1, budget // (lead * b * b * weight))
-                    for s in range(0, hi - lo, step):
-                        e = min(s + step, hi - lo)
-                        at = None if run is None else (run[0] + s * run[1], run[1])
-                        pt = part[s:e]
-                        shared = split and e - s > 1 and bool((pt == pt[:1]).all())
-                        rows = grp.rows[lo + s : lo + e]
-                        first = int(rows[0]) if int(rows[-1] - rows[0]) == e - s - 1 else None
-                        out.append(
-                            BlockChunk(
-                                rows,
-                                full[s:e],
-                                pt,
-                                None if keep is None else keep[s:e],
-                                at,
-                                bias,
-                                shared,
-                                None if not ce else extra[s:e],
-                                first,
-                            )
+        return self.memo.get(
+            ("chunks", lead, budget, split), lambda: self._chunks(lead, budget, split)
+        )
+
+    def _chunks(self, lead: int, budget: int, split: bool) -> list[BlockChunk]:
+        out, b = [], self.block
+        for grp in self.groups:
+            main, others = _longest_run(grp.full) if split else (grp.full, None)
+            for lo, hi, run in _segments(main, grp.keep if split else None):
+                full, part = main[lo:hi], grp.part[lo:hi]
+                keep = None if grp.keep is None else grp.keep[lo:hi]
+                extra = None if others is None else others[lo:hi]
+                bias = None
+                if run is None and extra is not None:  # no run: all full blocks gathered
+                    full, extra = torch.cat([full, extra], 1), None
+                if split and run is not None and keep is not None:
+                    full, part, keep, bias, run = _band(full, part, keep, run, b)
+                cf, cp = full.shape[1], part.shape[1]
+                ce = 0 if extra is None else extra.shape[1]
+                if not split:
+                    weight = cf + cp
+                else:  # a run is a view, gathered full blocks count a quarter (streamed)
+                    weight = cp + 1 + (ce + 3) // 4 if run is not None else cp + (cf + 3) // 4
+                step = max(1, budget // (lead * b * b * weight))
+                for s in range(0, hi - lo, step):
+                    e = min(s + step, hi - lo)
+                    at = None if run is None else (run[0] + s * run[1], run[1])
+                    pt = part[s:e]
+                    shared = split and e - s > 1 and bool((pt == pt[:1]).all())
+                    rows = grp.rows[lo + s : lo + e]
+                    first = int(rows[0]) if int(rows[-1] - rows[0]) == e - s - 1 else None
+                    out.append(
+                        BlockChunk(
+                            rows,
+                            full[s:e],
+                            pt,
+                            None if keep is None else keep[s:e],
+                            at,
+                            bias,
+                            shared,
+                            None if not ce else extra[s:e],
+                            first,
                         )
-            cache[(lead, budget, split)] = out
-        return cache[(lead, budget, split)]
+                    )
+        return out
 
     def to(self, device: torch.device) -> BlockPlan:
         """The plan with its index tensors on ``device`` (copied once, cached on this plan,
         so that its chunks are cut once per device too)."""
         if not self.groups or self.groups[0].rows.device == device:
             return self
-        cache = self.__dict__.setdefault("_on", {})
-        if device not in cache:
+
+        def make() -> BlockPlan:
             groups = [
                 BlockGroup(
                     g.rows.to(device),
@@ -280,17 +286,9 @@ class BlockPlan:
                 )
                 for g in self.groups
             ]
-            cache[device] = BlockPlan(
-                self.block,
-                self.graphs,
-                self.nbq,
-                self.nbk,
-                groups,
-                self.pairs,
-                self.partial,
-                self.edges,
-            )
-        return cache[device]
+            return dataclasses.replace(self, groups=groups, memo=Memo(PLANS_PER_GRAPH))
+
+        return self.memo.get(("to", device), make)
 
 
 @dataclass

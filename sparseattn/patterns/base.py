@@ -5,7 +5,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import ClassVar
 
@@ -13,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..graph import AttentionGraph
+from ..memo import Memo
 from ..validate import check_positive
 
 __all__ = ["GRAPH_CACHE_SIZE", "Pattern", "Causal", "check_positive"]
@@ -22,9 +22,14 @@ __all__ = ["GRAPH_CACHE_SIZE", "Pattern", "Causal", "check_positive"]
 #: varying lengths holds at most this many graphs and plans per pattern object.
 GRAPH_CACHE_SIZE = 8
 
-#: The attributes in which a pattern keeps what it derives (graphs, device copies, drawn
-#: tables): memos, left out of its pickles and copies and made again on first use.
-MEMOS = frozenset({"_cache", "_tensors", "_tables", "_drawn"})
+#: What a pattern derives, each kept in a :class:`~sparseattn.memo.Memo` of its own with this
+#: bound: its graphs; the random tables it draws (one per length); the tensors its predicate
+#: reads, on the host and each device it ran on.
+MEMO_SIZES = {
+    "graphs": GRAPH_CACHE_SIZE,
+    "draws": GRAPH_CACHE_SIZE,
+    "tensors": 4 * GRAPH_CACHE_SIZE,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +49,20 @@ class Pattern(abc.ABC):
 
     def __getstate__(self) -> dict:
         """What pickle and ``copy.deepcopy`` keep: the pattern's fields, not its memos."""
-        return {k: v for k, v in self.__dict__.items() if k not in MEMOS}
+        return {k: v for k, v in self.__dict__.items() if k != "_memos"}
+
+    def memo(self, kind: str) -> Memo:
+        """This pattern's memo of ``kind`` (a key of :data:`MEMO_SIZES`), made on first use.
+
+        A frozen dataclass keeps its memos beside its fields, out of its equality, hash,
+        pickles and copies."""
+        memos = self.__dict__.get("_memos")
+        if memos is None:
+            memos = self.__dict__.setdefault("_memos", {})
+        memo = memos.get(kind)
+        if memo is None:
+            memo = memos.setdefault(kind, Memo(MEMO_SIZES[kind]))
+        return memo
 
     @property
     def name(self) -> str:
@@ -111,38 +129,39 @@ class Pattern(abc.ABC):
         return AttentionGraph(crow - crow[0], col, n - start, n, (), full.causal)
 
     def _cached(self, key: Hashable, make: Callable[..., AttentionGraph]) -> AttentionGraph:
-        """``make(*key)`` (or ``make(key)``), kept in this object's bounded LRU graph cache."""
-        cache = self.__dict__.setdefault("_cache", OrderedDict())
-        if key in cache:
-            cache.move_to_end(key)
-            return cache[key]
-        graph = make(*key) if isinstance(key, tuple) else make(key)
-        cache[key] = graph
-        while len(cache) > GRAPH_CACHE_SIZE:
-            cache.popitem(last=False)
-        return graph
+        """``make(*key)`` (or ``make(key)``), kept in this pattern's graph memo."""
+        return self.memo("graphs").get(
+            key, lambda: make(*key) if isinstance(key, tuple) else make(key)
+        )
+
+    def _draw(self, n: int, draw: Callable[[int], Tensor]) -> Tensor:
+        """``draw(n)``, a random table, made once per n and kept in this pattern's memo.
+
+        ``allows`` indexes the table and never draws, so it is a pure predicate that
+        FlexAttention can vmap and compile. The draw runs with functorch transforms and
+        torch-function modes off, so a first call from inside ``create_block_mask`` (a vmap
+        under an indexing mode) draws the same seeded table as a call outside."""
+
+        def make() -> Tensor:
+            with torch._C._DisableFuncTorch(), torch._C.DisableTorchFunction():
+                return draw(n)
+
+        return self.memo("draws").get(n, make)
 
     def _on(self, key: Hashable, device: torch.device, make: Callable[[], Tensor]) -> Tensor:
         """A tensor this pattern's predicate holds (global positions, a drawn table): ``make()``
-        on the host, and its copy on ``device`` made once and cached on the pattern (the last
-        ``4 · GRAPH_CACHE_SIZE`` (key, device) pairs made), so that :meth:`allows` on device
-        indices (a ``mask_mod``) runs on their device and copies nothing after its first call.
-        A hit only reads (no reordering): compiled FlexAttention traces the ``mask_mod`` and
-        refuses mutations of outside state.
+        on the host, and its copy on ``device`` made once and kept in this pattern's memo, so
+        that :meth:`allows` on device indices (a ``mask_mod``) runs on their device and copies
+        nothing after its first call. A hit only peeks (no lock, no reordering): compiled
+        FlexAttention traces the ``mask_mod`` and refuses mutations of outside state.
         """
-        cache = self.__dict__.get("_tensors")
-        if cache is None:
-            cache = self.__dict__.setdefault("_tensors", OrderedDict())
+        memo = self.memo("tensors")
         device = torch.device(device)
-        tensor = cache.get((key, device))
+        tensor = memo.peek((key, device))
         if tensor is None:
             cpu = torch.device("cpu")
-            host = cache.get((key, cpu))
-            if host is None:
-                host = cache[(key, cpu)] = make().to(cpu)
-            tensor = cache[(key, device)] = host.to(device)
-            while len(cache) > 4 * GRAPH_CACHE_SIZE:
-                cache.popitem(last=False)
+            host = memo.get((key, cpu), lambda: make().to(cpu))
+            tensor = memo.get((key, device), lambda: host.to(device))
         return tensor
 
     def allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:

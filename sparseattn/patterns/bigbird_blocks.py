@@ -48,7 +48,6 @@ from torch import Tensor
 from ..graph import AttentionGraph
 from ..validate import check_bool, check_int
 from .base import Pattern, check_positive
-from .fixed import _drawn
 
 __all__ = [
     "HF_LEGACY_LENGTHS",
@@ -393,7 +392,7 @@ class BigBirdBlocks(Pattern):
                 self.seed, training=self.training, max_seqlen=self.max_seqlen,
             )  # fmt: skip
 
-        return _drawn(self, n, draw)
+        return self._draw(n, draw)
 
     def block_graph(self, n: int) -> AttentionGraph:
         """The block layout as a graph over nb = n/b blocks (``batch_shape`` as the token

@@ -19,7 +19,6 @@ offset, ``graph(n_k, n_q)``) in O(rows · K) without the full graph. Indices are
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -27,7 +26,7 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..validate import check_int, check_seed
-from .base import GRAPH_CACHE_SIZE, Pattern, _member, check_positive
+from .base import Pattern, _member, check_positive
 
 __all__ = [
     "CausalWindow",
@@ -287,13 +286,7 @@ class CausalRandomBlocks(_CausalPattern):
         """``block_choice`` of every query block at length n, drawn once per n and cached
         (bounded). Drawn with functorch transforms and torch-function modes off, so that
         :meth:`allows` is a pure table lookup FlexAttention's ``create_block_mask`` can vmap."""
-        cache = self.__dict__.setdefault("_tables", OrderedDict())
-        if n not in cache:
-            with torch._C._DisableFuncTorch(), torch._C.DisableTorchFunction():
-                cache[n] = self.block_choice(0, (n - 1) // self.block)
-            while len(cache) > GRAPH_CACHE_SIZE:
-                cache.popitem(last=False)
-        return cache[n]
+        return self._draw(n, lambda n: self.block_choice(0, (n - 1) // self.block))
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
         table = self._on(("block_table", n), q_idx.device, lambda: self.block_table(n))

@@ -285,27 +285,6 @@ def _random_subsets(rows: int, n: int, k: int, gen: torch.Generator) -> Tensor:
     return out
 
 
-#: Lengths n whose random draw a random pattern keeps (the oldest is dropped first).
-DRAWS_PER_PATTERN = 8
-
-
-def _drawn(pattern: Pattern, n: int, draw) -> Tensor:
-    """``draw(n)`` computed once per (pattern, n) and cached on the pattern (bounded).
-
-    ``allows`` indexes this table and never draws, so it is a pure predicate that FlexAttention
-    can vmap and compile. The draw runs with functorch transforms and torch-function modes
-    switched off, so a first call from inside ``create_block_mask`` (a vmap under an indexing
-    mode) still draws the same seeded table as a call outside.
-    """
-    cache = pattern.__dict__.setdefault("_drawn", {})
-    if n not in cache:
-        if len(cache) >= DRAWS_PER_PATTERN:
-            del cache[next(iter(cache))]
-        with torch._C._DisableFuncTorch(), torch._C.DisableTorchFunction():
-            cache[n] = draw(n)
-    return cache[n]
-
-
 @dataclasses.dataclass(frozen=True, repr=False)
 class Random(Pattern):
     """RANDOM (Yun §5): each query attends to ``k`` keys drawn uniformly without replacement
@@ -336,7 +315,7 @@ class Random(Pattern):
             table = _random_subsets(n, n, self.keys_per_query(n), gen).sort(-1).values
             return (torch.arange(n)[:, None] * n + table).reshape(-1)
 
-        return _drawn(self, n, draw)
+        return self._draw(n, draw)
 
     def _graph(self, n: int) -> AttentionGraph:
         return AttentionGraph.from_neighbours((self.edge_keys(n) % n).view(n, -1), None, n)
@@ -371,7 +350,7 @@ class RandomBlocks(Pattern):
             gen = torch.Generator().manual_seed(self.seed)
             return _random_subsets(nb, nb, min(self.random_blocks, nb), gen)
 
-        return _drawn(self, n, draw)
+        return self._draw(n, draw)
 
     def _graph(self, n: int) -> AttentionGraph:
         table = self.block_table(n)  # (nb, r)
