@@ -134,3 +134,77 @@ def test_a_newer_format_and_an_unsaved_layer_are_named(tmp_path):
     )
     with pytest.raises(ValueError, match="layer 0's sparse configuration was not saved"):
         hf.from_pretrained(tmp_path / "mca")
+
+
+def test_longformer_and_led_round_trip_in_a_fresh_process(tmp_path):
+    """Longformer-style models (their own attention classes, not AttentionInterface): the
+    configuration is saved and loaded the same way, entmax with a per-layer window and global
+    tokens; the plain path raises at the layer instead of running transformers' attention."""
+    import transformers
+
+    ids = IDS[:, :18]
+    glob = torch.zeros_like(ids)
+    glob[0, 0], glob[1, [0, 5]] = 1, 1
+    mask = MASK[:, :18]
+    small = dict(vocab_size=99, num_attention_heads=4, attention_window=[4, 8])
+    longformer = transformers.LongformerForMaskedLM(
+        transformers.LongformerConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            intermediate_size=37,
+            max_position_embeddings=80,
+            **small,
+        )
+    ).eval()
+    led = transformers.LEDModel(
+        transformers.LEDConfig(
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=1,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=37,
+            decoder_ffn_dim=37,
+            max_encoder_position_embeddings=64,
+            max_decoder_position_embeddings=64,
+            **small,
+        )
+    ).eval()
+    hf.sparsify(longformer, prob_map="entmax15")  # its own windows, entmax
+    hf.sparsify(led, sa.window(2), layers=[1])
+    inputs = dict(input_ids=ids, attention_mask=mask, global_attention_mask=glob)
+    _save(longformer, tmp_path / "longformer", **inputs)
+    _save(led, tmp_path / "led", **inputs, decoder_input_ids=ids[:, :5])
+    got = _fresh(
+        f"""
+        import json, torch, transformers
+        import sparseattn.hf as hf
+        d = {str(tmp_path)!r}
+        data = {[ids.tolist(), mask.tolist(), glob.tolist()]!r}
+        ids, mask, glob = (torch.tensor(x) for x in data)
+        inputs = dict(input_ids=ids, attention_mask=mask, global_attention_mask=glob)
+        out = {{}}
+        cases = (("longformer", transformers.AutoModelForMaskedLM, {{}}),
+                 ("led", transformers.AutoModel, {{"decoder_input_ids": ids[:, :5]}}))
+        for name, cls, extra in cases:
+            model = hf.from_pretrained(f"{{d}}/{{name}}", model_class=cls)
+            with torch.no_grad():
+                res = model(**inputs, **extra)
+            res = getattr(res, "logits", None) if name == "longformer" else res.last_hidden_state
+            out[name] = float((res - torch.load(f"{{d}}/{{name}}/ref.pt")).abs().max())
+            out[name + "_layers"] = sorted(hf.layer_specs(model))
+            plain = cls.from_pretrained(f"{{d}}/{{name}}")
+            try:
+                plain(**inputs, **extra)
+                out[name + "_plain"] = "ran"
+            except hf.NotConfiguredError as err:
+                out[name + "_plain"] = str(err)
+        print(json.dumps(out))
+        """
+    )
+    assert got["longformer"] == 0.0 and got["led"] == 0.0
+    assert got["longformer_layers"] == [0, 1] and got["led_layers"] == [1]
+    assert "layer 0" in got["longformer_plain"] and "hf.from_pretrained" in got["led_plain"]
+    assert "layer 1" in got["led_plain"]
+    hf.restore(led)
+    assert not hasattr(led.config, "sparseattn")

@@ -67,6 +67,7 @@ from ..kvcache import evictable_extent
 from ..minilm import encode, load_minilm, mean_pool
 from .cache import window_cache
 from .capture import attention_sparsity, capture_attention
+from .lengthen import lengthen
 from .load import from_pretrained
 from .persist import NotConfiguredError
 from .registry import layer_names, layer_specs, register, restore, sparsify
@@ -92,6 +93,7 @@ __all__ = [
     "from_pretrained",
     "layer_names",
     "layer_specs",
+    "lengthen",
     "load_minilm",
     "mean_pool",
     "register",

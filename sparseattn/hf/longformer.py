@@ -1,11 +1,17 @@
-"""Longformer (transformers' ``LongformerSelfAttention``) on sparseattn's engines.
+"""Longformer and LED (transformers' ``LongformerSelfAttention``, ``LEDEncoderSelfAttention``)
+on sparseattn's engines.
 
 Longformer's self-attention does not dispatch through ``transformers.AttentionInterface``: it
 computes its banded scores itself (``_sliding_chunks_query_key_matmul``) and has a second set of
-projections for its global tokens. :func:`sparsify` (``sparseattn.hf.sparsify`` sends any model
-holding ``LongformerSelfAttention`` modules here) replaces, per instance, the ``forward`` of
-each chosen layer's ``LongformerSelfAttention`` by :func:`longformer_forward`, which computes
-what transformers' code computes (transformers 5.24):
+projections for its global tokens. LED (Longformer encoder–decoder) runs the same attention in
+its encoder: ``LEDEncoderSelfAttention`` is a copy of ``LongformerSelfAttention`` (not a
+subclass) with the same attributes (``query``, ``key``, ``value``, their ``*_global`` twins,
+``num_heads``, ``head_dim``, ``dropout``, ``one_sided_attn_window_size``) and the same call
+(``LEDEncoderAttention`` passes it the padded ``hidden_states``, the extended mask and the
+derived masks as ``LongformerAttention`` does); LED's decoder attention is BART's and stays
+transformers' own. :func:`sparsify` (``sparseattn.hf.sparsify`` sends any model holding either
+module here) replaces, per instance, the ``forward`` of each chosen layer's module by
+:func:`longformer_forward`, which computes what transformers' code computes (transformers 5.24):
 
 * Local rows (real tokens without global attention), with the layer's ``query``, ``key`` and
   ``value``: query i attends to the keys of its window ∪ the item's global tokens, minus the
@@ -34,10 +40,15 @@ softmax in float32 whatever the model's dtype, sparseattn in the model's); dropo
 (``attention_probs_dropout_prob`` in training) is applied to the weights of both parts by the
 engines, with their own random draws.
 
+Saving: :func:`sparsify` writes the layers' configuration onto ``model.config`` as for other
+models (:mod:`sparseattn.hf.persist`), so ``save_pretrained`` keeps it and
+:func:`~sparseattn.hf.from_pretrained` loads it; :func:`install_guards` (run by
+``import sparseattn.hf``) makes a layer loaded without it raise instead of running
+transformers' attention in its place.
+
 Not yet: ``output_attentions=True`` (refused: transformers returns the banded weights in its own
-layout), persistence (``save_pretrained`` keeps no sparse configuration of a Longformer;
-:func:`~sparseattn.hf.from_pretrained` cannot load one), :func:`~sparseattn.hf.capture_attention`
-and :func:`~sparseattn.hf.attention_sparsity` (they see a Longformer as not sparsified).
+layout), :func:`~sparseattn.hf.capture_attention` and :func:`~sparseattn.hf.attention_sparsity`
+(they see a Longformer as not sparsified).
 :func:`restore` puts the original ``forward`` back: the model is the original one exactly.
 """
 
@@ -45,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -58,10 +70,12 @@ from ..graph import AttentionGraph, broadcast_or_none
 from ..maps import ProbabilityMap, resolve_prob_map
 from ..patterns import HeadSplit, Pattern, PatternCycle, as_cycle, dense, window
 from ..validate import check_choice, check_model
+from .persist import forget_config, guard, record_config
 from .state import LayerContext, LayerSpec, Method, check_layers, declares
 
 __all__ = [
     "attention_modules",
+    "install_guards",
     "is_longformer",
     "layer_names",
     "layer_specs",
@@ -82,6 +96,8 @@ class LongformerState:
     none, the class's ``forward`` ran)."""
 
     specs: dict[int, LayerSpec]
+    #: the model's attention implementation before :func:`sparsify` (what loading asks for)
+    original: str = "eager"
     originals: dict[int, Callable | None] = dataclasses.field(default_factory=dict)
     #: the last :data:`GRAPHS` local graphs, keyed by layer, length, device and the call's
     #: global and padding masks: a model called again with the same masks (a batch shape, the
@@ -116,37 +132,64 @@ def _cached_local_graph(
     return graph
 
 
-def _self_attention_class() -> type | None:
-    try:
-        from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
-    except ImportError:  # a transformers without Longformer
-        return None
-    return LongformerSelfAttention
+#: transformers' Longformer-style self-attention classes: (module, class name). LED's is a copy
+#: of Longformer's, attribute for attribute; :func:`longformer_forward` serves both.
+_CLASSES = (
+    ("transformers.models.longformer.modeling_longformer", "LongformerSelfAttention"),
+    ("transformers.models.led.modeling_led", "LEDEncoderSelfAttention"),
+)
+
+
+@functools.cache
+def _self_attention_classes() -> tuple[type, ...]:
+    """The classes of :data:`_CLASSES` that this transformers has."""
+    classes = []
+    for module_name, class_name in _CLASSES:
+        try:
+            classes.append(getattr(importlib.import_module(module_name), class_name))
+        except (ImportError, AttributeError):  # a transformers without that model
+            continue
+    return tuple(classes)
 
 
 def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    cls = _self_attention_class()
-    if cls is None:
+    classes = _self_attention_classes()
+    if not classes:
         return []
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, cls)]
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, classes)]
+
+
+def install_guards() -> None:
+    """:func:`sparseattn.hf.persist.guard` on each Longformer-style class (layer: its
+    ``layer_id``, the encoder layer's index, which is its index in :func:`attention_modules`)."""
+    for cls in _self_attention_classes():
+        guard(cls, lambda module: module.layer_id)
 
 
 def is_longformer(model: nn.Module) -> bool:
-    """Whether ``model`` holds transformers' ``LongformerSelfAttention`` modules (or is one)."""
+    """Whether ``model`` holds Longformer-style self-attention modules (or is one):
+    transformers' ``LongformerSelfAttention`` (Longformer) or ``LEDEncoderSelfAttention`` (the
+    encoder of LED)."""
     return isinstance(model, nn.Module) and bool(_named_modules(model))
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The ``LongformerSelfAttention`` modules, in layer order (module l is layer l)."""
+    """The ``LongformerSelfAttention`` (or LED's ``LEDEncoderSelfAttention``) modules, in layer
+    order (module l is layer l; in LED, encoder layer l)."""
     check_model(model)
     modules = [m for _, m in _named_modules(model)]
     if not modules:
-        raise ValueError(f"{type(model).__name__} holds no LongformerSelfAttention module")
+        raise ValueError(
+            f"{type(model).__name__} holds no LongformerSelfAttention or LEDEncoderSelfAttention "
+            "module"
+        )
     return modules
 
 
 def layer_names(model: nn.Module) -> list[str]:
-    """The qualified names of the ``LongformerSelfAttention`` modules (``layers=`` indices)."""
+    """The qualified names of the Longformer-style self-attention modules (``layers=``
+    indices): e.g. ``encoder.layer.0.attention.self`` (Longformer),
+    ``led.encoder.layers.0.self_attn.longformer_self_attn`` (LEDForConditionalGeneration)."""
     attention_modules(model)
     return [name for name, _ in _named_modules(model)]
 
@@ -185,8 +228,9 @@ def sparsify(
     layers: Iterable[int] | None = None,
     **method_options,
 ) -> nn.Module:
-    """:func:`sparseattn.hf.sparsify` for a model holding ``LongformerSelfAttention`` modules
-    (the module docstring says what each layer then computes).
+    """:func:`sparseattn.hf.sparsify` for a model holding ``LongformerSelfAttention`` modules,
+    or LED's ``LEDEncoderSelfAttention`` (its encoder layers; the decoder keeps transformers'
+    attention) — the module docstring says what each layer then computes.
 
     ``pattern`` None: each layer its own window, ``window(config.attention_window[layer])``
     (transformers' keys i − w/2 … i + w/2), exactly transformers' attention for softmax. A
@@ -196,7 +240,7 @@ def sparsify(
     padding taken out, as for the window. ``prob_map``, ``engine``, ``method`` and ``layers``
     as there; calling it again changes only ``layers``; layers never configured keep
     transformers' own code. Modifies ``model`` in place and returns it; :func:`restore` undoes
-    it. Nothing is written to ``model.config`` (no persistence yet).
+    it. The configuration is written to ``model.config`` (``save_pretrained`` keeps it).
     """
     modules = attention_modules(model)
     num_layers = len(modules)
@@ -228,7 +272,8 @@ def sparsify(
 
     state = _state(model)
     if state is None:
-        state = LongformerState({})
+        original = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        state = LongformerState({}, original or "eager")
         model.__dict__[_KEY] = state
     for layer in specs:
         module = modules[layer]
@@ -238,6 +283,8 @@ def sparsify(
             # a partial of a module-level function: deepcopy and pickle keep it bound right
             module.forward = functools.partial(longformer_forward, module)
     state.specs.update(specs)
+    if hasattr(model, "config"):
+        record_config(model, state.specs, state.original)
     return model
 
 
@@ -255,6 +302,8 @@ def restore(model: nn.Module) -> nn.Module:
         if original is not None:
             module.__dict__["forward"] = original
     del model.__dict__[_KEY]
+    if hasattr(model, "config"):
+        forget_config(model)
     return model
 
 
@@ -369,10 +418,11 @@ def longformer_forward(
     is_global_attn: bool | None = None,
     output_attentions: bool = False,
 ) -> tuple[Tensor]:
-    """``LongformerSelfAttention.forward`` on sparseattn (bound to ``module`` by
-    :func:`sparsify`): hidden_states (B, n, E) with n the padded length; ``attention_mask``
-    (B, n) < 0 for padding, > 0 for global tokens, 0 for local ones (transformers' extended
-    mask), or the two masks it derives (``is_index_masked``, ``is_index_global_attn``).
+    """``LongformerSelfAttention.forward`` (or ``LEDEncoderSelfAttention.forward``, the same
+    computation) on sparseattn (bound to ``module`` by :func:`sparsify`): hidden_states
+    (B, n, E) with n the padded length; ``attention_mask`` (B, n) < 0 for padding, > 0 for
+    global tokens, 0 for local ones (transformers' extended mask), or the two masks it derives
+    (``is_index_masked``, ``is_index_global_attn``).
     Returns ``(output (B, n, E),)``."""
     state, layer = module.__dict__[_KEY]
     spec = state.specs[layer]

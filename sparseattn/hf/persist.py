@@ -18,17 +18,26 @@ and how it is read back (docs/persistence.md).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from .. import __version__
 from ..serialize import FORMAT, pattern_config, prob_map_config
-from .state import ATTN_NAME, LayerSpec, State
+from .state import ATTN_NAME, LayerSpec
 
-__all__ = ["CONFIG_KEY", "NotConfiguredError", "forget_config", "record_config", "saved_config"]
+__all__ = [
+    "CONFIG_KEY",
+    "NotConfiguredError",
+    "forget_config",
+    "guard",
+    "record_config",
+    "saved_config",
+]
 
 #: The entry of ``model.config`` (and ``config.json``) holding the sparse configuration.
 CONFIG_KEY = "sparseattn"
@@ -53,13 +62,14 @@ def _layer_config(spec: LayerSpec) -> dict:
         return {"unsaved": str(err)}
 
 
-def record_config(model: nn.Module, state: State) -> None:
-    """Write the sparse configuration of ``state`` onto ``model.config`` (sparsify calls it)."""
+def record_config(model: nn.Module, specs: dict[int, LayerSpec], original: str) -> None:
+    """Write the sparse configuration of the layers ``specs`` onto ``model.config``, with the
+    attention implementation ``original`` that loading must ask for (sparsify calls it)."""
     config = {
         "format": FORMAT,
         "version": __version__,
-        "original": state.original,
-        "layers": {str(layer): _layer_config(spec) for layer, spec in sorted(state.specs.items())},
+        "original": original,
+        "layers": {str(layer): _layer_config(spec) for layer, spec in sorted(specs.items())},
     }
     setattr(model.config, CONFIG_KEY, config)
     model.config.attn_implementation = ATTN_NAME
@@ -96,3 +106,32 @@ def saved_config(source: Any) -> dict | None:
             "older: upgrade sparseattn"
         )
     return config
+
+
+def guard(cls: type, layer_of: Callable[[nn.Module], int]) -> None:
+    """Make a transformers attention class that does not dispatch through
+    ``AttentionInterface`` (Longformer's, LED's, BigBird's) refuse to run a layer that its
+    model's config says was saved sparsified, when the model was loaded without its sparse
+    configuration (``AutoModel.from_pretrained`` instead of
+    :func:`~sparseattn.hf.from_pretrained`): its ``forward`` raises :class:`NotConfiguredError`
+    then, and is transformers' own otherwise (one attribute read per call). ``layer_of(module)``
+    is the layer index the configuration uses. Sparsified modules run their own ``forward``
+    (an instance attribute), which this does not reach. Installed once per class by
+    ``import sparseattn.hf``."""
+    original = cls.forward
+    if getattr(original, "_sparseattn_guard", False):
+        return
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        config = getattr(getattr(self, "config", None), CONFIG_KEY, None)
+        if isinstance(config, dict) and str(layer_of(self)) in config.get("layers", {}):
+            raise NotConfiguredError(
+                f"layer {layer_of(self)} of this model was saved sparsified by sparseattn "
+                f"{config.get('version')}, and it was loaded without its sparse configuration: "
+                "load it with sparseattn.hf.from_pretrained(path, model_class=...)"
+            )
+        return original(self, *args, **kwargs)
+
+    forward._sparseattn_guard = True
+    cls.forward = forward

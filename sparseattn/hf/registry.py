@@ -73,7 +73,8 @@ def _named_attention(model: nn.Module, cross: bool = False) -> list[tuple[str, n
 def layer_names(model: nn.Module) -> list[str]:
     """The qualified names of the self-attention modules, position l holding layer l of
     ``sparsify(..., layers=)``: e.g. a T5 lists the encoder's ``SelfAttention`` modules, then
-    the decoder's (a Longformer: its ``LongformerSelfAttention`` modules). ValueError as
+    the decoder's (a Longformer: its ``LongformerSelfAttention`` modules; an LED: its encoder's
+    ``LEDEncoderSelfAttention`` modules only). ValueError as
     :func:`attention_modules`."""
     if longformer.is_longformer(model):
         return longformer.layer_names(model)
@@ -123,6 +124,7 @@ def register() -> None:
 
     AttentionInterface.register(ATTN_NAME, attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    longformer.install_guards()
 
 
 def sparsify(
@@ -159,10 +161,11 @@ def sparsify(
         context method on a model whose q, k, v come from one fused projection;
         TypeError for a pattern or method of the wrong type.
 
-    A model holding transformers' ``LongformerSelfAttention`` modules (Longformer, which does
-    not dispatch through ``AttentionInterface``) goes to :func:`sparseattn.hf.longformer.sparsify`:
-    window (the layer's own without ``pattern``) ∪ the call's global tokens, its global
-    projections for the global rows; no persistence yet.
+    A model holding transformers' ``LongformerSelfAttention`` modules (Longformer) or
+    ``LEDEncoderSelfAttention`` modules (LED's encoder), which do not dispatch through
+    ``AttentionInterface``, goes to :func:`sparseattn.hf.longformer.sparsify`: window (the
+    layer's own without ``pattern``) ∪ the call's global tokens, its global projections for the
+    global rows.
     """
     if longformer.is_longformer(model):
         return longformer.sparsify(
@@ -230,7 +233,7 @@ def sparsify(
         for _, module in _named_attention(model, cross=True):
             module.__dict__["_sparseattn"] = None  # exact attention, by design
     state.specs.update(specs)
-    record_config(model, state)
+    record_config(model, state.specs, state.original)
     return model
 
 
