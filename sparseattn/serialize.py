@@ -5,7 +5,10 @@ written as ``{"pattern": "<module>.<class>", "fields": {...}}`` (nested patterns
 tuples as lists); a probability map as the factory that made it and its arguments,
 ``{"prob_map": "entmax", "args": [1.5]}``. Both are JSON, so they fit a Hugging Face
 ``config.json`` (docs/persistence.md). What holds a tensor (a learned mask's logits, a learned
-α) is not configuration: it belongs in a state dict, and is refused here with a TypeError that
+α) is not configuration: it belongs in a state dict. Given a ``store(key, tensor) -> ref``
+callback, a tensor is handed to it (``key`` its path in the pattern, e.g. ``"logits"`` or
+``"parts.1.logits"``, or ``"alpha"``) and written as ``{"tensor": ref}``; reading takes the
+matching ``load(ref) -> tensor``. Without ``store`` a tensor is refused with a TypeError that
 says so.
 
 Reading is restricted to the classes and factories of this package: a config names no code
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
@@ -41,11 +45,17 @@ _MAPS = {
 }
 
 
-def _value(name: str, value: Any) -> Any:
+Store = Callable[[str, Tensor], str]
+Load = Callable[[str], Tensor]
+
+
+def _value(name: str, value: Any, store: Store | None) -> Any:
     if isinstance(value, (Pattern, PatternCycle)):
-        return pattern_config(value)
+        return pattern_config(value, store, prefix=f"{name}.")
     if isinstance(value, (tuple, list)):
-        return [_value(name, v) for v in value]
+        return [_value(f"{name}.{i}", v, store) for i, v in enumerate(value)]
+    if isinstance(value, Tensor) and store is not None:
+        return {"tensor": store(name, value)}
     if isinstance(value, Tensor):
         raise TypeError(
             f"field {name!r} holds a tensor, which is state, not configuration: save the "
@@ -56,33 +66,40 @@ def _value(name: str, value: Any) -> Any:
     raise TypeError(f"field {name!r} holds a {type(value).__name__}, which has no config form")
 
 
-def pattern_config(pattern: Pattern | PatternCycle) -> dict:
-    """``pattern`` as JSON-able data (see the module docstring).
+def pattern_config(
+    pattern: Pattern | PatternCycle, store: Store | None = None, prefix: str = ""
+) -> dict:
+    """``pattern`` as JSON-able data (see the module docstring); its tensors go to ``store``.
 
     Raises:
-        TypeError: for a pattern that holds a tensor (learned, predicted) or other state.
+        TypeError: for a pattern that holds a tensor (learned, predicted) without ``store``,
+            or other state.
     """
     if not isinstance(pattern, (Pattern, PatternCycle)) or not dataclasses.is_dataclass(pattern):
         raise TypeError(f"pattern must be a sparseattn Pattern, got {type(pattern).__name__}")
     cls = type(pattern)
     fields = {
-        f.name: _value(f.name, getattr(pattern, f.name))
+        f.name: _value(prefix + f.name, getattr(pattern, f.name), store)
         for f in dataclasses.fields(pattern)
         if f.init
     }
     return {"pattern": f"{cls.__module__}.{cls.__qualname__}", "fields": fields}
 
 
-def _read(value: Any) -> Any:
+def _read(value: Any, load: Load | None) -> Any:
     if isinstance(value, dict) and "pattern" in value:
-        return pattern_from_config(value)
+        return pattern_from_config(value, load)
+    if isinstance(value, dict) and "tensor" in value:
+        if load is None:
+            raise ValueError(f"this config refers to a saved tensor {value['tensor']!r}: pass load")
+        return load(value["tensor"])
     if isinstance(value, list):
-        return tuple(_read(v) for v in value)
+        return tuple(_read(v, load) for v in value)
     return value
 
 
-def pattern_from_config(config: dict) -> Pattern | PatternCycle:
-    """The pattern :func:`pattern_config` wrote.
+def pattern_from_config(config: dict, load: Load | None = None) -> Pattern | PatternCycle:
+    """The pattern :func:`pattern_config` wrote (its tensors from ``load``).
 
     Raises:
         ValueError: for a config that is not one, or names a class outside sparseattn.
@@ -101,22 +118,24 @@ def pattern_from_config(config: dict) -> Pattern | PatternCycle:
         ) from err
     if not (isinstance(cls, type) and issubclass(cls, (Pattern, PatternCycle))):
         raise ValueError(f"{config['pattern']!r} is not a pattern class")
-    return cls(**{k: _read(v) for k, v in config.get("fields", {}).items()})
+    return cls(**{k: _read(v, load) for k, v in config.get("fields", {}).items()})
 
 
-def prob_map_config(rho: maps.ProbabilityMap) -> dict:
+def prob_map_config(rho: maps.ProbabilityMap, store: Store | None = None) -> dict:
     """``rho`` as its factory's name and arguments, e.g. ``{"prob_map": "entmax", "args":
-    [1.5]}``.
+    [1.5]}``; a tensor α goes to ``store`` (key ``"alpha"``).
 
     Raises:
-        TypeError: for a map with a tensor α (learned: state, not configuration) or one not
-            made by a factory of :mod:`sparseattn.maps`.
+        TypeError: for a map with a tensor α without ``store`` (learned: state, not
+            configuration) or one not made by a factory of :mod:`sparseattn.maps`.
     """
     recipe = getattr(rho, "recipe", None)
     if recipe is None or recipe[0].__name__ not in _MAPS:
         raise TypeError(f"{rho!r} was not made by a factory of sparseattn.maps")
     factory, args = recipe
-    if any(isinstance(a, Tensor) for a in args):
+    if store is not None:
+        args = [{"tensor": store("alpha", a)} if isinstance(a, Tensor) else a for a in args]
+    elif any(isinstance(a, Tensor) for a in args):
         raise TypeError(
             f"{rho!r} has a tensor α, which is state, not configuration: a learned α lives in "
             "the model's parameters"
@@ -124,8 +143,8 @@ def prob_map_config(rho: maps.ProbabilityMap) -> dict:
     return {"prob_map": factory.__name__, "args": list(args)}
 
 
-def prob_map_from_config(config: dict) -> maps.ProbabilityMap:
-    """The map :func:`prob_map_config` wrote."""
+def prob_map_from_config(config: dict, load: Load | None = None) -> maps.ProbabilityMap:
+    """The map :func:`prob_map_config` wrote (a tensor α from ``load``)."""
     if not isinstance(config, dict) or config.get("prob_map") not in _MAPS:
         raise ValueError(f"a prob_map config names one of {sorted(_MAPS)}, got {config!r}")
-    return _MAPS[config["prob_map"]](*config.get("args", ()))
+    return _MAPS[config["prob_map"]](*(_read(a, load) for a in config.get("args", ())))

@@ -208,3 +208,40 @@ def test_longformer_and_led_round_trip_in_a_fresh_process(tmp_path):
     assert "layer 1" in got["led_plain"]
     hf.restore(led)
     assert not hasattr(led.config, "sparseattn")
+
+
+def test_learned_masks_and_alpha_round_trip_through_save_pretrained(tmp_path):
+    """SparseBERT's learned masks (one per layer) and a learned α (one per head, shared by
+    the layers, a Parameter of the model) are buffers/parameters of the attention modules, so
+    save_pretrained writes them; hf.from_pretrained reads them back in a fresh process."""
+    from sparseattn.learned_mask import DifferentiableAttentionMask
+
+    model = tiny_bert()
+    heads = model.config.num_attention_heads
+    masks = DifferentiableAttentionMask(20, heads, num_layers=2, seed=3).extract()
+    alpha = torch.nn.Parameter(torch.linspace(1.2, 1.9, heads).view(heads, 1, 1))
+    hf.sparsify(model, masks, prob_map=sa.entmax(alpha))
+    held = model.state_dict()
+    names = hf.layer_names(model)
+    assert f"{names[0]}.sparseattn_logits" in held and f"{names[1]}.sparseattn_logits" in held
+    assert f"{names[0]}.sparseattn_alpha" in held  # held once, by layer 0
+    assert f"{names[1]}.sparseattn_alpha" not in held
+    assert any(p is alpha for p in model.parameters())  # trainable where it is
+    _save(model, tmp_path / "learned", input_ids=IDS, attention_mask=MASK)
+    got = _fresh(
+        f"""
+        import json, torch
+        import sparseattn.hf as hf
+        d, ids, mask = {str(tmp_path / "learned")!r}, {IDS.tolist()!r}, {MASK.tolist()!r}
+        model = hf.from_pretrained(d)
+        with torch.no_grad():
+            res = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+        diff = float((res.last_hidden_state - torch.load(f"{{d}}/ref.pt")).abs().max())
+        print(json.dumps({{"diff": diff, "alpha": hf.layer_specs(model)[1].prob_map.recipe[1][0]
+                          .flatten().tolist()}}))
+        """
+    )
+    assert got["diff"] == 0.0
+    assert got["alpha"] == pytest.approx(alpha.detach().flatten().tolist())
+    hf.restore(model)
+    assert not any("sparseattn_" in key for key in model.state_dict())

@@ -284,7 +284,7 @@ def sparsify(
             module.forward = functools.partial(longformer_forward, module)
     state.specs.update(specs)
     if hasattr(model, "config"):
-        record_config(model, state.specs, state.original)
+        record_config(model, state.specs, state.original, _named_modules(model))
     return model
 
 
@@ -303,7 +303,7 @@ def restore(model: nn.Module) -> nn.Module:
             module.__dict__["forward"] = original
     del model.__dict__[_KEY]
     if hasattr(model, "config"):
-        forget_config(model)
+        forget_config(model, _named_modules(model))
     return model
 
 

@@ -6,9 +6,10 @@ and how it is read back (docs/persistence.md).
 
 * ``"sparseattn"``: ``{"format": FORMAT, "version": <sparseattn's>, "original": <the
   attention implementation sparsify replaced>, "layers": {"<l>": {"pattern": …, "prob_map": …,
-  "engine": …}}}`` — patterns and maps in the form of :mod:`sparseattn.serialize`; a layer whose
-  configuration has no such form (a method hook, a learned α or mask, an AttentionGraph) is
-  written as ``{"unsaved": "<why>"}``;
+  "engine": …}}}`` — patterns and maps in the form of :mod:`sparseattn.serialize`, their
+  learned tensors (a mask's logits, α) as buffers of the layer's module referred to by their
+  state-dict keys (:func:`record_config`); a layer whose configuration has no such form (a
+  method hook, an AttentionGraph) is written as ``{"unsaved": "<why>"}``;
 * ``"attn_implementation": "sparseattn"``, so that transformers never loads it as a dense
   model in silence: without ``import sparseattn.hf`` it refuses the name; with it, a model
   loaded by ``AutoModel.from_pretrained`` that :func:`from_pretrained` did not configure
@@ -27,6 +28,7 @@ from typing import Any
 from torch import nn
 
 from .. import __version__
+from ..patterns import Pattern, PatternCycle
 from ..serialize import FORMAT, pattern_config, prob_map_config
 from .state import ATTN_NAME, LayerSpec
 
@@ -47,36 +49,81 @@ class NotConfiguredError(RuntimeError):
     """A model saved sparsified was loaded without its sparse configuration."""
 
 
-def _layer_config(spec: LayerSpec) -> dict:
+#: The prefix of the buffers holding a layer's learned tensors (mask logits, α).
+BUFFER_PREFIX = "sparseattn_"
+
+
+def _layer_config(spec: LayerSpec, store) -> dict:
     from ..attention import sparse_attention
 
     if spec.method is not sparse_attention:
         return {"unsaved": f"method {spec.method!r} is not sparse_attention"}
+    if not isinstance(spec.pattern, (Pattern, PatternCycle)):
+        return {"unsaved": f"a {type(spec.pattern).__name__} has no config form"}
     try:
         return {
-            "pattern": pattern_config(spec.pattern),
-            "prob_map": prob_map_config(spec.prob_map),
+            "pattern": pattern_config(spec.pattern, store),
+            "prob_map": prob_map_config(spec.prob_map, store),
             "engine": spec.engine,
         }
     except TypeError as err:
         return {"unsaved": str(err)}
 
 
-def record_config(model: nn.Module, specs: dict[int, LayerSpec], original: str) -> None:
+def record_config(
+    model: nn.Module,
+    specs: dict[int, LayerSpec],
+    original: str,
+    named: list[tuple[str, nn.Module]],
+) -> None:
     """Write the sparse configuration of the layers ``specs`` onto ``model.config``, with the
-    attention implementation ``original`` that loading must ask for (sparsify calls it)."""
+    attention implementation ``original`` that loading must ask for (sparsify calls it).
+
+    ``named[l]`` is layer l's (qualified name, module). A learned tensor of a layer's pattern
+    or map (a mask's logits, α) becomes a buffer of that module, ``sparseattn_<path>``, so
+    that the model's state dict (and ``save_pretrained``) holds it; the configuration refers
+    to it by its state-dict key. A tensor shared by several layers is held once."""
+    _drop_buffers(named)
+    held: dict[int, str] = {}
+
+    def store_for(layer: int):
+        name, module = named[layer]
+
+        def store(path: str, tensor) -> str:
+            if id(tensor) not in held:
+                buffer = BUFFER_PREFIX + path.replace(".", "_")
+                if isinstance(tensor, nn.Parameter):  # learned in this model: train it there
+                    module.register_parameter(buffer, tensor)
+                else:
+                    module.register_buffer(buffer, tensor)
+                held[id(tensor)] = f"{name}.{buffer}" if name else buffer
+            return held[id(tensor)]
+
+        return store
+
     config = {
         "format": FORMAT,
         "version": __version__,
         "original": original,
-        "layers": {str(layer): _layer_config(spec) for layer, spec in sorted(specs.items())},
+        "layers": {
+            str(layer): _layer_config(spec, store_for(layer))
+            for layer, spec in sorted(specs.items())
+        },
     }
     setattr(model.config, CONFIG_KEY, config)
     model.config.attn_implementation = ATTN_NAME
 
 
-def forget_config(model: nn.Module) -> None:
+def _drop_buffers(named: list[tuple[str, nn.Module]]) -> None:
+    for _, module in named:
+        held = [*module._buffers, *module._parameters]
+        for buffer in [b for b in held if b.startswith(BUFFER_PREFIX)]:
+            delattr(module, buffer)
+
+
+def forget_config(model: nn.Module, named: list[tuple[str, nn.Module]]) -> None:
     """Remove what :func:`record_config` wrote (``restore`` calls it)."""
+    _drop_buffers(named)
     for name in (CONFIG_KEY, "attn_implementation"):
         if name in model.config.__dict__:
             delattr(model.config, name)

@@ -233,7 +233,7 @@ def sparsify(
         for _, module in _named_attention(model, cross=True):
             module.__dict__["_sparseattn"] = None  # exact attention, by design
     state.specs.update(specs)
-    record_config(model, state.specs, state.original)
+    record_config(model, state.specs, state.original, _named_attention(model))
     return model
 
 
@@ -252,7 +252,7 @@ def restore(model: nn.Module) -> nn.Module:
         module.__dict__.pop("_sparseattn", None)
         module.__dict__.pop("_sparseattn_input", None)
     del model.__dict__["_sparseattn"]
-    forget_config(model)
+    forget_config(model, _named_attention(model))
     return model
 
 
