@@ -206,8 +206,8 @@ def evaluate(
     real_pairs: dict[int, float] = {}
 
     def count_zeros(record: hf.AttentionRecord) -> None:
-        kpm = ~record.key_padding_mask  # True for real tokens
-        real = (kpm[:, None, :, None] & kpm[:, None, None, :]).expand_as(record.probs)
+        tokens = ~record.key_padding_mask  # True for real tokens
+        real = (tokens[:, None, :, None] & tokens[:, None, None, :]).expand_as(record.probs)
         zeros[record.layer] = zeros.get(record.layer, 0.0) + float(
             ((record.probs == 0) & real).sum()
         )

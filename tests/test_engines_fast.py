@@ -316,10 +316,10 @@ def test_flex_matches_reference_and_block_masks():
         (sa.split_heads(sa.window(8), sa.strided(9)).graph(n, num_heads=3), None),
         (sa.topk(5).graph(n, q, k), keep),
     ]
-    for graph, kpm in cases:
-        out = flex_attention_engine(q, k, v, graph, softmax(), 0.25, kpm)
+    for graph, key_valid in cases:
+        out = flex_attention_engine(q, k, v, graph, softmax(), 0.25, key_valid)
         mask = graph.to(q.device).to_dense()
-        mask = mask if kpm is None else mask & kpm[:, None, None, :]
+        mask = mask if key_valid is None else mask & key_valid[:, None, None, :]
         torch.testing.assert_close(
             out, reference(q, k, v, mask, softmax(), 0.25), atol=2e-5, rtol=2e-5
         )

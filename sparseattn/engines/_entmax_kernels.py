@@ -72,12 +72,12 @@ def _put(P, idx, ok, x, C: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _keys_in(KPM, cols, n_k, HAS_KPM: tl.constexpr):
+def _keys_in(KEY_OK, cols, n_k, HAS_KEY_OK: tl.constexpr):
     """Which key columns ``cols`` are keys: inside the sequence and, with a key padding mask
-    (KPM at this batch's row), not padding."""
+    (KEY_OK at this batch's row), not padding."""
     col_in = cols < n_k
-    if HAS_KPM:
-        kp = tl.load(KPM + cols, mask=col_in, other=0)
+    if HAS_KEY_OK:
+        kp = tl.load(KEY_OK + cols, mask=col_in, other=0)
         col_in = col_in & (kp != 0)
     return col_in
 
@@ -113,8 +113,8 @@ def _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK: tl.constexpr, PARTIAL
 
 @triton.jit
 def _scores(
-    p, PAIR_KB, PAIR_MASK, MASKS, q, K, KPM, row_ok, rows_in, n_k, mul,
-    D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr,
+    p, PAIR_KB, PAIR_MASK, MASKS, q, K, KEY_OK, row_ok, rows_in, n_k, mul,
+    D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, HAS_KEY_OK: tl.constexpr,
     PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """:func:`_scored` for the layout's pair ``p`` of a query block q: its scores, the bool
@@ -124,18 +124,18 @@ def _scores(
     kb = tl.load(PAIR_KB + p)
     cols = kb * BLOCK + tl.arange(0, BLOCK)
     k = _tile(K, cols, cols < n_k, D, BD)
-    col_in = _keys_in(KPM, cols, n_k, HAS_KPM)
+    col_in = _keys_in(KEY_OK, cols, n_k, HAS_KEY_OK)
     midx = tl.load(PAIR_MASK + p)
     s, ok = _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK, PARTIAL, PREC, UPCAST)
-    return s, ok, _whole(kb, midx, n_k, rows_in, BLOCK, HAS_KPM), k, cols
+    return s, ok, _whole(kb, midx, n_k, rows_in, BLOCK, HAS_KEY_OK), k, cols
 
 
 @triton.jit
-def _whole(kb, midx, n_k, rows_in, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr):
+def _whole(kb, midx, n_k, rows_in, BLOCK: tl.constexpr, HAS_KEY_OK: tl.constexpr):
     """Whether every entry of a tile is an edge: key block kb inside the sequence, a full pair
     (mask tile ``midx`` < 0), no key padding, and ``rows_in`` (the query block is inside).
     Then its scores need no mask."""
-    return rows_in & ((kb + 1) * BLOCK <= n_k) & (midx < 0) & (not HAS_KPM)
+    return rows_in & ((kb + 1) * BLOCK <= n_k) & (midx < 0) & (not HAS_KEY_OK)
 
 
 @triton.jit
@@ -260,17 +260,17 @@ def _start(x, R, BLOCK: tl.constexpr, MODE: tl.constexpr, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _program(qb, bh, K, V, KPM, H, HKV, n_q, n_k, D: tl.constexpr, DV: tl.constexpr,
+def _program(qb, bh, K, V, KEY_OK, H, HKV, n_q, n_k, D: tl.constexpr, DV: tl.constexpr,
              BLOCK: tl.constexpr):  # fmt: skip
     """What a program on query block qb of batch·head bh works on: its query rows, which are
-    inside the sequence, whether the whole block is, and K, V and KPM moved to its key/value
+    inside the sequence, whether the whole block is, and K, V and KEY_OK moved to its key/value
     head (b·HKV + h // (H / HKV)) and batch."""
     b = bh // H
     bkv = b * HKV + (bh % H) // (H // HKV)
     rows = qb * BLOCK + tl.arange(0, BLOCK)
     K_h = K + bkv.to(tl.int64) * n_k * D
     V_h = V + bkv.to(tl.int64) * n_k * DV
-    return rows, rows < n_q, (qb + 1) * BLOCK <= n_q, K_h, V_h, KPM + b.to(tl.int64) * n_k
+    return rows, rows < n_q, (qb + 1) * BLOCK <= n_q, K_h, V_h, KEY_OK + b.to(tl.int64) * n_k
 
 
 @triton.jit
@@ -297,8 +297,8 @@ def _pairs(ROW_PTR, ROW_END, GIDX, bh, qb, nbq):
 
 
 @triton.jit
-def _pass0(start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k,
-           mul, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr,
+def _pass0(start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k,
+           mul, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, HAS_KEY_OK: tl.constexpr,
            PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
            TOPK: tl.constexpr):  # fmt: skip
     """Pass 0 over the pairs [start, end): each row's max m (−inf without keys), its number
@@ -312,8 +312,8 @@ def _pass0(start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok,
         top = top + (tl.full((BLOCK,), float("-inf"), tl.float32),)
     for p in range(start, end):
         s, ok, whole, k, cols = _scores(
-            p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k, mul,
-            D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
+            p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k, mul,
+            D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST,
         )  # fmt: skip
         s = _masked(s, ok, whole, -float("inf"))
         t = tl.max(s, 1)
@@ -333,9 +333,9 @@ def _floor(done, m, tau, lo, MODE: tl.constexpr):
 
 
 @triton.jit
-def _sums(start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k,
+def _sums(start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k,
           mul, t_abs, floor, R, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
-          HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr, PREC: tl.constexpr,
+          HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr, PREC: tl.constexpr,
           UPCAST: tl.constexpr, MODE: tl.constexpr, SKIP: tl.constexpr):  # fmt: skip
     """A threshold pass over the pairs [start, end) at the absolute threshold t_abs = m + τ
     (one fused multiply-add per score, which rounds τ to the float spacing of m): per row
@@ -352,8 +352,8 @@ def _sums(start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, 
             visit = tl.load(TMAX_b + p) > floor
         if visit:
             s, ok, whole, k, cols = _scores(
-                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k, mul,
-                D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
+                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k, mul,
+                D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST,
             )  # fmt: skip
             y = _masked(s - t_abs[:, None], ok, whole, -float("inf"))  # x − τ, x = z − m
             d = tl.maximum(y, 0.0)
@@ -405,9 +405,9 @@ def _update(tau, lo, hi, done, m, c0, s1, s2, y_in, AM1, R, MODE: tl.constexpr):
 
 
 @triton.jit
-def _last(start, end, TMAX_b, NZ_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, V_h, KPM_b, row_ok,
+def _last(start, end, TMAX_b, NZ_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, V_h, KEY_OK_b, row_ok,
           rows_in, n_k, mul, tau_abs, R, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
-          BDV: tl.constexpr, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
+          BDV: tl.constexpr, BLOCK: tl.constexpr, HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr,
           PREC: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
           NEED_GRAD: tl.constexpr):  # fmt: skip
     """The last pass over the pairs [start, end): Σ p V and Σ p per row, and for the backward
@@ -422,8 +422,8 @@ def _last(start, end, TMAX_b, NZ_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, V_h, KPM_
         nz = tl.load(TMAX_b + p) > floor
         if nz:  # else no row has a weight in this tile: skip both products
             s, ok, whole, k, cols = _scores(
-                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k, mul,
-                D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
+                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k, mul,
+                D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST,
             )  # fmt: skip
             d = _excess(s, ok, whole, tau_abs)
             nz = tl.max(tl.max(d, 1), 0) > 0
@@ -469,24 +469,24 @@ def _finish(O, TAU, GV, bh, rows, row_ok, n_q, acc, g_acc, g_sum, p_sum, tau_abs
 @triton.jit
 def _forward(
     Q, K, V, O, TAU, GV, NZ, TMAX, PASSES,
-    ROW_PTR, ROW_END, ORDER, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    ROW_PTR, ROW_END, ORDER, PAIR_KB, PAIR_MASK, MASKS, GIDX, KEY_OK,
     n_q, n_k, H, HKV, nbq, n_pairs,
     mul, AM1, R,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
+    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr,
     NEED_GRAD: tl.constexpr,
     MAX_IT: tl.constexpr, TOPK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     SKIP: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):  # fmt: skip
     qb, bh = _query_block(ORDER, GIDX, nbq, LONGEST_FIRST)
     start, end = _pairs(ROW_PTR, ROW_END, GIDX, bh, qb, nbq)
-    rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV,
-                                                      BLOCK)  # fmt: skip
+    rows, row_ok, rows_in, K_h, V_h, KEY_OK_b = _program(qb, bh, K, V, KEY_OK, H, HKV, n_q, n_k,
+                                                         D, DV, BLOCK)  # fmt: skip
     q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
     TMAX_b = TMAX + bh.to(tl.int64) * n_pairs
     m, cnt, top = _pass0(
-        start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k,
-        mul, D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST, MODE, TOPK,
+        start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k,
+        mul, D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MODE, TOPK,
     )  # fmt: skip
     has = m > float("-inf")
     m = tl.where(has, m, 0.0)
@@ -499,9 +499,9 @@ def _forward(
     it = 0
     while (it < MAX_IT) & (tl.sum((~done).to(tl.int32), 0) > 0):
         c0, s1, s2, y_in = _sums(
-            start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k,
+            start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k,
             mul, m + tau, _floor(done, m, tau, lo, MODE), R,
-            D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST, MODE, SKIP,
+            D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MODE, SKIP,
         )  # fmt: skip
         tau, lo, hi, done = _update(tau, lo, hi, done, m, c0, s1, s2, y_in, AM1, R, MODE)
         it += 1
@@ -509,8 +509,8 @@ def _forward(
     tau_abs = tl.where(has, m + tau, float("inf"))
     acc, g_acc, g_sum, p_sum = _last(
         start, end, TMAX_b, NZ + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q, K_h,
-        V_h, KPM_b, row_ok, rows_in, n_k, mul, tau_abs, R,
-        D, DV, BD, BDV, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST, MODE, NEED_GRAD,
+        V_h, KEY_OK_b, row_ok, rows_in, n_k, mul, tau_abs, R,
+        D, DV, BD, BDV, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MODE, NEED_GRAD,
     )  # fmt: skip
     _finish(O, TAU, GV, bh, rows, row_ok, n_q, acc, g_acc, g_sum, p_sum, tau_abs, None,
             DV, BDV, MODE, NEED_GRAD, False)  # fmt: skip
@@ -518,17 +518,17 @@ def _forward(
 
 
 @triton.jit
-def _dq(start, end, NZ_b, PAIR_KB, PAIR_MASK, MASKS, q, do, tau, delta, K_h, V_h, KPM_b, row_ok,
+def _dq(start, end, NZ_b, PAIR_KB, PAIR_MASK, MASKS, q, do, tau, delta, K_h, V_h, KEY_OK_b, row_ok,
         rows_in, n_k, mul, R, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
-        BDV: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr,
+        BDV: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr,
         PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """Σ ds K over the pairs [start, end) that hold a non-zero (flags at NZ_b + p)."""
     dq = tl.zeros((BLOCK, BD), tl.float32)
     for p in range(start, end):
         if tl.load(NZ_b + p) != 0:
             s, ok, whole, k, cols = _scores(
-                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KPM_b, row_ok, rows_in, n_k, mul,
-                D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
+                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k, mul,
+                D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST,
             )  # fmt: skip
             v = _tile(V_h, cols, cols < n_k, DV, BDV)
             d, ds = _grads(s, ok, whole, tau, do, v, delta, R, MODE, PREC, UPCAST)
@@ -539,22 +539,22 @@ def _dq(start, end, NZ_b, PAIR_KB, PAIR_MASK, MASKS, q, do, tau, delta, K_h, V_h
 @triton.jit
 def _backward_dq(
     Q, K, V, DO, DQ, TAU, DELTA, NZ,
-    ROW_PTR, ROW_END, ORDER, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    ROW_PTR, ROW_END, ORDER, PAIR_KB, PAIR_MASK, MASKS, GIDX, KEY_OK,
     n_q, n_k, H, HKV, nbq, n_pairs,
     mul, scale, R,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
+    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):  # fmt: skip
     qb, bh = _query_block(ORDER, GIDX, nbq, LONGEST_FIRST)
     start, end = _pairs(ROW_PTR, ROW_END, GIDX, bh, qb, nbq)
-    rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(qb, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV,
-                                                      BLOCK)  # fmt: skip
+    rows, row_ok, rows_in, K_h, V_h, KEY_OK_b = _program(qb, bh, K, V, KEY_OK, H, HKV, n_q, n_k,
+                                                         D, DV, BLOCK)  # fmt: skip
     q, do, tau, delta = _grad_rows(Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D, DV, BD, BDV)
     dq = _dq(
         start, end, NZ + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q, do, tau, delta,
-        K_h, V_h, KPM_b, row_ok, rows_in, n_k, mul, R,
-        D, DV, BD, BDV, BLOCK, MODE, HAS_KPM, PARTIAL, PREC, UPCAST,
+        K_h, V_h, KEY_OK_b, row_ok, rows_in, n_k, mul, R,
+        D, DV, BD, BDV, BLOCK, MODE, HAS_KEY_OK, PARTIAL, PREC, UPCAST,
     )  # fmt: skip
     _put(DQ + bh.to(tl.int64) * n_q * D, rows, row_ok, dq * scale, D, BD)
 
@@ -562,11 +562,11 @@ def _backward_dq(
 @triton.jit
 def _backward_dkdv(
     Q, K, V, DO, DK, DV_, TAU, DELTA, NZ,
-    COL_PTR, COL_PAIR, COL_QB, PAIR_MASK, MASKS, GIDX, KPM,
+    COL_PTR, COL_PAIR, COL_QB, PAIR_MASK, MASKS, GIDX, KEY_OK,
     n_q, n_k, H, HKV, nbk, n_pairs,
     mul, scale, R,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-    BLOCK: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr,
+    BLOCK: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr,
     PARTIAL: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -582,7 +582,7 @@ def _backward_dkdv(
     V_h = V + bkv.to(tl.int64) * n_k * DV
     k = _tile(K_h, cols, col_ok, D, BD)
     v = _tile(V_h, cols, col_ok, DV, BDV)
-    col_in = _keys_in(KPM + b.to(tl.int64) * n_k, cols, n_k, HAS_KPM)
+    col_in = _keys_in(KEY_OK + b.to(tl.int64) * n_k, cols, n_k, HAS_KEY_OK)
     dk = tl.zeros((BLOCK, BD), tl.float32)
     dv = tl.zeros((BLOCK, BDV), tl.float32)
     for t in tl.static_range(GROUP):
@@ -603,7 +603,7 @@ def _backward_dkdv(
                 s, ok = _scored(
                     q, k, row_ok, col_in, MASKS, midx, mul, BLOCK, PARTIAL, PREC, UPCAST
                 )
-                whole = _whole(kb, midx, n_k, (qb + 1) * BLOCK <= n_q, BLOCK, HAS_KPM)
+                whole = _whole(kb, midx, n_k, (qb + 1) * BLOCK <= n_q, BLOCK, HAS_KEY_OK)
                 d, ds = _grads(s, ok, whole, tau, do, v, delta, R, MODE, PREC, UPCAST)
                 w = _weights(d, R, MODE)
                 dv += _mm(tl.trans(w.to(do.dtype)), do, PREC, UPCAST)

@@ -37,20 +37,20 @@ from ._entmax_kernels import (
 
 
 @triton.jit
-def _chunk(CH_RB, CH_START, CH_END, GIDX, K, V, KPM, H, HKV, nbq, n_q, n_k, D: tl.constexpr,
+def _chunk(CH_RB, CH_START, CH_END, GIDX, K, V, KEY_OK, H, HKV, nbq, n_q, n_k, D: tl.constexpr,
            DV: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """What a program on chunk c = program_id(0) of batch·head bh = program_id(1) works on:
     (c, bh, whether the chunk belongs to bh's layout graph, its first and end pair, then
-    :func:`_program`'s rows, row_ok, rows_in, K_h, V_h, KPM_b)."""
+    :func:`_program`'s rows, row_ok, rows_in, K_h, V_h, KEY_OK_b)."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
     rb = tl.load(CH_RB + c)
     mine = rb // nbq == tl.load(GIDX + bh)
-    rows, row_ok, rows_in, K_h, V_h, KPM_b = _program(
-        rb % nbq, bh, K, V, KPM, H, HKV, n_q, n_k, D, DV, BLOCK
+    rows, row_ok, rows_in, K_h, V_h, KEY_OK_b = _program(
+        rb % nbq, bh, K, V, KEY_OK, H, HKV, n_q, n_k, D, DV, BLOCK
     )
     start, end = tl.load(CH_START + c), tl.load(CH_END + c)
-    return c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KPM_b
+    return c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KEY_OK_b
 
 
 @triton.jit
@@ -95,23 +95,23 @@ def _put_state(STATE, bh, rows, row_ok, n_q, BH, m, tau, lo, hi, done, has):
 @triton.jit
 def _split_pass0(
     Q, K, V, TMAX, PART, TOP,
-    CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KEY_OK,
     n_q, n_k, H, HKV, nbq, n_pairs, n_chunks,
     mul,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
-    MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr, TOPK: tl.constexpr,
+    MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr, TOPK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Pass 0 of one chunk: its rows' max and key count (to PART) and their TOPK largest
     per-tile maxima (to TOP, (B·H, chunks, TOPK, BLOCK))."""
-    c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KPM_b = _chunk(
-        CH_RB, CH_START, CH_END, GIDX, K, V, KPM, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
+    c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KEY_OK_b = _chunk(
+        CH_RB, CH_START, CH_END, GIDX, K, V, KEY_OK, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
     )
     if mine:
         q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
         m, cnt, top = _pass0(
             start, end, TMAX + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q, K_h,
-            KPM_b, row_ok, rows_in, n_k, mul, D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST,
+            KEY_OK_b, row_ok, rows_in, n_k, mul, D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST,
             MODE, TOPK,
         )  # fmt: skip
         offs = tl.arange(0, BLOCK)
@@ -158,16 +158,16 @@ def _split_init(
 @triton.jit
 def _split_sums(
     Q, K, V, TMAX, PART, STATE,
-    CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KEY_OK,
     n_q, n_k, H, HKV, nbq, n_pairs, n_chunks, BH,
     mul, R,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
-    MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr, PREC: tl.constexpr,
+    MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, SKIP: tl.constexpr,
 ):  # fmt: skip
     """A threshold pass over one chunk (:func:`_sums`), while a row of its block is open."""
-    c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KPM_b = _chunk(
-        CH_RB, CH_START, CH_END, GIDX, K, V, KPM, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
+    c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KEY_OK_b = _chunk(
+        CH_RB, CH_START, CH_END, GIDX, K, V, KEY_OK, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
     )
     if mine:
         q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
@@ -175,8 +175,8 @@ def _split_sums(
         if tl.sum((~done).to(tl.int32), 0) > 0:
             c0, s1, s2, y_in = _sums(
                 start, end, TMAX + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q,
-                K_h, KPM_b, row_ok, rows_in, n_k, mul, m + tau, _floor(done, m, tau, lo, MODE),
-                R, D, BD, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST, MODE, SKIP,
+                K_h, KEY_OK_b, row_ok, rows_in, n_k, mul, m + tau, _floor(done, m, tau, lo, MODE),
+                R, D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MODE, SKIP,
             )  # fmt: skip
             part = PART + (bh.to(tl.int64) * n_chunks + c) * 4 * BLOCK + tl.arange(0, BLOCK)
             tl.store(part, c0)
@@ -219,16 +219,16 @@ def _split_update(
 @triton.jit
 def _split_last(
     Q, K, V, TMAX, NZ, PART, ACC, GACC, STATE,
-    CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KEY_OK,
     n_q, n_k, H, HKV, nbq, n_pairs, n_chunks, BH,
     mul, R,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
+    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr,
     NEED_GRAD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """The last pass over one chunk (:func:`_last`): its partial Σ p V, Σ p (and Σ g V, Σ g)."""
-    c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KPM_b = _chunk(
-        CH_RB, CH_START, CH_END, GIDX, K, V, KPM, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
+    c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KEY_OK_b = _chunk(
+        CH_RB, CH_START, CH_END, GIDX, K, V, KEY_OK, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
     )
     if mine:
         q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
@@ -236,8 +236,8 @@ def _split_last(
         tau_abs = tl.where(has, m + tau, float("inf"))
         acc, g_acc, g_sum, p_sum = _last(
             start, end, TMAX + bh.to(tl.int64) * n_pairs, NZ + bh.to(tl.int64) * n_pairs,
-            PAIR_KB, PAIR_MASK, MASKS, q, K_h, V_h, KPM_b, row_ok, rows_in, n_k, mul, tau_abs,
-            R, D, DV, BD, BDV, BLOCK, HAS_KPM, PARTIAL, PREC, UPCAST, MODE, NEED_GRAD,
+            PAIR_KB, PAIR_MASK, MASKS, q, K_h, V_h, KEY_OK_b, row_ok, rows_in, n_k, mul, tau_abs,
+            R, D, DV, BD, BDV, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MODE, NEED_GRAD,
         )  # fmt: skip
         at = bh.to(tl.int64) * n_chunks + c
         offs = tl.arange(0, BLOCK)
@@ -282,23 +282,23 @@ def _split_finish(
 @triton.jit
 def _split_dq(
     Q, K, V, DO, TAU, DELTA, NZ, DQP,
-    CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KPM,
+    CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KEY_OK,
     n_q, n_k, H, HKV, nbq, n_pairs, n_chunks,
     mul, R,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KPM: tl.constexpr, PARTIAL: tl.constexpr,
+    BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """dq of a split query block, one chunk of its pairs: the partial Σ ds K, to DQP."""
-    c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KPM_b = _chunk(
-        CH_RB, CH_START, CH_END, GIDX, K, V, KPM, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
+    c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KEY_OK_b = _chunk(
+        CH_RB, CH_START, CH_END, GIDX, K, V, KEY_OK, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
     )
     if mine:
         q, do, tau, delta = _grad_rows(Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D, DV, BD, BDV)
         dq = _dq(
             start, end, NZ + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q, do, tau,
-            delta, K_h, V_h, KPM_b, row_ok, rows_in, n_k, mul, R,
-            D, DV, BD, BDV, BLOCK, MODE, HAS_KPM, PARTIAL, PREC, UPCAST,
+            delta, K_h, V_h, KEY_OK_b, row_ok, rows_in, n_k, mul, R,
+            D, DV, BD, BDV, BLOCK, MODE, HAS_KEY_OK, PARTIAL, PREC, UPCAST,
         )  # fmt: skip
         offs = tl.arange(0, BLOCK)
         _put(DQP + (bh.to(tl.int64) * n_chunks + c) * BLOCK * BD, offs, offs < BLOCK, dq, BD, BD)

@@ -484,11 +484,11 @@ def block_attention(
     plan = block_plan(graph, block).to(q.device)
     key_ok = None
     if key_valid is not None:
-        kpm = key_valid.to(q.device)
-        pad = -kpm.shape[-1] % plan.block
+        key_ok = key_valid.to(q.device)
+        pad = -key_ok.shape[-1] % plan.block
         if pad:
-            kpm = F.pad(kpm, (0, pad), value=False)
-        key_ok = kpm[:, None, :].expand(bsz, heads, -1).reshape(lead, -1, plan.block)
+            key_ok = F.pad(key_ok, (0, pad), value=False)
+        key_ok = key_ok[:, None, :].expand(bsz, heads, -1).reshape(lead, -1, plan.block)
     budget = BUDGET.get(q.device.type, BUDGET["cuda"]) if budget is None else budget
     run = _Runner(
         plan,

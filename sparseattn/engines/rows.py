@@ -224,9 +224,9 @@ def rows_attention(
     alpha = prob_map.row_alpha(bsz, heads, n_q)
     if alpha is not None:
         alpha = alpha.to(dtype)
-    kpm = None if key_valid is None else key_valid.to(q.device)
+    key_ok = None if key_valid is None else key_valid.to(q.device)
     budget = BUDGET.get(q.device.type, BUDGET["cuda"]) if budget is None else budget
-    run = _Run(q, k, graph, prob_map, scale, kpm, dropout_p, causal, budget, score_mod)
+    run = _Run(q, k, graph, prob_map, scale, key_ok, dropout_p, causal, budget, score_mod)
     out = _RowsAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), alpha, run, *run.mod_tensors)
     return out.to(q.dtype)
 
@@ -263,10 +263,10 @@ def full_rows_attention(
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale
         )
-    kpm = key_valid.to(q.device)
-    some = kpm.any(-1, keepdim=True)
+    key_ok = key_valid.to(q.device)
+    some = key_ok.any(-1, keepdim=True)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=(kpm | ~some)[:, None, None, :], dropout_p=dropout_p, scale=scale
+        q, k, v, attn_mask=(key_ok | ~some)[:, None, None, :], dropout_p=dropout_p, scale=scale
     )
     return out * some[:, :, None, None].to(out.dtype)
 

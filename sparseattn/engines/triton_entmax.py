@@ -551,7 +551,7 @@ def _split_factor(alpha: float) -> float | None:
 
 def _launch_split(
     plan: SplitPlan, q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout, gidx: Tensor,
-    kpm: Tensor, consts: dict, outs: tuple[Tensor, ...], alpha: float, scale: float,
+    key_ok: Tensor, consts: dict, outs: tuple[Tensor, ...], alpha: float, scale: float,
     need_grad: bool,
 ) -> None:  # fmt: skip
     """The split query blocks: pass 0 per chunk, merged; :data:`SPLIT_PASSES` threshold
@@ -570,9 +570,9 @@ def _launch_split(
     sizes = (*_sizes(q, k), layout.nbq, tmax.shape[1])
     mul, am1, r = scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0)
     d, dv, bd, mode = consts["D"], consts["DV"], consts["BD"], consts["MODE"]
-    scored = {key: consts[key] for key in ("HAS_KPM", "PARTIAL", "PREC", "UPCAST", "num_warps")}
+    scored = {key: consts[key] for key in ("HAS_KEY_OK", "PARTIAL", "PREC", "UPCAST", "num_warps")}
     on_chunks = (plan.ch_rb, plan.ch_start, plan.ch_end, layout.pair_kb, layout.pair_mask)
-    on_chunks += (layout.masks, gidx, kpm)
+    on_chunks += (layout.masks, gidx, key_ok)
     merged = (plan.long_rb, plan.long_c0, plan.long_c1, gidx)
     kern._split_pass0[(chunks, bh)](
         q, k, v, tmax, part, top, *on_chunks, *sizes, chunks, mul,
@@ -613,7 +613,7 @@ def _launch_forward(
     v: Tensor,
     layout: BlockLayout,
     gidx: Tensor,
-    kpm: Tensor | None,
+    key_ok: Tensor | None,
     alpha: float,
     scale: float,
     need_grad: bool,
@@ -633,24 +633,24 @@ def _launch_forward(
     if need_grad:  # Σ g v / Σ g per row, and whether each (pair, head) holds a non-zero
         gv = torch.empty(bsz, heads, n_q, dv, dtype=torch.float32, device=dev)
         nz = torch.empty(bsz * heads, pairs, dtype=torch.int8, device=dev)
-    kpm_t = dummy.to(torch.int8) if kpm is None else kpm
+    key_ok_t = dummy.to(torch.int8) if key_ok is None else key_ok
     split = _split_factor(alpha)
     plan = None
     if split is not None:
         plan = split_plan(layout, split, dev, bsz * heads, _multiprocessors(dev))
-    consts = _constants(q, v, layout, alpha, kpm is not None, "forward")
+    consts = _constants(q, v, layout, alpha, key_ok is not None, "forward")
     row_end, order = _rows(layout, plan, LONGEST_FIRST)
     _kernels()._forward[_grid(layout, bsz * heads, LONGEST_FIRST)](
         q, k, v, out, tau, gv, nz, tmax, passes,
         layout.row_ptr, row_end, order, layout.pair_kb, layout.pair_mask, layout.masks, gidx,
-        kpm_t, *_sizes(q, k), layout.nbq, pairs,
+        key_ok_t, *_sizes(q, k), layout.nbq, pairs,
         scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0),
         NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK, SKIP=SKIP_TILES,
         LONGEST_FIRST=LONGEST_FIRST, **consts,
     )  # fmt: skip
     if plan is not None:  # after the main kernel, which left the split blocks empty
         outs = (out, tau, gv, nz, tmax, passes)
-        _launch_split(plan, q, k, v, layout, gidx, kpm_t, consts, outs, alpha, scale, need_grad)
+        _launch_split(plan, q, k, v, layout, gidx, key_ok_t, consts, outs, alpha, scale, need_grad)
     return out, tau, gv, nz, passes
 
 
@@ -660,15 +660,15 @@ class _EntmaxAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, *launch: Any) -> Tensor:
         """``launch``: the arguments of :func:`_launch_forward` after q, k, v (layout, gidx,
-        kpm, alpha, scale, need_grad)."""
+        key_ok, alpha, scale, need_grad)."""
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, tau, gv, nz, _ = _launch_forward(q, k, v, *launch)
-        layout, gidx, kpm, alpha, scale, need_grad = launch
-        kpm_t = torch.zeros(1, dtype=torch.int8, device=q.device) if kpm is None else kpm
+        layout, gidx, key_ok, alpha, scale, need_grad = launch
+        key_ok_t = torch.zeros(1, dtype=torch.int8, device=q.device) if key_ok is None else key_ok
         if need_grad:
             ctx.save_for_backward(q, k, v, tau, gv, nz)
-            ctx.layout, ctx.gidx, ctx.kpm = layout, gidx, kpm_t
-            ctx.has_kpm, ctx.alpha, ctx.scale = kpm is not None, alpha, scale
+            ctx.layout, ctx.gidx, ctx.key_ok = layout, gidx, key_ok_t
+            ctx.has_key_ok, ctx.alpha, ctx.scale = key_ok is not None, alpha, scale
             # the forward's knobs, whatever they are at the backward
             ctx.split, ctx.longest_first = _split_factor(alpha), LONGEST_FIRST
         return out
@@ -684,7 +684,7 @@ class _EntmaxAttention(torch.autograd.Function):
         do = grad_out.to(q.dtype).contiguous()
         delta = (do.float() * gv).sum(-1).contiguous()  # δ_i = Σ_j g dp / Σ_j g
         dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        common = _constants(q, v, layout, alpha, ctx.has_kpm, "backward")
+        common = _constants(q, v, layout, alpha, ctx.has_key_ok, "backward")
         mul, r = scale * (alpha - 1.0), 1.0 / (alpha - 1.0)
         plan = None
         if ctx.split is not None:
@@ -693,7 +693,7 @@ class _EntmaxAttention(torch.autograd.Function):
         kern._backward_dq[_grid(layout, bsz * heads, ctx.longest_first)](
             q, k, v, do, dq, tau, delta, nz,
             layout.row_ptr, row_end, order, layout.pair_kb, layout.pair_mask, layout.masks,
-            ctx.gidx, ctx.kpm, *sizes, layout.nbq, nz.shape[1], mul, scale, r,
+            ctx.gidx, ctx.key_ok, *sizes, layout.nbq, nz.shape[1], mul, scale, r,
             LONGEST_FIRST=ctx.longest_first, **common,
         )  # fmt: skip
         if plan is not None:  # the split query blocks' dq: partial sums per chunk, added
@@ -705,7 +705,7 @@ class _EntmaxAttention(torch.autograd.Function):
             split_kern._split_dq[(chunks, bsz * heads)](
                 q, k, v, do, tau, delta, nz, dqp,
                 plan.ch_rb, plan.ch_start, plan.ch_end, layout.pair_kb, layout.pair_mask,
-                layout.masks, ctx.gidx, ctx.kpm,
+                layout.masks, ctx.gidx, ctx.key_ok,
                 *sizes, layout.nbq, nz.shape[1], chunks, mul, r, **common,
             )  # fmt: skip
             split_kern._split_dq_finish[(plan.long_rb.numel(), bsz * heads)](
@@ -715,7 +715,7 @@ class _EntmaxAttention(torch.autograd.Function):
         kern._backward_dkdv[(layout.nbk, bsz * hkv)](
             q, k, v, do, dk, dvv, tau, delta, nz,
             layout.col_ptr, layout.col_pair, layout.col_qb, layout.pair_mask, layout.masks,
-            ctx.gidx, ctx.kpm,
+            ctx.gidx, ctx.key_ok,
             *sizes, layout.nbk, nz.shape[1], mul, scale, r,
             GROUP=heads // hkv, **common,
         )  # fmt: skip
@@ -728,14 +728,14 @@ def _sizes(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
 
 
 def _constants(
-    q: Tensor, v: Tensor, layout: BlockLayout, alpha: float, has_kpm: bool, kernel: str
+    q: Tensor, v: Tensor, layout: BlockLayout, alpha: float, has_key_ok: bool, kernel: str
 ) -> dict:
     """The compile-time arguments all three kernels take, their warps and the ``kernel``'s
     (``"forward"`` or ``"backward"``) stages."""
     d, dv, block, stages = q.shape[-1], v.shape[-1], layout.block, STAGES[kernel]
     return dict(
         D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BLOCK=block, MODE=_mode(alpha),
-        HAS_KPM=has_kpm, PARTIAL=layout.masks.shape[0] > 0, PREC=_precision(q),
+        HAS_KEY_OK=has_key_ok, PARTIAL=layout.masks.shape[0] > 0, PREC=_precision(q),
         UPCAST=_upcast(q), num_warps=WARPS[block],
         **({} if stages is None else {"num_stages": stages}),
     )  # fmt: skip
@@ -790,11 +790,13 @@ def entmax_attention(
     layout = layout.to(q.device)
     if graph_index is None:
         graph_index = torch.zeros(bsz * heads, dtype=torch.int32, device=q.device)
-    kpm = None
+    key_ok = None
     if key_valid is not None:
-        kpm = key_valid.to(device=q.device, dtype=torch.int8).contiguous()
+        key_ok = key_valid.to(device=q.device, dtype=torch.int8).contiguous()
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return _EntmaxAttention.apply(q, k, v, layout, graph_index, kpm, float(alpha), scale, need_grad)
+    return _EntmaxAttention.apply(
+        q, k, v, layout, graph_index, key_ok, float(alpha), scale, need_grad
+    )
 
 
 def triton_entmax_attention(

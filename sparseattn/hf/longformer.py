@@ -394,7 +394,7 @@ def _global_rows(
     k = _split(module.key_global(hidden_states), heads)
     v = _split(module.value_global(hidden_states), heads)
     # an item of padding only has no global token: its (unused) rows may read every key
-    kpm = is_padding & (~is_padding).any(-1, keepdim=True)
+    ignore = is_padding & (~is_padding).any(-1, keepdim=True)
     out = sparse_attention(
         q,
         k,
@@ -402,7 +402,7 @@ def _global_rows(
         dense(),
         prob_map=prob_map,
         scale=1.0,
-        key_padding_mask=kpm if bool(kpm.any()) else None,
+        key_padding_mask=ignore if bool(ignore.any()) else None,
         dropout_p=dropout,
     )  # (B, H, g, d)
     index = pos[:, :, None, None].expand(bsz, g, heads, head_dim)
