@@ -18,10 +18,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .engines import ENGINES, SPECS, reasons, unsupported
+from .engines import ENGINES, SPECS, capabilities
+from .engines.capabilities import Request
 from .engines.common import grid_indices
-from .engines.rows import full_rows_attention
-from .engines.triton_entmax import full_rows_entmax
 from .graph import AttentionGraph, broadcast_or_none
 from .maps import NonFiniteScoresError, ProbabilityMap, entmax, resolve_prob_map
 from .patterns import Causal, HeadSplit, Pattern, PatternCycle, as_cycle, dense
@@ -44,26 +43,6 @@ __all__ = [
     "choose_engine",
     "resolve_graph",
 ]
-
-#: Largest score matrix (B·H·n_q·n_k entries) for which ``auto`` may pick the dense engine on
-#: CPU: a memory cap, not the speed rule (that compares costs, :func:`choose_engine`). For
-#: softmax without dropout the dense engine runs SDPA's fused CPU kernel, which holds the graph's
-#: n_q × n_k mask and not the scores; where it materialises the scores (other maps, dropout) the
-#: cap is DENSE_LIMIT // 32 = 2²² entries (16 MiB of fp32).
-DENSE_LIMIT = 1 << 27
-#: On a GPU, the largest score matrix for which ``auto`` picks the dense engine (masked SDPA):
-#: at B·H·n² = 2²⁵ (8 heads, n = 2048; H100, bf16, forward + backward) it took 0.25–0.72 ms on
-#: Longformer, BigBird and random graphs against 0.96–1.81 ms for the flex engine, whose
-#: compiled call costs the host ~1 ms there (docs/benchmarks.md, "GPU"). Larger sizes are not
-#: measured: there the fused sparse kernels are the rule.
-GPU_DENSE_LIMIT = 1 << 25
-#: Cost of one score entry of the dense engine (SDPA's fused kernel) in scored block entries at
-#: b = 64, forward: 0.6–0.9 on the AMD EPYC, 0.5–0.8 on the Intel Xeon (d = 64; docs/engines.md,
-#: "The `auto` rule").
-DENSE_ENTRY_COST = 0.7
-#: The same for forward + backward (units of ``ENTRY_COST_TRAIN``): 0.3–0.9, mostly near 0.45, over
-#: the grid of ``sparseattn bench auto`` (docs/benchmarks.md, "The `auto` grid").
-DENSE_ENTRY_COST_TRAIN = 0.45
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool = False) -> None:
@@ -154,86 +133,32 @@ def choose_engine(
     score_mod: bool = False,
     key_padding: bool = False,
 ) -> str:
-    """The ``auto`` rule (docs/engines.md; constants measured in docs/benchmarks.md).
+    """The ``auto`` rule (docs/engines.md): the engine table's choice
+    (:func:`sparseattn.engines.capabilities.choose`) for this call on ``graph``.
 
-    Only engines that can compute the request qualify (their declared capabilities,
-    :mod:`sparseattn.engines.capabilities`; an unknown map, ``prob_map=None``, rules out the
-    softmax-only ``flex``). Among them, by the cost measurements of the input's device:
+    Only engines that can compute the request qualify (their declared capabilities; an
+    unknown map, ``prob_map=None``, rules out the softmax-only ``flex``), and the cheapest of
+    them by its row's cost (constants: :mod:`sparseattn.engines.costs`):
 
-    * On CPU the least estimated cost per graph, in scored block entries (every engine's
-      cost grows as B·H, so the comparison is per graph): ``block`` pairs·b²·ENTRY_COST[b] at
-      the block size b the block engine will choose (``ENTRY_COST_TRAIN`` when a backward
-      will follow), ``gather`` E / BLOCK_MIN_FILL (a gathered edge costs 12 block entries),
-      ``dense`` n_q·n_k·DENSE_ENTRY_COST (0.7; ``DENSE_ENTRY_COST_TRAIN`` = 0.45 with a
-      backward: SDPA's fused kernel scores an entry for less than a block entry), the latter
-      only while B·H·n_q·n_k ≤ DENSE_LIMIT (2²⁷; DENSE_LIMIT // 32 where the dense engine
-      materialises the scores). ``flex`` replaces ``block`` only where its estimated cost,
-      FLEX_ENTRY_COST × its work at block 128, is lower: on the measured CPUs it never is.
-    * On a GPU: ``dense`` while B·H·n_q·n_k ≤ GPU_DENSE_LIMIT, then ``flex`` wherever it
-      qualifies (softmax: one fused kernel, forward and backward), then ``triton`` (α-entmax,
-      sparsemax: fused kernels), then ``block`` or ``gather`` by the same costs.
+    * On CPU the least estimated cost per graph, in scored block entries: ``block``
+      pairs·b²·ENTRY_COST[b] at the block size b the block engine will choose
+      (``ENTRY_COST_TRAIN`` when a backward will follow), ``gather`` E / BLOCK_MIN_FILL (a
+      gathered edge costs 12 block entries), ``dense`` n_q·n_k·DENSE_ENTRY_COST (0.7;
+      ``DENSE_ENTRY_COST_TRAIN`` = 0.45 with a backward: SDPA's fused kernel scores an entry for
+      less than a block entry) while B·H·n_q·n_k ≤ DENSE_LIMIT (2²⁷; DENSE_LIMIT // 32 where
+      the dense engine materialises the scores), ``flex`` FLEX_ENTRY_COST × its work at block
+      128: on the measured CPUs never the cheapest.
+    * On a GPU first the measured order (``GPU_ORDER``): ``dense`` while B·H·n_q·n_k ≤
+      GPU_DENSE_LIMIT, then ``flex`` wherever it qualifies (softmax: one fused kernel, forward
+      and backward), then ``triton`` (α-entmax, sparsemax: fused kernels), then ``block`` or
+      ``gather`` by the same costs.
 
     ``score_mod`` and ``key_padding`` say whether the call has a score modifier and a key
-    padding mask (the dense engine then materialises the scores). The decision is cached on
-    the graph per request (shapes, dtype, map, training, dropout, modifier, padding).
+    padding mask (the dense engine then materialises the scores). The decision is kept on the
+    graph per request.
     """
-    cache = graph.cached(("auto",), dict)
-    train = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    key = None
-    if prob_map is None or prob_map.alpha is None:
-        what = None if prob_map is None else (prob_map.name, tuple(prob_map.params.items()))
-        key = (q.device.type, q.dtype, tuple(q.shape), tuple(k.shape), what, train)
-        key += (bool(dropout_p), score_mod, key_padding, DENSE_LIMIT, GPU_DENSE_LIMIT)
-        try:
-            if key in cache:
-                return cache[key]
-        except TypeError:  # a map parameter that is not hashable: no caching
-            key = None
-    from .engines import SPECS, reasons
-    from .engines.flex import FLEX_BLOCK, FLEX_ENTRY_COST
-    from .engines.layout import (
-        BLOCK_MIN_FILL,
-        ENTRY_COST,
-        ENTRY_COST_TRAIN,
-        choose_block,
-        count_pairs,
-    )
-
-    ok = {name for name in SPECS if not reasons(name, q, k, k, prob_map, dropout_p, score_mod)}
-    bsz, heads, n_q, _ = q.shape
-    n_k = k.shape[-2]
-    gpu = q.device.type != "cpu"
-    chosen = None
-    if gpu:
-        if "dense" in ok and bsz * heads * n_q * n_k <= GPU_DENSE_LIMIT:
-            chosen = "dense"
-        elif "flex" in ok:
-            chosen = "flex"
-        elif "triton" in ok:
-            chosen = "triton"
-    if chosen is None:
-        if ("work", train) not in cache:
-            b = choose_block(graph, train)
-            table = ENTRY_COST_TRAIN if train else ENTRY_COST
-            cache[("work", train)] = count_pairs(graph, b) * b * b * table[b]
-        graphs = max(1, math.prod(graph.batch_shape))  # a per-head graph holds H graphs
-        costs = {"block": cache[("work", train)] / graphs}
-        if "gather" in ok:
-            costs["gather"] = graph.col.numel() / graphs / BLOCK_MIN_FILL
-        fused = prob_map is not None and prob_map.is_softmax
-        fused = fused and not (dropout_p or score_mod or key_padding)
-        limit = DENSE_LIMIT if fused else DENSE_LIMIT // 32
-        if not gpu and "dense" in ok and bsz * heads * n_q * n_k <= limit:
-            costs["dense"] = n_q * n_k * (DENSE_ENTRY_COST_TRAIN if train else DENSE_ENTRY_COST)
-        chosen = min(costs, key=costs.get)
-    if chosen == "block" and not gpu and "flex" in ok:
-        if "flex_work" not in cache:
-            cache["flex_work"] = count_pairs(graph, FLEX_BLOCK) * FLEX_BLOCK**2 * FLEX_ENTRY_COST
-        if cache["flex_work"] < cache[("work", train)]:
-            chosen = "flex"
-    if key is not None:
-        cache[key] = chosen
-    return chosen
+    request = Request.of(q, k, k, prob_map, dropout_p, score_mod, key_padding)
+    return capabilities.choose(request, graph, (q, k, k, prob_map, dropout_p))
 
 
 def _autocasting(t: Tensor) -> bool:
@@ -400,24 +325,25 @@ def _attend(
 ) -> Tensor:
     """:func:`sparse_attention` on validated inputs with as many key/value heads as query
     heads; ``valid`` (batch, n_k) is True for real keys (the engines' convention)."""
-    causal = _full_rows(pattern, q, k) if engine in ("auto", "rows") else None
+    full = _full_rows(pattern, q, k) if engine in ("auto", "rows") else None
     modded = score_mod is not None
+    request = Request.of(q, k, v, rho, dropout_p, modded, valid is not None, full)
+    call = (q, k, v, rho, dropout_p)
+    extra = {} if score_mod is None else {"score_mod": score_mod}
     try:
-        if causal is not None:  # the dense pattern: no n² graph (docs/engines.md, "full rows")
-            gpu_map = q.device.type != "cpu" and not reasons("triton", q, k, v, rho, 0.0, modded)
-            if engine == "auto" and gpu_map:  # sparse maps on a GPU
-                out = full_rows_entmax(q, k, v, rho, scale, valid, causal)
-            else:
-                out = full_rows_attention(q, k, v, rho, scale, valid, dropout_p, causal, score_mod)
+        if full is not None:  # the dense pattern: no n² graph (docs/engines.md, "full rows")
+            if engine == "auto":
+                engine = capabilities.choose(request, None, call)
+            spec = SPECS[engine]
+            out = spec.full_rows(q, k, v, rho, scale, valid, dropout_p, full, score_mod)
         else:
             graph = resolve_graph(pattern, q, k)
             if engine == "auto":
-                engine = choose_engine(graph, q, k, rho, dropout_p, modded, valid is not None)
+                engine = capabilities.choose(request, graph, call)
             else:
-                reason = unsupported(engine, q, k, v, rho, dropout_p, modded)
-                if reason is not None:
+                reason = "; ".join(capabilities.request_reasons(engine, request, call))
+                if reason:
                     raise ValueError(f"engine={engine!r} cannot run this call: {reason}")
-            extra = {} if score_mod is None else {"score_mod": score_mod}
             out = ENGINES[engine](q, k, v, graph, rho, scale, valid, dropout_p, **extra)
     except NonFiniteScoresError:  # an input holds NaN or inf, or scale · q·k overflowed
         out = q.new_full((1,), math.nan)

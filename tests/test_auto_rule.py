@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import sparseattn as sa
-from sparseattn import attention, cli
-from sparseattn.attention import DENSE_LIMIT, choose_engine, resolve_graph
+from sparseattn import cli
+from sparseattn.attention import choose_engine, resolve_graph
+from sparseattn.engines import costs
+from sparseattn.engines.costs import DENSE_LIMIT
 from sparseattn.maps import entmax, softmax
 
 
@@ -61,7 +63,7 @@ def test_dense_stays_under_the_memory_cap():
 
 
 def test_a_zero_limit_turns_dense_off(monkeypatch):
-    monkeypatch.setattr(attention, "DENSE_LIMIT", 0)
+    monkeypatch.setattr(costs, "DENSE_LIMIT", 0)
     assert _pick(sa.strided(16), 256, 32) != "dense"
 
 
@@ -70,10 +72,12 @@ def test_the_decision_is_cached_per_request(monkeypatch):
     graph = resolve_graph(sa.strided(16), q, k)
     first = choose_engine(graph, q, k, softmax())
     calls = []
-    import sparseattn.engines as engines
+    import sparseattn.engines.capabilities as table
 
-    real = engines.reasons
-    monkeypatch.setattr(engines, "reasons", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    real = table.request_reasons
+    monkeypatch.setattr(
+        table, "request_reasons", lambda *a, **kw: calls.append(a) or real(*a, **kw)
+    )
     assert choose_engine(graph, q, k, softmax()) == first
     assert not calls  # the cached answer: no capability walk
     choose_engine(graph, q[:1], k[:1], softmax())  # another request: decided anew

@@ -15,7 +15,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import sparseattn as sa
-from sparseattn import attention as attention_module
+from sparseattn.engines import costs
 from sparseattn.engines.flex import flex_available
 
 E, H = 16, 2
@@ -77,7 +77,7 @@ def _stream(compiled: nn.Module, model: nn.Module, lengths: list[int]) -> list[i
 
 def test_compiled_model_equals_eager_with_bounded_graphs(fresh_dynamo, monkeypatch):
     # a small DENSE_LIMIT makes `auto` move from the dense engine to another inside the stream
-    monkeypatch.setattr(attention_module, "DENSE_LIMIT", 2 * H * 48 * 48)
+    monkeypatch.setattr(costs, "DENSE_LIMIT", 2 * H * 48 * 48)
     model = _model()
     compiled = torch.compile(model, backend="aot_eager")
     lengths = [24, 40, 56, 72]

@@ -210,7 +210,7 @@ def module_reference(layer, x, pattern):
 
 def _layer(pattern, monkeypatch):
     """A SparseAttention whose ``auto`` picks the block engine at these small sizes."""
-    monkeypatch.setattr(sa.attention, "DENSE_LIMIT", 0)
+    monkeypatch.setattr(sa.engines.costs, "DENSE_LIMIT", 0)
     torch.manual_seed(0)
     return sa.SparseAttention(64, 4, pattern=pattern)
 

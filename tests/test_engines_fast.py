@@ -406,8 +406,8 @@ def test_flex_user_path_checks_the_request_once(monkeypatch):
     import sparseattn.engines.capabilities as capabilities
 
     calls = []
-    real = capabilities.reasons
-    monkeypatch.setattr(capabilities, "reasons", lambda *a: calls.append(a[0]) or real(*a))
+    real = capabilities.request_reasons
+    monkeypatch.setattr(capabilities, "request_reasons", lambda *a: calls.append(a[0]) or real(*a))
     q, k, v = qkv(n=64, d=16, dtype=torch.float32)
     out = sa.sparse_attention(q, k, v, sa.window(8), engine="flex")
     assert calls == ["flex"]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import sparseattn as sa
+from sparseattn.engines import costs
 from sparseattn.engines import triton_entmax as te
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -579,7 +580,6 @@ def test_bench_gpu_entmax_dry_run_reaches_the_kernels(tmp_path, monkeypatch):
 
     from device_guard import DeviceGuard
 
-    import sparseattn.attention as attention
     from sparseattn.bench.gpu import GpuSuite, run_gpu_suite
     from sparseattn.engines import SPECS
 
@@ -610,7 +610,7 @@ def test_bench_gpu_entmax_dry_run_reaches_the_kernels(tmp_path, monkeypatch):
         "entmax_attention",
         lambda *a, **k: seen.append((te.TOPK, te.SPLIT_LONG, te.LONGEST_FIRST)) or real(*a, **k),
     )
-    monkeypatch.setattr(attention, "GPU_DENSE_LIMIT", 0)  # n = 256 would go to masked SDPA
+    monkeypatch.setattr(costs, "GPU_DENSE_LIMIT", 0)  # n = 256 would go to masked SDPA
     with DeviceGuard():
         # the guard turns the kernels off (they would launch on CUDA); here they interpret
         # (the guard puts the real entry back when it exits)

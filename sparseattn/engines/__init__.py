@@ -9,9 +9,16 @@ in :mod:`.capabilities` (``SPECS``), the one table ``engine="auto"`` walks.
 """
 
 from .block import block_attention
-from .capabilities import ENGINES, SPECS, EngineSpec, Request, reasons, unsupported
+from .capabilities import (
+    ENGINES,
+    SPECS,
+    EngineSpec,
+    Request,
+    flex_attention_engine,
+    reasons,
+    unsupported,
+)
 from .dense import dense_attention
-from .flex import flex_attention_engine
 from .gather import gather_attention
 from .rows import rows_attention
 

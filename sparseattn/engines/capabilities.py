@@ -1,11 +1,17 @@
-"""What each engine can compute, declared in one place.
+"""The engine table: what each engine can compute and what it costs, declared in one place.
 
 Each engine states the devices, dtypes, probability maps, training (backward), dropout,
-per-row α and grouped-query attention it supports, as an :class:`EngineSpec`;
-:meth:`EngineSpec.not_supported_reasons` names, one sentence each, why it cannot run a
-:class:`Request`. ``sparse_attention(engine=...)`` refuses an engine with reasons (and says
-them); ``engine="auto"`` (``choose_engine``) only considers the engines without reasons, then
-picks among them by the cost measurements of the input's device.
+per-row α and grouped-query attention it supports, and its cost estimate for a request, as an
+:class:`EngineSpec`; :meth:`EngineSpec.not_supported_reasons` names, one sentence each, why it
+cannot run a :class:`Request`. ``sparse_attention(engine=...)`` refuses an engine with reasons
+(and says them); ``engine="auto"`` is :func:`choose`, one loop over the table: the cheapest
+engine without reasons (the model: xformers' fmha dispatch). The numbers the estimates use live
+in :mod:`sparseattn.engines.costs`.
+
+The dense pattern (every key, or every earlier key) is a request without a graph
+(``Request.full_rows``): only the engines that serve it graph-free have a cost for it — the
+rows engine (full rows a chunk of queries at a time, SDPA's fused kernel for softmax) and, on a
+GPU, the Triton kernels' fused full-row α-entmax — so ``auto`` never builds its n² graph.
 """
 
 from __future__ import annotations
@@ -13,21 +19,44 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
+from . import costs
 from .block import block_attention
 from .dense import dense_attention
-from .flex import flex_attention_engine, flex_available, flex_refuses
+from .flex import FLEX_BLOCK, flex_available, flex_engine, flex_refuses
 from .gather import gather_attention
-from .rows import rows_attention
-from .triton_entmax import triton_entmax_attention, triton_entmax_unsupported, triton_map_reason
+from .layout import choose_block, count_pairs
+from .rows import full_rows_attention, rows_attention
+from .triton_entmax import (
+    full_rows_entmax,
+    triton_entmax_attention,
+    triton_entmax_unsupported,
+    triton_map_reason,
+)
 
-__all__ = ["ENGINES", "EngineSpec", "Request", "SPECS", "reasons", "unsupported"]
+__all__ = [
+    "ENGINES",
+    "EngineSpec",
+    "Request",
+    "SPECS",
+    "choose",
+    "flex_attention_engine",
+    "reasons",
+    "request_reasons",
+    "unsupported",
+]
+
+#: A cost: (tier, estimate), compared as tuples — the tier is the measured order of the fused
+#: GPU kernels (0 elsewhere), the estimate the work in scored block entries at b = 64.
+Cost = tuple[int, float]
 
 _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _HALF_AND_FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -62,6 +91,10 @@ class Request:
         row_alpha: ρ is α-entmax with a tensor α (one per head or row).
         gqa: k and v have fewer heads than q (grouped-query attention).
         score_mod: a score modifier (``sparseattn.score_mods``) applies to the scores.
+        key_padding: a key padding mask applies.
+        shape: (batch, heads, n_q, n_k) of the scores.
+        full_rows: for the dense pattern, whether it is causal (then no graph is built);
+            None for any other pattern.
     """
 
     device: str
@@ -72,6 +105,14 @@ class Request:
     row_alpha: bool = False
     gqa: bool = False
     score_mod: bool = False
+    key_padding: bool = False
+    shape: tuple[int, int, int, int] = (1, 1, 1, 1)
+    full_rows: bool | None = None
+
+    @property
+    def entries(self) -> int:
+        """B·H·n_q·n_k: the size of the score matrix."""
+        return math.prod(self.shape)
 
     @classmethod
     def of(
@@ -82,8 +123,11 @@ class Request:
         prob_map: ProbabilityMap | None,
         dropout_p: float = 0.0,
         score_mod: bool = False,
+        key_padding: bool = False,
+        full_rows: bool | None = None,
     ) -> Request:
-        """The request of a call with q (B, H, n_q, d), k (B, H_kv, n_k, d), v like k."""
+        """The request of a call with q (B, H, n_q, d), k (B, H_kv, n_k, d), v like k: made
+        once per call, and what every decision about it reads."""
         return cls(
             device=q.device.type,
             dtype=q.dtype,
@@ -94,6 +138,9 @@ class Request:
             row_alpha=prob_map is not None and prob_map.alpha is not None,
             gqa=k.shape[1] != q.shape[1],
             score_mod=score_mod,
+            key_padding=key_padding,
+            shape=(q.shape[0], q.shape[1], q.shape[2], k.shape[2]),
+            full_rows=full_rows,
         )
 
 
@@ -117,6 +164,11 @@ class EngineSpec:
         available: None when what it needs is here (a compiler, a package), else why not.
         refuses: a finer check on the tensors themselves (head dims, shapes), consulted once
             the declared capabilities allow the call: None, or why not.
+        cost: ``cost(request, graph, memo)``, its estimated cost for a request it can
+            compute (:data:`Cost`), or None where ``auto`` should not pick it (``graph`` is
+            None for the dense pattern, ``memo`` a dict kept on the graph for per-graph work).
+        full_rows: ``full_rows(q, k, v, prob_map, scale, key_valid, dropout_p, causal,
+            score_mod)`` serving the dense pattern without a graph, or None.
     """
 
     name: str
@@ -132,6 +184,8 @@ class EngineSpec:
     score_mod: bool = True
     available: Callable[[], str | None] = lambda: None
     refuses: Callable[..., str | None] | None = None
+    cost: Callable[[Request, AttentionGraph | None, dict], Cost | None] = lambda *_: None
+    full_rows: Callable[..., Tensor] | None = None
 
     def not_supported_reasons(self, req: Request) -> list[str]:
         """Why this engine cannot compute ``req``, one sentence each; empty if it can."""
@@ -157,6 +211,89 @@ class EngineSpec:
         return reasons
 
 
+# ---------------------------------------------------------------------------- the costs
+def _graphs(graph: AttentionGraph) -> int:
+    """Graphs a graph holds (a per-head graph holds H): every engine's cost grows as B·H, so
+    costs are compared per graph."""
+    return max(1, math.prod(graph.batch_shape))
+
+
+def _block_work(req: Request, graph: AttentionGraph, memo: dict) -> float:
+    """pairs·b²·ENTRY_COST[b] at the block size b the block engine will choose (its training
+    table when a backward follows); per graph, kept on the graph."""
+    if ("work", req.train) not in memo:
+        b = choose_block(graph, req.train)
+        table = costs.ENTRY_COST_TRAIN if req.train else costs.ENTRY_COST
+        memo[("work", req.train)] = count_pairs(graph, b) * b * b * table[b] / _graphs(graph)
+    return memo[("work", req.train)]
+
+
+def _gpu_tier(name: str, req: Request) -> int:
+    """0 on CPU; on a GPU the engine's place in the measured order (:data:`costs.GPU_ORDER`),
+    the engines outside it after."""
+    if req.device == "cpu":
+        return 0
+    order = costs.GPU_ORDER
+    return order.index(name) if name in order else len(order)
+
+
+def _dense_cost(req: Request, graph: AttentionGraph | None, memo: dict) -> Cost | None:
+    """n_q·n_k·DENSE_ENTRY_COST (SDPA's fused kernel scores an entry for less than a block
+    entry), within its memory cap: DENSE_LIMIT (DENSE_LIMIT // 32 where it materialises the
+    scores: a map other than softmax, dropout, a modifier, key padding); on a GPU, first in
+    the order up to GPU_DENSE_LIMIT, not a candidate above."""
+    if graph is None:
+        return None
+    if req.device != "cpu":
+        return (0, 0.0) if req.entries <= costs.GPU_DENSE_LIMIT else None
+    fused = req.prob_map is not None and req.prob_map.is_softmax
+    fused = fused and not (req.dropout or req.score_mod or req.key_padding)
+    if req.entries > (costs.DENSE_LIMIT if fused else costs.DENSE_LIMIT // 32):
+        return None
+    entry = costs.DENSE_ENTRY_COST_TRAIN if req.train else costs.DENSE_ENTRY_COST
+    return (0, req.shape[2] * req.shape[3] * entry)
+
+
+def _block_cost(req: Request, graph: AttentionGraph | None, memo: dict) -> Cost | None:
+    return None if graph is None else (_gpu_tier("block", req), _block_work(req, graph, memo))
+
+
+def _gather_cost(req: Request, graph: AttentionGraph | None, memo: dict) -> Cost | None:
+    """E / BLOCK_MIN_FILL per graph: a gathered edge costs 12 block entries."""
+    if graph is None:
+        return None
+    return (_gpu_tier("gather", req), graph.col.numel() / _graphs(graph) / costs.BLOCK_MIN_FILL)
+
+
+def _flex_cost(req: Request, graph: AttentionGraph | None, memo: dict) -> Cost | None:
+    """On a GPU, second in the order; on CPU FLEX_ENTRY_COST × its work at block 128, which
+    only replaces the block engine where it is the cheaper of the two."""
+    if graph is None:
+        return None
+    if req.device != "cpu":
+        return (_gpu_tier("flex", req), 0.0)
+    if "flex_work" not in memo:
+        pairs = count_pairs(graph, FLEX_BLOCK)
+        memo["flex_work"] = pairs * FLEX_BLOCK**2 * costs.FLEX_ENTRY_COST / _graphs(graph)
+    return (0, memo["flex_work"])
+
+
+def _triton_cost(req: Request, graph: AttentionGraph | None, memo: dict) -> Cost | None:
+    """Third in the GPU order; for the dense pattern, its fused full rows come first."""
+    return (-1, 0.0) if graph is None else (_gpu_tier("triton", req), 0.0)
+
+
+def _rows_cost(req: Request, graph: AttentionGraph | None, memo: dict) -> Cost | None:
+    """The dense pattern's own route (no n² graph; SDPA for softmax); not for other graphs,
+    whose rows the graph engines read faster."""
+    return (0, 0.0) if graph is None else None
+
+
+def _full_rows_entmax(q, k, v, prob_map, scale, key_valid, dropout_p, causal, score_mod=None):
+    """The Triton kernels' fused full rows (no dropout, no score modifier: its reasons)."""
+    return full_rows_entmax(q, k, v, prob_map, scale, key_valid, causal)
+
+
 SPECS: dict[str, EngineSpec] = {
     spec.name: spec
     for spec in (
@@ -165,27 +302,32 @@ SPECS: dict[str, EngineSpec] = {
             dense_attention,
             "the masked n_q × n_k reference: O(n²) memory, fastest for small score matrices",
             row_alpha=True,
+            cost=_dense_cost,
         ),
         EngineSpec(
             "rows",
             rows_attention,
             "full (or wide) rows a chunk of queries at a time: sparse maps on the dense pattern",
             row_alpha=True,
+            cost=_rows_cost,
+            full_rows=full_rows_attention,
         ),
         EngineSpec(
             "block",
             block_attention,
             "block-sparse matrix products over the graph's non-empty blocks: any map",
             row_alpha=True,
+            cost=_block_cost,
         ),
         EngineSpec(
             "gather",
             gather_attention,
             "neighbour lists chunked by degree: graphs too scattered for blocks",
+            cost=_gather_cost,
         ),
         EngineSpec(
             "flex",
-            functools.partial(flex_attention_engine, check=False),
+            flex_engine,
             "torch's compiled FlexAttention on the graph's BlockMask: softmax",
             dtypes=_HALF_AND_FLOAT,
             maps=_softmax_only,
@@ -194,6 +336,7 @@ SPECS: dict[str, EngineSpec] = {
             gqa=True,
             available=flex_available,
             refuses=flex_refuses,
+            cost=_flex_cost,
         ),
         EngineSpec(
             "triton",
@@ -207,6 +350,8 @@ SPECS: dict[str, EngineSpec] = {
             score_mod=False,
             available=_triton_available,
             refuses=triton_entmax_unsupported,
+            cost=_triton_cost,
+            full_rows=_full_rows_entmax,
         ),
     )
 }
@@ -219,15 +364,84 @@ def reasons(engine: str, *call: Any) -> list[str]:
     """Why ``engine`` cannot compute this call — (q, k, v, prob_map[, dropout_p[, score_mod]]),
     as :meth:`Request.of` takes them —: its declared reasons, then (if none) its finer check on
     the tensors; empty when it can."""
-    spec = SPECS[engine]
-    found = spec.not_supported_reasons(Request.of(*call))
-    if not found and spec.refuses is not None:
-        finer = spec.refuses(*call[:5])
-        found = [] if finer is None else [finer]
-    return found
+    return request_reasons(engine, Request.of(*call), call)
 
 
 def unsupported(engine: str, *call: Any) -> str | None:
     """None if ``engine`` can compute this call (as :func:`reasons` takes it), else why not
     (its reasons, joined)."""
     return "; ".join(reasons(engine, *call)) or None
+
+
+def request_reasons(name: str, req: Request, call: tuple) -> list[str]:
+    """Why engine ``name`` cannot compute ``req`` (the call's tensors: ``call`` = (q, k, v,
+    prob_map, dropout_p), for its finer check); empty when it can."""
+    spec = SPECS[name]
+    found = spec.not_supported_reasons(req)
+    if not found and spec.refuses is not None:
+        finer = spec.refuses(*call[:5])
+        found = [] if finer is None else [finer]
+    return found
+
+
+def choose(req: Request, graph: AttentionGraph | None, call: tuple) -> str:
+    """``engine="auto"``: the cheapest engine of the table without reasons (its ``cost``;
+    ``graph`` None for the dense pattern), for ``call`` = (q, k, v, prob_map, dropout_p), the
+    tensors the finer checks read. The decision is kept on the graph per request.
+
+    Raises:
+        ValueError: when no engine can compute the request, with every engine's reasons.
+    """
+    memo = {} if graph is None else graph.cached(("auto",), dict)
+    key = _decision_key(req)
+    if key is not None and key in memo:
+        return memo[key]
+    found, why = {}, {}
+    for name, spec in SPECS.items():
+        why[name] = request_reasons(name, req, call)
+        cost = None if why[name] else spec.cost(req, graph, memo)
+        if cost is not None:
+            found[name] = cost
+    if not found:
+        listed = "; ".join(f"{name}: {', '.join(r) or 'no cost here'}" for name, r in why.items())
+        raise ValueError(f"no engine can compute this call — {listed}")
+    chosen = min(found, key=found.get)
+    if key is not None:
+        memo[key] = chosen
+    return chosen
+
+
+def _decision_key(req: Request) -> tuple | None:
+    """What a decision depends on (the limits too: tests and benchmarks move them), or None
+    when the map's parameters are not hashable (or α is a tensor): decided every call."""
+    rho = req.prob_map
+    if rho is not None and rho.alpha is not None:
+        return None
+    what = None if rho is None else (rho.name, tuple(rho.params.items()))
+    key = (dataclasses.replace(req, prob_map=None), what, costs.DENSE_LIMIT, costs.GPU_DENSE_LIMIT)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def checked(name: str) -> Callable[..., Tensor]:
+    """Engine ``name`` as a public function: a call the table says it cannot compute raises a
+    ValueError with the reasons, anything else runs the engine (``sparse_attention`` calls
+    the table's entry directly: it has checked the request already)."""
+    spec = SPECS[name]
+
+    @functools.wraps(spec.run)
+    def run(q, k, v, graph, prob_map, scale, key_valid=None, dropout_p=0.0, **options):
+        modded = options.get("score_mod") is not None
+        reason = unsupported(name, q, k, v, prob_map, dropout_p, modded)
+        if reason is not None:
+            raise ValueError(f"engine={name!r} cannot run this call: {reason}")
+        return spec.run(q, k, v, graph, prob_map, scale, key_valid, dropout_p, **options)
+
+    return run
+
+
+#: FlexAttention on a graph, checked (:func:`sparseattn.engines.flex.flex_engine`).
+flex_attention_engine = checked("flex")

@@ -37,7 +37,7 @@ from .layout import block_pairs
 
 __all__ = [
     "cached_block_mask",
-    "flex_attention_engine",
+    "flex_engine",
     "flex_available",
     "flex_refuses",
     "forget_shapes",
@@ -57,10 +57,6 @@ FLEX_BLOCK = 128
 #: when the key block is the whole sequence: wrong rows, different from run to run
 #: (docs/engines.md, "Results that depend on the CPU's vector width").
 _TILE_KEYS, _TILE_HEAD_DIM_LIMIT = 16, 24
-
-#: Cost of one scored entry of compiled FlexAttention at block 128 relative to one entry of
-#: the block engine at block 64 (ENTRY_COST[64] = 1), measured on CPU (docs/benchmarks.md).
-FLEX_ENTRY_COST = 5.0
 
 
 @functools.cache
@@ -396,7 +392,7 @@ def _compiled(dynamic: bool | None):
     return call
 
 
-def flex_attention_engine(
+def flex_engine(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -407,34 +403,24 @@ def flex_attention_engine(
     dropout_p: float = 0.0,
     block: int = FLEX_BLOCK,
     score_mod: Callable | None = None,
-    *,
-    check: bool = True,
 ) -> Tensor:
     """Softmax attention on the graph with compiled FlexAttention (same contract as
-    ``dense_attention``; Yun eq. 3 with ρ = softmax).
+    ``dense_attention``; Yun eq. 3 with ρ = softmax): the engine table's entry, which runs
+    requests the table has checked (host time on every call). The public function,
+    ``sparseattn.engines.flex_attention_engine``, checks them first.
 
     The BlockMask has the graph's leading shape (size-1 dims broadcast over q's batch and
     heads); without key padding it is cached on the graph per (block, device). k and v may
     have fewer heads than q (grouped-query attention, FlexAttention's ``enable_gqa``).
     ``score_mod`` is FlexAttention's own (the same convention), compiled into the kernel.
-    ``check=False`` skips the capability check: the engine table's entry, called by
-    ``sparse_attention``, which has checked the request already (host time on every call).
 
     On CPU, k is read whole before the call: torch's CPU kernel gives a row that reads a NaN
     key zeros, not NaN, so the result could not show it. Head dims that would take the CPU
     micro-GEMM's faulty tail branch run with one zero column added to q and k
     (:data:`_TILE_KEYS`).
     Raises:
-        ValueError: when FlexAttention cannot compute the request (the reasons of
-            :mod:`sparseattn.engines.capabilities`).
         NonFiniteScoresError: on CPU, when k holds NaN or inf (``sparse_attention`` names k).
     """
-    if check:
-        from .capabilities import unsupported
-
-        reason = unsupported("flex", q, k, v, prob_map, dropout_p, score_mod is not None)
-        if reason is not None:
-            raise ValueError(f"engine='flex' cannot run this call: {reason}; use engine='block'")
     # the BlockMask keeps the graph's own leading shape; its size-1 dims broadcast over q's
     block_mask, generic = _cached_block_mask(graph, block, q.device)
     if key_valid is not None:

@@ -24,12 +24,10 @@ from torch import Tensor
 
 from ..graph import PIECE_EDGES, PLANS_PER_GRAPH, AttentionGraph
 from ..memo import Memo
+from .costs import ENTRY_COST, ENTRY_COST_TRAIN
 
 __all__ = [
-    "BLOCK_MIN_FILL",
     "BLOCK_SIZES",
-    "ENTRY_COST",
-    "ENTRY_COST_TRAIN",
     "BlockChunk",
     "BlockGroup",
     "BlockPairs",
@@ -42,18 +40,6 @@ __all__ = [
 
 #: Block sizes the engine chooses from when ``block=None``.
 BLOCK_SIZES = (16, 32, 64, 128)
-#: Relative cost of one scored entry at each block size (matrix-product efficiency and
-#: per-chunk overhead, measured on this machine; docs/benchmarks.md, "block size").
-ENTRY_COST = {16: 1.6, 32: 1.1, 64: 1.0, 128: 0.92}
-#: The same for forward + backward (the backward's small per-row-block matrix products make
-#: small blocks relatively dearer when training).
-ENTRY_COST_TRAIN = {16: 2.2, 32: 1.2, 64: 1.0, 128: 0.85}
-
-#: Below this fraction of useful entries in the block layout (weighted by ``ENTRY_COST``)
-#: ``engine="auto"`` gathers instead: a gathered edge costs about 1 / BLOCK_MIN_FILL = 12 scored
-#: block entries (~60–110 ns against ~4–8 ns forward at d = 64 on both measured CPUs; 9–14
-#: forward + backward at d = 16–64 on the AMD EPYC; docs/benchmarks.md, "The `auto` grid").
-BLOCK_MIN_FILL = 1 / 12
 
 
 @dataclass
