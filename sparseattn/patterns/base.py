@@ -1,11 +1,13 @@
-"""Pattern: a rule {A_k} that yields an AttentionGraph for any length n (Yun et al. §3.1)."""
+"""Pattern: a rule {A_k} that yields an AttentionGraph for any length n (Yun et al. §3.1), and
+the two patterns its own operators make: ``pattern.causal()`` (:class:`Causal`) and
+``a | b`` (:class:`Union`, Yun §5.1 UNION)."""
 
 from __future__ import annotations
 
 import abc
 import dataclasses
 import functools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import ClassVar
 
 import torch
@@ -15,7 +17,7 @@ from ..graph import AttentionGraph
 from ..memo import Memo
 from ..validate import check_positive
 
-__all__ = ["GRAPH_CACHE_SIZE", "Pattern", "Causal", "check_positive"]
+__all__ = ["GRAPH_CACHE_SIZE", "Pattern", "Causal", "Union", "check_positive", "union"]
 
 #: Graphs a pattern object keeps, one per length n (and head count, for a head split); the
 #: least recently used goes first. Each graph carries its engines' plans, so a stream of
@@ -259,8 +261,6 @@ class Pattern(abc.ABC):
         return cached_block_mask(self.graph(n, **graph_kwargs), block, device)
 
     def __or__(self, other: Pattern) -> Pattern:
-        from .compose import union
-
         return union(self, other)
 
     def params(self) -> dict:
@@ -324,3 +324,63 @@ def _member(tokens: int | tuple[int, ...], const):
         return None
     pos = [const(p) for p in tokens]
     return lambda idx: functools.reduce(torch.logical_or, [idx == p for p in pos])
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Union(Pattern):
+    """UNION: A_k = ∪_l A_k^l (every layer and head uses the union of the parts)."""
+
+    parts: tuple[Pattern, ...]
+    label: str = "union"
+
+    @property
+    def name(self) -> str:
+        return self.label
+
+    @property
+    def data_dependent(self) -> bool:  # type: ignore[override]
+        return any(p.data_dependent for p in self.parts)
+
+    @property
+    def is_causal(self) -> bool:
+        return all(p.is_causal for p in self.parts)
+
+    def _graph(self, n: int) -> AttentionGraph:
+        return functools.reduce(AttentionGraph.union, (p.graph(n) for p in self.parts))
+
+    def _rows(self, n: int, start: int) -> AttentionGraph:
+        return functools.reduce(AttentionGraph.union, (p._rows(n, start) for p in self.parts))
+
+    def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
+        return functools.reduce(torch.logical_or, (p.allows(q_idx, kv_idx, n) for p in self.parts))
+
+    def _predicate(self, n_t, const, n):
+        preds = [None if p.data_dependent else p._predicate(n_t, const, n) for p in self.parts]
+        if any(p is None for p in preds):
+            return None
+        return lambda q, kv: functools.reduce(torch.logical_or, [p(q, kv) for p in preds])
+
+    def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
+        if not self.data_dependent:
+            return super().build(q, k)  # the cached graph of this length
+        self._lengths(q, k)  # offset queries only when every part is causal
+        graphs = (p.build(q, k).to(q.device) for p in self.parts)  # static parts: cached copy
+        return functools.reduce(AttentionGraph.union, graphs)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(repr(p) for p in self.parts)
+        return f"union({inner})" if self.label == "union" else f"{self.label}[{inner}]"
+
+
+def union(*patterns: Pattern, name: str = "union") -> Union:
+    """UNION of patterns (Yun §5.1): a query attends to a key if any part allows it."""
+    _check_patterns(patterns)
+    return Union(tuple(patterns), name)
+
+
+def _check_patterns(patterns: Sequence[Pattern]) -> None:
+    if not patterns:
+        raise ValueError("give at least one pattern")
+    for p in patterns:
+        if not isinstance(p, Pattern):
+            raise TypeError(f"expected Pattern objects, got {type(p).__name__}")

@@ -3,68 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from ..graph import AttentionGraph
-from .base import Pattern, check_positive
+from .base import Pattern, Union, _check_patterns, check_positive, union
 
 __all__ = ["Union", "PatternCycle", "HeadSplit", "union", "cycle", "split_heads", "as_cycle"]
-
-
-@dataclasses.dataclass(frozen=True, repr=False)
-class Union(Pattern):
-    """UNION: A_k = ∪_l A_k^l (every layer and head uses the union of the parts)."""
-
-    parts: tuple[Pattern, ...]
-    label: str = "union"
-
-    @property
-    def name(self) -> str:
-        return self.label
-
-    @property
-    def data_dependent(self) -> bool:  # type: ignore[override]
-        return any(p.data_dependent for p in self.parts)
-
-    @property
-    def is_causal(self) -> bool:
-        return all(p.is_causal for p in self.parts)
-
-    def _graph(self, n: int) -> AttentionGraph:
-        return functools.reduce(AttentionGraph.union, (p.graph(n) for p in self.parts))
-
-    def _rows(self, n: int, start: int) -> AttentionGraph:
-        return functools.reduce(AttentionGraph.union, (p._rows(n, start) for p in self.parts))
-
-    def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
-        return functools.reduce(torch.logical_or, (p.allows(q_idx, kv_idx, n) for p in self.parts))
-
-    def _predicate(self, n_t, const, n):
-        preds = [None if p.data_dependent else p._predicate(n_t, const, n) for p in self.parts]
-        if any(p is None for p in preds):
-            return None
-        return lambda q, kv: functools.reduce(torch.logical_or, [p(q, kv) for p in preds])
-
-    def build(self, q: Tensor, k: Tensor) -> AttentionGraph:
-        if not self.data_dependent:
-            return super().build(q, k)  # the cached graph of this length
-        self._lengths(q, k)  # offset queries only when every part is causal
-        graphs = (p.build(q, k).to(q.device) for p in self.parts)  # static parts: cached copy
-        return functools.reduce(AttentionGraph.union, graphs)
-
-    def __repr__(self) -> str:
-        inner = ", ".join(repr(p) for p in self.parts)
-        return f"union({inner})" if self.label == "union" else f"{self.label}[{inner}]"
-
-
-def union(*patterns: Pattern, name: str = "union") -> Union:
-    """UNION of patterns (Yun §5.1): a query attends to a key if any part allows it."""
-    _check_patterns(patterns)
-    return Union(tuple(patterns), name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,11 +156,3 @@ def split_heads(*patterns: Pattern, sizes: Sequence[int] | None = None) -> HeadS
                 f"sizes must give one head count per pattern ({len(patterns)}), got {len(sizes)}"
             )
     return HeadSplit(tuple(patterns), sizes)
-
-
-def _check_patterns(patterns: Sequence[Pattern]) -> None:
-    if not patterns:
-        raise ValueError("give at least one pattern")
-    for p in patterns:
-        if not isinstance(p, Pattern):
-            raise TypeError(f"expected Pattern objects, got {type(p).__name__}")
