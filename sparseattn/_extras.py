@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 from types import ModuleType
 
-__all__ = ["MissingExtraError", "check_installed", "console_script", "missing", "require"]
+__all__ = ["MissingExtraError", "check_installed", "missing", "require"]
 
 
 class MissingExtraError(ModuleNotFoundError):
@@ -54,13 +53,3 @@ def check_installed(module: str, extra: str, feature: str) -> None:
     (for modules whose import is slow and done lazily, such as transformers)."""
     if importlib.util.find_spec(module) is None:
         raise missing(ModuleNotFoundError(name=module), extra, feature)
-
-
-def console_script() -> None:
-    """The ``sparseattn`` console script: the command line, or, without the ``cli`` extra, one
-    line on stderr naming it (exit status 1) instead of a traceback."""
-    try:
-        from .cli import app
-    except MissingExtraError as err:
-        sys.exit(f"Error: {err}")
-    app()
