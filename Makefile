@@ -43,6 +43,7 @@ AVX2 := tests/test_flex_cpu.py tests/test_score_mods.py tests/test_flex_interop.
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check sparseattn tests
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
 	ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CACHE_DIR=$(INDUCTOR_CACHE)_avx2 \
 		$(PY) -m pytest -p no:cacheprovider $(AVX2)
@@ -51,6 +52,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sparseattn tests
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff format --check sparseattn tests
 
 format: $(STAMP)
