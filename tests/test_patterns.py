@@ -268,3 +268,36 @@ def test_static_graph_construction_scales_linearly():
     overlap = 2 * (33 + 34 + 35 + 36) - 4 * 4  # window edges inside those rows/columns
     assert graph.num_edges == window_edges + global_edges - overlap
     assert graph.max_degree == n
+
+
+def test_longformer_global_tokens_per_item_equal_the_dense_mask():
+    """``longformer(w, mask)`` with a (B, n) bool mask (Longformer's global_attention_mask) or
+    one list of positions per item: window ∪ item b's global rows and columns, a graph of
+    batch shape (B, 1), on every engine; its config round-trips (JSON lists of lists)."""
+    import json
+
+    from sparseattn.engines.flex import flex_available
+    from sparseattn.serialize import pattern_config, pattern_from_config
+
+    n, bsz = 30, 3
+    glob = torch.zeros(bsz, n, dtype=torch.bool)
+    glob[0, 0], glob[1, [0, 7]] = True, True  # item 2: none
+    pattern = sa.longformer(6, glob)
+    assert pattern == sa.longformer(6, [[0], [0, 7], []])
+    i = torch.arange(n)
+    dense = ((i[:, None] - i[None, :]).abs() <= 3) | glob[:, None, :, None] | glob[:, None, None, :]
+    assert pattern.graph(n).batch_shape == (bsz, 1)
+    assert torch.equal(pattern.graph(n).to_dense(), dense)
+    assert torch.equal(pattern.allows(i[:, None], i[None, :], n).expand(bsz, 1, n, n), dense)
+    q, k, v = torch.randn(3, bsz, 2, n, 8, generator=torch.Generator().manual_seed(0))
+    ref = sa.sparse_attention(q, k, v, sa.AttentionGraph.from_dense(dense), engine="dense")
+    engines = ["block", "gather", "rows"] + (["flex"] if flex_available() is None else [])
+    for engine in engines:
+        out = sa.sparse_attention(q, k, v, pattern, engine=engine)
+        assert float((out - ref).abs().max()) < 1e-5, engine
+    config = json.loads(json.dumps(pattern_config(pattern)))
+    assert pattern_from_config(config) == pattern
+    with pytest.raises(ValueError, match="broadcast"):  # 3 items, a batch of 2
+        sa.sparse_attention(q[:2], k[:2], v[:2], pattern)
+    with pytest.raises(TypeError, match="tokens"):
+        sa.longformer(6, [[0], "a"])

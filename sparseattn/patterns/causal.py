@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..validate import check_int, check_seed
-from .base import Pattern, _member, check_positive
+from .base import Pattern, _member, check_positive, union
 
 __all__ = [
     "CausalWindow",
@@ -300,7 +300,6 @@ def causal_strided(w: int, part: int | None = None) -> Pattern:
     """Child et al.'s causal STRIDED: ``part=1`` the previous w tokens (A¹), ``part=2`` every
     w-th token back {j ≤ i : (i − j) mod w = 0} (A²), ``None`` their union (Yun §5.1 UNION).
     ``causal_strided(w).parts`` gives (A¹, A²) for MULTIHEAD / SEQUENTIAL configurations."""
-    from .compose import union
     from .fixed import _pick
 
     parts = (CausalWindow(w), CausalStride(w))
@@ -310,7 +309,6 @@ def causal_strided(w: int, part: int | None = None) -> Pattern:
 def causal_fixed(w: int, part: int | None = None, c: int = 1) -> Pattern:
     """Child et al.'s causal FIXED: ``part=1`` the own segment of w up to i (A¹), ``part=2``
     {i} ∪ the last ``c`` positions of every segment up to i (A²), ``None`` their union."""
-    from .compose import union
     from .fixed import _pick
 
     parts = (CausalSegment(w), CausalSummary(w, c))
@@ -322,8 +320,6 @@ def sliding_window(w: int, sinks: int | Sequence[int] = 0) -> Pattern:
     global tokens (the first ``sinks`` positions, or explicit positions) that every later
     query attends to and that attend to everything before them — causal Longformer
     (Beltagy et al.), Mistral's window, StreamingLLM's attention sinks (Xiao et al.)."""
-    from .compose import union
-
     window = CausalWindow(w)
     if isinstance(sinks, int) and not isinstance(sinks, bool):
         check_int("sinks", sinks, 0)
@@ -341,8 +337,6 @@ def causal_bigbird(
 ) -> Pattern:
     """Causal BigBird (Zaheer et al.): the previous w tokens ∪ causal global tokens ∪
     ``random_blocks`` random key blocks per query block, drawn among the blocks up to it."""
-    from .compose import union
-
     return union(
         CausalWindow(w),
         CausalGlobal(global_tokens),

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..validate import check_finite_float, check_int, check_seed
-from .base import Pattern, _member, check_positive
+from .base import Pattern, _member, check_positive, union
 
 __all__ = [
     "Dense",
@@ -25,6 +25,7 @@ __all__ = [
     "FixedSummary",
     "Star",
     "GlobalTokens",
+    "ItemGlobalTokens",
     "Random",
     "RandomBlocks",
     "dense",
@@ -378,8 +379,6 @@ def window(w: int) -> Pattern:
 def strided(w: int, part: int | None = None) -> Pattern:
     """STRIDED (Child et al.; Yun eq. 4): ``part=1`` the window A¹, ``part=2`` the stride A²,
     ``None`` their union (Yun §5.1 UNION). ``strided(w).parts`` gives (A¹, A²)."""
-    from .compose import union
-
     parts = (Window(w), Stride(w))
     return _pick("strided", parts, part, union)
 
@@ -387,8 +386,6 @@ def strided(w: int, part: int | None = None) -> Pattern:
 def fixed(w: int, part: int | None = None) -> Pattern:
     """FIXED (Child et al.; Yun eq. 5): ``part=1`` own segment of w, ``part=2`` {k} ∪ segment
     ends, ``None`` their union. ``fixed(w).parts`` gives (A¹, A²)."""
-    from .compose import union
-
     check_positive("w", w)  # named w here, not BlockLocal's block
     parts = (BlockLocal(w), FixedSummary(w))
     return _pick("fixed", parts, part, union)
@@ -412,7 +409,71 @@ def global_tokens(tokens: int | Sequence[int]) -> Pattern:
     return _global(tokens)
 
 
-def _global(tokens: int | Sequence[int]) -> GlobalTokens:
+@dataclasses.dataclass(frozen=True, repr=False)
+class ItemGlobalTokens(Pattern):
+    """Global tokens that differ per batch item (Longformer's ``global_attention_mask``, the
+    question tokens of QA): item b's tokens ``tokens[b]`` attend to every key and every query
+    attends to them. Graphs have batch shape (B, 1), broadcast over the heads (B must be the
+    inputs' batch); :meth:`allows` returns a leading (B, 1) too. Positions ≥ n are dropped.
+    """
+
+    tokens: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tokens, (str, bytes)) or not isinstance(self.tokens, Sequence):
+            raise TypeError(
+                f"tokens must be one sequence of positions per item, got {self.tokens!r}"
+            )
+        items = []
+        for b, item in enumerate(self.tokens):
+            if isinstance(item, (str, bytes)) or not isinstance(item, Sequence):
+                raise TypeError(f"tokens[{b}] must be a sequence of positions, got {item!r}")
+            items.append(tuple(sorted({check_int(f"tokens[{b}][i]", t, 0) for t in item})))
+        if not items:
+            raise ValueError("tokens must hold one sequence of positions per batch item")
+        object.__setattr__(self, "tokens", tuple(items))
+
+    @classmethod
+    def from_mask(cls, mask: Tensor) -> ItemGlobalTokens:
+        """From a (B, n) bool mask, True at each item's global tokens."""
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+            raise TypeError("a global token mask must be a (batch, n) bool tensor")
+        return cls(tuple(tuple(row.nonzero().flatten().tolist()) for row in mask.cpu()))
+
+    def table(self, n: int) -> Tensor:
+        """(B, n) bool: True at item b's global tokens below n."""
+        out = torch.zeros(len(self.tokens), n, dtype=torch.bool)
+        for b, item in enumerate(self.tokens):
+            out[b, [t for t in item if t < n]] = True
+        return out
+
+    def _graph(self, n: int) -> AttentionGraph:
+        table = self.table(n)
+        bsz = table.shape[0]
+        item, g = table.nonzero(as_tuple=True)  # item b's global positions
+        base = item * n  # row offset of item b
+        rows = torch.cat(
+            [(base + g).repeat_interleave(n), (base[:, None] + torch.arange(n)).flatten()]
+        )
+        cols = torch.cat([torch.arange(n).repeat(g.numel()), g.repeat_interleave(n)])
+        return AttentionGraph.from_edges(rows, cols, n, n, (bsz, 1))
+
+    def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
+        table = self._on(("table", n), q_idx.device, lambda: self.table(n))
+        member = lambda i: table[:, i.clamp(0, n - 1)]  # noqa: E731 - (B, *i.shape)
+        out = member(q_idx) | member(kv_idx)
+        return out.view(table.shape[0], 1, *q_idx.shape)
+
+
+def _global(tokens: int | Sequence[int] | Sequence[Sequence[int]] | Tensor) -> Pattern:
+    if isinstance(tokens, Tensor) and tokens.dtype == torch.bool:
+        return ItemGlobalTokens.from_mask(tokens)
+    if (
+        isinstance(tokens, Sequence)
+        and tokens
+        and all(isinstance(t, Sequence) and not isinstance(t, (str, bytes)) for t in tokens)
+    ):
+        return ItemGlobalTokens(tuple(tuple(t) for t in tokens))
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (int, Sequence, Tensor)):
         raise TypeError(
             f"global_tokens must be an int or a sequence of ints, got {type(tokens).__name__}"
@@ -435,13 +496,15 @@ def block_local(block: int) -> Pattern:
     return BlockLocal(block)
 
 
-def longformer(w: int, global_tokens: int | Sequence[int] = 0) -> Pattern:
+def longformer(
+    w: int, global_tokens: int | Sequence[int] | Sequence[Sequence[int]] | Tensor = 0
+) -> Pattern:
     """Longformer (Beltagy et al. 2020): window(w) ∪ global tokens — the first
-    ``global_tokens`` positions (an int) or the given positions. None by default, as in the
-    Longformer model, whose global tokens are chosen per call (``global_attention_mask``);
-    until 2026-11-29 the default was one (token 0)."""
-    from .compose import union
-
+    ``global_tokens`` positions (an int), the given positions (a sequence of ints), or
+    positions per batch item (:class:`ItemGlobalTokens`: a (B, n) bool mask, True at global
+    tokens, as Longformer's ``global_attention_mask``, or one sequence of positions per item;
+    the graph then has batch shape (B, 1)). None by default, as in the Longformer model, whose
+    global tokens are chosen per call; until 2026-11-29 the default was one (token 0)."""
     if isinstance(global_tokens, int) and not isinstance(global_tokens, bool):
         none = check_int("global_tokens", global_tokens, 0) == 0
     else:
@@ -459,8 +522,6 @@ def bigbird(
 ) -> Pattern:
     """BigBird (Zaheer et al.): window(w) ∪ global tokens ∪ ``random_blocks`` random key blocks
     per query block of ``block`` tokens."""
-    from .compose import union
-
     return union(
         Window(w), _global(global_tokens), RandomBlocks(random_blocks, block, seed), name="bigbird"
     )
