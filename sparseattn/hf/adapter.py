@@ -249,7 +249,7 @@ def attention_forward(
         raise ValueError("sparseattn attention does not support attention sinks ('s_aux')")
     score_mod = model_score_mod(kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "position_bias")}
-    hook = module.__dict__.get("_sparseattn", _UNSET)
+    hook = getattr(module, "_sparseattn", _UNSET)
     exact = (module, query, key, value, attention_mask, scaling, dropout, score_mod, kwargs)
     if hook is _UNSET and hasattr(getattr(module, "config", None), CONFIG_KEY):
         raise NotConfiguredError(
@@ -260,7 +260,8 @@ def attention_forward(
     if hook is None or hook is _UNSET:  # a module sparsify left exact (cross-attention)
         return _exact_attention(*exact)
     state, layer, value_proj = hook
-    hidden_states = module.__dict__.pop("_sparseattn_input", None)
+    hidden_states = getattr(module, "_sparseattn_input", None)
+    module._sparseattn_input = None
     capture = state.capture
     capturing = capture is not None and (capture.layers is None or layer in capture.layers)
     spec = state.specs.get(layer)

@@ -91,7 +91,7 @@ _KEY = "_sparseattn_longformer"
 
 @dataclasses.dataclass
 class LongformerState:
-    """Held by a sparsified Longformer (``model.__dict__[_KEY]``): each configured layer's
+    """Held by a sparsified Longformer (``model._sparseattn_longformer``): each configured layer's
     spec, and each patched module's own ``forward`` attribute before the patch (None: it had
     none, the class's ``forward`` ran)."""
 
@@ -195,7 +195,7 @@ def layer_names(model: nn.Module) -> list[str]:
 
 
 def _state(model: nn.Module) -> LongformerState | None:
-    return model.__dict__.get(_KEY)
+    return getattr(model, _KEY, None)
 
 
 def _resolve_method(method: Method | str | None, options: dict) -> Method:
@@ -274,12 +274,12 @@ def sparsify(
     if state is None:
         original = getattr(getattr(model, "config", None), "_attn_implementation", None)
         state = LongformerState({}, original or "eager")
-        model.__dict__[_KEY] = state
+        setattr(model, _KEY, state)
     for layer in specs:
         module = modules[layer]
         if layer not in state.originals:
-            state.originals[layer] = module.__dict__.get("forward")
-            module.__dict__[_KEY] = (state, layer)
+            state.originals[layer] = vars(module).get("forward")  # an instance's own forward
+            setattr(module, _KEY, (state, layer))
             # a partial of a module-level function: deepcopy and pickle keep it bound right
             module.forward = functools.partial(longformer_forward, module)
     state.specs.update(specs)
@@ -297,11 +297,12 @@ def restore(model: nn.Module) -> nn.Module:
     modules = attention_modules(model)
     for layer, original in state.originals.items():
         module = modules[layer]
-        module.__dict__.pop("forward", None)
-        module.__dict__.pop(_KEY, None)
+        for name in ("forward", _KEY):
+            if name in vars(module):
+                delattr(module, name)
         if original is not None:
-            module.__dict__["forward"] = original
-    del model.__dict__[_KEY]
+            module.forward = original
+    delattr(model, _KEY)
     if hasattr(model, "config"):
         forget_config(model, _named_modules(model))
     return model
@@ -424,7 +425,7 @@ def longformer_forward(
     global tokens, 0 for local ones (transformers' extended mask), or the two masks it derives
     (``is_index_masked``, ``is_index_global_attn``).
     Returns ``(output (B, n, E),)``."""
-    state, layer = module.__dict__[_KEY]
+    state, layer = getattr(module, _KEY)
     spec = state.specs[layer]
     if output_attentions:
         raise ValueError(

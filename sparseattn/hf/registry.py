@@ -112,7 +112,7 @@ def _value_projection(module: nn.Module) -> nn.Linear | None:
 
 def _stash_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook: keep the layer input for a method hook that asks for a LayerContext."""
-    module.__dict__["_sparseattn_input"] = args[0] if args else kwargs.get("hidden_states")
+    module._sparseattn_input = args[0] if args else kwargs.get("hidden_states")
 
 
 def register() -> None:
@@ -226,12 +226,12 @@ def sparsify(
         model.set_attn_implementation(ATTN_NAME)
         if model.config._attn_implementation != ATTN_NAME:
             raise ValueError(f"{type(model).__name__} refused set_attn_implementation")
-        model.__dict__["_sparseattn"] = state
+        model._sparseattn = state
         for index, module in enumerate(modules):
-            module.__dict__["_sparseattn"] = (state, index, _value_projection(module))
+            module._sparseattn = (state, index, _value_projection(module))
             state.hooks.append(module.register_forward_pre_hook(_stash_input, with_kwargs=True))
         for _, module in _named_attention(model, cross=True):
-            module.__dict__["_sparseattn"] = None  # exact attention, by design
+            module._sparseattn = None  # exact attention, by design
     state.specs.update(specs)
     record_config(model, state.specs, state.original, _named_attention(model))
     return model
@@ -249,9 +249,10 @@ def restore(model: nn.Module) -> nn.Module:
     for handle in state.hooks:
         handle.remove()
     for _, module in _named_attention(model) + _named_attention(model, cross=True):
-        module.__dict__.pop("_sparseattn", None)
-        module.__dict__.pop("_sparseattn_input", None)
-    del model.__dict__["_sparseattn"]
+        for name in ("_sparseattn", "_sparseattn_input"):
+            if hasattr(module, name):
+                delattr(module, name)
+    del model._sparseattn
     forget_config(model, _named_attention(model))
     return model
 

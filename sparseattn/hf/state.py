@@ -155,4 +155,4 @@ def check_layers(layers: object, num_layers: int | None = None) -> list[int] | N
 
 
 def model_state(model: nn.Module) -> State | None:
-    return model.__dict__.get("_sparseattn")
+    return getattr(model, "_sparseattn", None)
