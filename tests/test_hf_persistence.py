@@ -245,3 +245,52 @@ def test_learned_masks_and_alpha_round_trip_through_save_pretrained(tmp_path):
     assert got["alpha"] == pytest.approx(alpha.detach().flatten().tolist())
     hf.restore(model)
     assert not any("sparseattn_" in key for key in model.state_dict())
+
+
+def test_bigbird_round_trips_in_a_fresh_process(tmp_path):
+    """BigBird and BigBirdPegasus on their own configuration (block layout, eval quirk,
+    1.5-entmax) and on a given pattern: saved, loaded in a fresh process with outputs equal;
+    the plain path raises at the sparsified layer."""
+    from test_hf_bigbird import tiny_bigbird, tiny_pegasus
+
+    ids = torch.randint(1, 99, (2, 48), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 40:] = 0
+    own = hf.sparsify(tiny_bigbird("BigBirdForMaskedLM"), prob_map="entmax15")
+    _save(own, tmp_path / "bigbird", input_ids=ids, attention_mask=mask)
+    given = hf.sparsify(tiny_pegasus(), sa.window(8), layers=[1])
+    _save(
+        given,
+        tmp_path / "pegasus",
+        input_ids=ids,
+        attention_mask=mask,
+        decoder_input_ids=ids[:, :6],
+    )
+    saved = json.loads((tmp_path / "bigbird" / "config.json").read_text())["sparseattn"]
+    assert saved["layers"]["0"]["pattern"] is None  # the model's own layout
+    got = _fresh(
+        f"""
+        import json, torch, transformers
+        import sparseattn.hf as hf
+        d = {str(tmp_path)!r}
+        ids, mask = torch.tensor({ids.tolist()!r}), torch.tensor({mask.tolist()!r})
+        cases = (("bigbird", transformers.AutoModelForMaskedLM, {{}}),
+                 ("pegasus", transformers.AutoModelForSeq2SeqLM,
+                  {{"decoder_input_ids": ids[:, :6]}}))
+        out = {{}}
+        for name, cls, extra in cases:
+            model = hf.from_pretrained(f"{{d}}/{{name}}", model_class=cls).eval()
+            with torch.no_grad():
+                res = model(input_ids=ids, attention_mask=mask, **extra).logits
+            out[name] = float((res - torch.load(f"{{d}}/{{name}}/ref.pt")).abs().max())
+            plain = cls.from_pretrained(f"{{d}}/{{name}}").eval()
+            try:
+                plain(input_ids=ids, attention_mask=mask, **extra)
+                out[name + "_plain"] = "ran"
+            except hf.NotConfiguredError as err:
+                out[name + "_plain"] = str(err)
+        print(json.dumps(out))
+        """
+    )
+    assert got["bigbird"] == 0.0 and got["pegasus"] == 0.0
+    assert "hf.from_pretrained" in got["bigbird_plain"] and "layer 1" in got["pegasus_plain"]

@@ -78,7 +78,7 @@ def apply_config(
             )
         sparsify(
             model,
-            pattern_from_config(entry["pattern"], load),
+            None if entry["pattern"] is None else pattern_from_config(entry["pattern"], load),
             prob_map=prob_map_from_config(entry["prob_map"], load),
             engine=entry["engine"],
             layers=[int(layer)],

@@ -53,11 +53,20 @@ class NotConfiguredError(RuntimeError):
 BUFFER_PREFIX = "sparseattn_"
 
 
-def _layer_config(spec: LayerSpec, store) -> dict:
+def _layer_config(spec: LayerSpec, store, own: bool = False) -> dict:
     from ..attention import sparse_attention
 
     if spec.method is not sparse_attention:
         return {"unsaved": f"method {spec.method!r} is not sparse_attention"}
+    if own:  # the model's own configuration (BigBird's layout): sparsify(pattern=None)
+        try:
+            return {
+                "pattern": None,
+                "prob_map": prob_map_config(spec.prob_map, store),
+                "engine": spec.engine,
+            }
+        except TypeError as err:
+            return {"unsaved": str(err)}
     if not isinstance(spec.pattern, (Pattern, PatternCycle)):
         return {"unsaved": f"a {type(spec.pattern).__name__} has no config form"}
     try:
@@ -75,6 +84,7 @@ def record_config(
     specs: dict[int, LayerSpec],
     original: str,
     named: list[tuple[str, nn.Module]],
+    own: frozenset[int] = frozenset(),
 ) -> None:
     """Write the sparse configuration of the layers ``specs`` onto ``model.config``, with the
     attention implementation ``original`` that loading must ask for (sparsify calls it).
@@ -82,7 +92,9 @@ def record_config(
     ``named[l]`` is layer l's (qualified name, module). A learned tensor of a layer's pattern
     or map (a mask's logits, α) becomes a buffer of that module, ``sparseattn_<path>``, so
     that the model's state dict (and ``save_pretrained``) holds it; the configuration refers
-    to it by its state-dict key. A tensor shared by several layers is held once."""
+    to it by its state-dict key. A tensor shared by several layers is held once. The layers
+    ``own`` follow the model's own configuration (``sparsify(pattern=None)``, where that is
+    more than a pattern): their pattern is written as null."""
     _drop_buffers(named)
     held: dict[int, str] = {}
 
@@ -106,7 +118,7 @@ def record_config(
         "version": __version__,
         "original": original,
         "layers": {
-            str(layer): _layer_config(spec, store_for(layer))
+            str(layer): _layer_config(spec, store_for(layer), layer in own)
             for layer, spec in sorted(specs.items())
         },
     }
@@ -155,16 +167,21 @@ def saved_config(source: Any) -> dict | None:
     return config
 
 
-def guard(cls: type, layer_of: Callable[[nn.Module], int]) -> None:
+def guard(
+    cls: type,
+    layer_of: Callable[[nn.Module], int],
+    served: Callable[[nn.Module], bool] = lambda _module: False,
+) -> None:
     """Make a transformers attention class that does not dispatch through
     ``AttentionInterface`` (Longformer's, LED's, BigBird's) refuse to run a layer that its
     model's config says was saved sparsified, when the model was loaded without its sparse
     configuration (``AutoModel.from_pretrained`` instead of
     :func:`~sparseattn.hf.from_pretrained`): its ``forward`` raises :class:`NotConfiguredError`
     then, and is transformers' own otherwise (one attribute read per call). ``layer_of(module)``
-    is the layer index the configuration uses. Sparsified modules run their own ``forward``
-    (an instance attribute), which this does not reach. Installed once per class by
-    ``import sparseattn.hf``."""
+    is the layer index the configuration uses; ``served(module)`` says whether sparseattn
+    serves the module's attention (a guard on the module around a patched one). Sparsified
+    modules run their own ``forward`` (an instance attribute), which this does not reach.
+    Installed once per class by ``import sparseattn.hf``."""
     original = cls.forward
     if getattr(original, "_sparseattn_guard", False):
         return
@@ -172,7 +189,8 @@ def guard(cls: type, layer_of: Callable[[nn.Module], int]) -> None:
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         config = getattr(getattr(self, "config", None), CONFIG_KEY, None)
-        if isinstance(config, dict) and str(layer_of(self)) in config.get("layers", {}):
+        saved = isinstance(config, dict) and str(layer_of(self)) in config.get("layers", {})
+        if saved and not served(self):
             raise NotConfiguredError(
                 f"layer {layer_of(self)} of this model was saved sparsified by sparseattn "
                 f"{config.get('version')}, and it was loaded without its sparse configuration: "

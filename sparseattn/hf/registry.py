@@ -18,7 +18,7 @@ from ..graph import AttentionGraph
 from ..maps import ProbabilityMap, resolve_prob_map
 from ..patterns import HeadSplit, Pattern, PatternCycle, as_cycle, dense
 from ..validate import check_choice, check_model
-from . import longformer
+from . import bigbird, longformer
 from .adapter import attention_forward
 from .persist import forget_config, record_config
 from .state import (
@@ -78,6 +78,8 @@ def layer_names(model: nn.Module) -> list[str]:
     :func:`attention_modules`."""
     if longformer.is_longformer(model):
         return longformer.layer_names(model)
+    if bigbird.is_bigbird(model):
+        return bigbird.layer_names(model)
     attention_modules(model)  # raises for a model without any
     return [name for name, _ in _named_attention(model)]
 
@@ -125,6 +127,7 @@ def register() -> None:
     AttentionInterface.register(ATTN_NAME, attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     longformer.install_guards()
+    bigbird.install_guards()
 
 
 def sparsify(
@@ -171,6 +174,8 @@ def sparsify(
         return longformer.sparsify(
             model, pattern, prob_map, engine, method, layers, **method_options
         )
+    if bigbird.is_bigbird(model):
+        return bigbird.sparsify(model, pattern, prob_map, engine, method, layers, **method_options)
     modules = attention_modules(model)
     num_layers = len(modules)
     pattern = dense() if pattern is None else pattern
@@ -242,6 +247,8 @@ def restore(model: nn.Module) -> nn.Module:
     check_model(model)
     if longformer.is_longformer(model):
         return longformer.restore(model)
+    if bigbird.is_bigbird(model):
+        return bigbird.restore(model)
     state = model_state(model)
     if state is None:
         return model
@@ -262,5 +269,7 @@ def layer_specs(model: nn.Module) -> dict[int, LayerSpec]:
     check_model(model)
     if longformer.is_longformer(model):
         return longformer.layer_specs(model)
+    if bigbird.is_bigbird(model):
+        return bigbird.layer_specs(model)
     state = model_state(model)
     return {} if state is None else dict(state.specs)
