@@ -583,7 +583,7 @@ def sparsefinder(config: TourConfig, out: Path, work: Path) -> Section:
     """Sparsefinder's recall–sparsity Pareto curves on a briefly adapted 1.5-entmax MiniLM."""
     from .experiments.sparsefinder import METHODS, quick_config
     from .experiments.sparsefinder import run as run_sf
-    from .predict.teacher import TeacherConfig
+    from .experiments.sparsefinder_teacher import TeacherConfig
 
     sc = replace(
         quick_config(out_dir=str(work / "sparsefinder")),

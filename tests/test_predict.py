@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sparseattn import AttentionGraph, attention_weights, dense, hf, sparse_attention
+from sparseattn.hf.graphs import extract_graphs
 from sparseattn.maps import entmax
 from sparseattn.predict.baselines import (
     BigBirdBaseline,
@@ -29,7 +30,7 @@ from sparseattn.predict.evaluate import (
     recall,
     sparsity,
 )
-from sparseattn.predict.extract import GraphBatch, LayerGraphs, extract_graphs, token_batches
+from sparseattn.predict.extract import GraphBatch, LayerGraphs, token_batches
 from sparseattn.predict.pattern import PredictedPattern
 from sparseattn.predict.predictors import (
     ChunkedPredictor,

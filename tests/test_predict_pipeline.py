@@ -1,4 +1,5 @@
-"""The Sparsefinder pipeline shared by the encoder and decoder experiments (predict/pipeline.py).
+"""The Sparsefinder pipeline shared by the encoder and decoder experiments
+(experiments/sparsefinder_pipeline.py).
 
 On small synthetic gold graphs: every method of the encoder table (chunked rows and eq. 7 on all
 edges included) is fitted and swept, and the window baseline's row is checked against a
@@ -11,8 +12,13 @@ import torch
 from tqdm import tqdm
 
 from sparseattn.experiments.sparsefinder import SparsefinderConfig
+from sparseattn.experiments.sparsefinder_pipeline import (
+    METHODS,
+    FittedPredictors,
+    fit_layers,
+    sweep_method,
+)
 from sparseattn.predict.extract import GraphBatch, LayerGraphs
-from sparseattn.predict.pipeline import METHODS, FittedPredictors, fit_layers, sweep_method
 
 LENGTHS = (12, 9)
 N, H, D = 12, 2, 8

@@ -4,7 +4,7 @@ recall against sparsity, and attend exactly on the predicted graph.
 Pipeline (each step writes JSON under ``<out_dir>/<run>/``, atomically; finished steps are skipped
 when the run is repeated with the same config):
 
-1. ``teacher.json`` — the 1.5-entmax MiniLM teacher (:mod:`sparseattn.predict.teacher`, cached
+1. ``teacher.json`` — the 1.5-entmax MiniLM teacher (:mod:`.sparsefinder_teacher`, cached
    separately and reused) and its fidelity to the original softmax model before / after adaptation.
 2. gold graphs (§4.1) of every layer and head on train and test passages, through hooks
    (recomputed when needed: one forward pass per batch) → ``gold.json`` (gold sparsity).
@@ -41,17 +41,29 @@ import torch
 from .. import fidelity, hf
 from ..corpus import load_corpus
 from ..fastmaps import entmax15_rows
+from ..hf.graphs import extract_graphs
 from ..maps import entmax
 from ..patterns import dense
 from ..predict.evaluate import (
-    downstream,
-    embed,
     gold_summary,
     pareto_frontier,
 )
-from ..predict.extract import LayerGraphs, extract_graphs, token_batches
+from ..predict.extract import LayerGraphs, token_batches
 from ..predict.pattern import PredictedPattern
-from ..predict.pipeline import (
+from ..predict.predictors import (
+    FixedParts,
+)
+from ..progress import tqdm
+from ..results import (
+    atomic_write,
+    machine_facts,
+    read_json,
+    save_figure,
+    write_json,
+)
+from .runner import run_name_digest
+from .sparsefinder_downstream import downstream, embed
+from .sparsefinder_pipeline import (
     COLORS,
     KNOB_GRIDS,
     METHODS,
@@ -63,19 +75,7 @@ from ..predict.pipeline import (
     sweep_methods,
     threaded,
 )
-from ..predict.predictors import (
-    FixedParts,
-)
-from ..predict.teacher import TeacherConfig, load_teacher, teacher_folder
-from ..progress import tqdm
-from ..results import (
-    atomic_write,
-    machine_facts,
-    read_json,
-    save_figure,
-    write_json,
-)
-from .runner import run_name_digest
+from .sparsefinder_teacher import TeacherConfig, load_teacher, teacher_folder
 
 __all__ = ["METHODS", "SparsefinderConfig", "quick_config", "run"]
 

@@ -16,7 +16,7 @@ with 1.5-entmax attention (``LMConfig(prob_map="entmax15")``, dense causal), the
    scores), captured with hooks on each block's q/k projection; gold sparsity (causal pairs).
 3. ``fits.pt`` / ``fits.json`` — per layer the projections of eq. 7 (r = 4; keys after the query
    are never negatives), k-means centroids for every B, Routing centroids
-   (:func:`sparseattn.predict.pipeline.fit_layers`, shared with the encoder pipeline).
+   (:func:`.sparsefinder_pipeline.fit_layers`, shared with the encoder pipeline).
 4. ``sweep.json`` — recall / sparsity / exact-query share of every method over its knob grid ×
    fixed windows, on the validation windows, pairs j ≤ i only, averaged over layers and heads.
 5. ``downstream.json`` — the teacher with the predicted graphs in every layer
@@ -42,7 +42,6 @@ from torch import Tensor, nn
 
 from ..attention import attention_weights
 from ..patterns import cycle, dense
-from ..predict import pipeline
 from ..predict.evaluate import frontier_value, gold_summary
 from ..predict.extract import GraphBatch, LayerGraphs
 from ..predict.pattern import PredictedPattern
@@ -56,6 +55,7 @@ from ..results import (
     write_json,
 )
 from . import lm
+from . import sparsefinder_pipeline as pipeline
 from .runner import run_name_digest
 
 __all__ = [

@@ -46,6 +46,8 @@ Saving and loading (docs/persistence.md): ``sparsify`` writes its configuration 
 loads a saved model with it; ``import sparseattn.hf`` registers the kernel with transformers.
 
 The package, imports running one way (each module uses only those listed after it):
+:mod:`~sparseattn.hf.graphs` (``extract_graphs``: Sparsefinder's gold graphs into the containers
+of :mod:`sparseattn.predict`; not re-exported here, so the paper method is not imported) →
 :mod:`~sparseattn.hf.capture` (``capture_attention``, ``attention_sparsity``),
 :mod:`~sparseattn.hf.cache` (``window_cache``, over :mod:`sparseattn.kvcache`) and
 :mod:`~sparseattn.hf.load` (``from_pretrained``) →

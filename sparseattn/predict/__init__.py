@@ -1,15 +1,21 @@
 """Sparsefinder (Treviso et al. 2022): predict the α-entmax attention graph before computing it.
 
-* :mod:`.extract` — gold graphs G_h = {(i, j) : p_ij > 0} and their q, k, through hooks (§4.1);
+* :mod:`.extract` — containers for gold graphs G_h = {(i, j) : p_ij > 0} and their q, k (§4.1),
+  and padding-free token batches;
 * :mod:`.projection` — per-head projections q′, k′ ∈ R^r trained with the hinge loss of eq. 7;
 * :mod:`.predictors` — distance, quantization, k-means and chunked predictors, fixed parts
   (§4.3–4.7, §6.1); :mod:`.baselines` — window, BigBird, Longformer, strided, Reformer LSH, Routing;
-* :mod:`.evaluate` — recall (eq. 4), sparsity (eq. 5), exact queries, Pareto frontiers, the
-  downstream effect inside a model; :mod:`.pattern` — a data-dependent Pattern for ``hf.sparsify``
-  (and ``key_padding``, the padding mask for it);
-* :mod:`.teacher` — the 1.5-entmax MiniLM teacher.
+* :mod:`.evaluate` — recall (eq. 4), sparsity (eq. 5), exact queries, Pareto frontiers;
+  :mod:`.pattern` — a data-dependent Pattern for ``hf.sparsify`` (and ``key_padding``, the
+  padding mask for it).
 
-The experiment is :mod:`sparseattn.experiments.sparsefinder` (``sparseattn sparsefinder``).
+The package imports only the core. Around it: :func:`sparseattn.hf.graphs.extract_graphs` fills
+the containers from a Hugging Face model (hooks); the lab holds the 1.5-entmax MiniLM teacher
+(:mod:`sparseattn.experiments.sparsefinder_teacher`), the downstream effect inside it
+(:mod:`sparseattn.experiments.sparsefinder_downstream`) and the pipeline shared by the encoder
+and decoder experiments (:mod:`sparseattn.experiments.sparsefinder_pipeline`). The experiments
+are :mod:`sparseattn.experiments.sparsefinder` (``sparseattn sparsefinder``) and
+:mod:`sparseattn.experiments.sparsefinder_lm` (``sparseattn sparsefinder-decoder``).
 """
 
 from .baselines import (
@@ -23,7 +29,6 @@ from .baselines import (
 from .evaluate import (
     Tally,
     dominance,
-    downstream,
     exact_fraction,
     frontier_value,
     pareto_frontier,
@@ -31,7 +36,7 @@ from .evaluate import (
     sparsity,
     sweep,
 )
-from .extract import GraphBatch, LayerGraphs, TokenBatch, extract_graphs, token_batches
+from .extract import GraphBatch, LayerGraphs, TokenBatch, token_batches
 from .pattern import PredictedPattern, key_padding
 from .predictors import (
     ChunkedPredictor,
@@ -45,7 +50,6 @@ from .predictors import (
     merge_union,
 )
 from .projection import QKProjection, hinge_loss
-from .teacher import TeacherConfig, load_teacher
 
 __all__ = [
     "BigBirdBaseline",
@@ -64,19 +68,15 @@ __all__ = [
     "RoutingBaseline",
     "StridedBaseline",
     "Tally",
-    "TeacherConfig",
     "TokenBatch",
     "WindowBaseline",
     "bucket_graph",
     "dominance",
-    "downstream",
     "exact_fraction",
-    "extract_graphs",
     "frontier_value",
     "hinge_loss",
     "key_padding",
     "kmeans",
-    "load_teacher",
     "merge_union",
     "pareto_frontier",
     "recall",

@@ -1,10 +1,11 @@
 """Gold attention graphs (Sparsefinder §4.1) and the queries and keys that produced them.
 
 For each layer and head h of a model, G_h = {(i, j) : p_ij > 0} over the real tokens, with p the
-attention weights of that head. The model is observed through
-:func:`sparseattn.hf.capture_attention` (hooks only; nothing in the model's source is edited): a
-model sparsified with α-entmax gives sparse graphs; an unmodified (softmax) model gives complete
-ones.
+attention weights of that head. This module holds the containers the projections and predictors
+read (:class:`GraphBatch`, :class:`LayerGraphs`) and the token batches a model is run on
+(:class:`TokenBatch`, :func:`token_batches`); it imports only the core. Filling them from a
+Hugging Face model is :func:`sparseattn.hf.graphs.extract_graphs` (hooks only): a model
+sparsified with α-entmax gives sparse graphs; an unmodified (softmax) model gives complete ones.
 
 Batches are made by :func:`token_batches`: passages sorted by token length, grouped, and each group
 cut to its shortest member, so no batch holds padding — the predictors then see exactly the tokens
@@ -15,15 +16,14 @@ marks the real tokens, right padding).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .. import hf
 from ..validate import check_positive
 
-__all__ = ["GraphBatch", "LayerGraphs", "TokenBatch", "extract_graphs", "token_batches"]
+__all__ = ["GraphBatch", "LayerGraphs", "TokenBatch", "token_batches"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,41 +110,3 @@ class LayerGraphs:
         qs = [b.q.transpose(0, 1)[:, b.valid] for b in self.batches]
         ks = [b.k.transpose(0, 1)[:, b.valid] for b in self.batches]
         return torch.cat(qs, 1), torch.cat(ks, 1)
-
-
-@torch.no_grad()
-def extract_graphs(
-    model: nn.Module,
-    batches: Iterable[TokenBatch | dict[str, Tensor]],
-    layers: Iterable[int] | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> list[LayerGraphs]:
-    """Run ``model`` on ``batches`` and keep, per layer, q, k and the gold graph of each head.
-
-    Args:
-        model: a Hugging Face encoder supported by :mod:`sparseattn.hf`; sparsify it with α-entmax
-            first (``hf.sparsify(model, dense(), "entmax15")``) to get sparse gold graphs.
-        batches: TokenBatch or tokenizer outputs (``input_ids``, ``attention_mask``, ...).
-        layers: the layers to keep (default all).
-        progress: called with 1 after each batch.
-    Returns:
-        One :class:`LayerGraphs` per kept layer, in layer order. Gold: p_ij > 0 with i and j real
-        tokens (Sparsefinder §4.1); q, k are the head's projected queries and keys, unscaled.
-    """
-    kept: dict[int, list[GraphBatch]] = {}
-
-    def keep(record: hf.AttentionRecord) -> None:
-        valid = ~record.key_padding_mask.cpu()  # True for real tokens
-        real = (valid[:, :, None] & valid[:, None, :])[:, None]
-        gold = (record.probs.cpu() > 0) & real
-        kept.setdefault(record.layer, []).append(
-            GraphBatch(record.q.cpu().contiguous(), record.k.cpu().contiguous(), gold, valid)
-        )
-
-    with hf.capture_attention(model, layers=layers, callback=keep):
-        for batch in batches:
-            inputs = batch.inputs() if isinstance(batch, TokenBatch) else batch
-            model(**inputs)
-            if progress is not None:
-                progress(1)
-    return [LayerGraphs(layer, kept[layer]) for layer in sorted(kept)]

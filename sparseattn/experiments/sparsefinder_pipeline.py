@@ -1,5 +1,6 @@
-"""The Sparsefinder pipeline shared by the encoder and decoder experiments.
+"""The Sparsefinder (Treviso et al. 2022) pipeline shared by the encoder and decoder experiments.
 
+Part of the lab, over the method's package :mod:`sparseattn.predict`:
 ``sparseattn.experiments.sparsefinder`` (MiniLM, an encoder) and
 ``sparseattn.experiments.sparsefinder_lm`` (a byte-level decoder) run the same steps on their
 own gold graphs: :func:`fit_layers` fits each layer's projections (eq. 7) and centroids,
@@ -21,12 +22,12 @@ from typing import Any
 
 import torch
 
+from ..predict import baselines as bl
+from ..predict import predictors as pr
+from ..predict.evaluate import best_at_least, dominance, frontier_value, pareto_frontier, sweep
+from ..predict.extract import LayerGraphs
+from ..predict.projection import QKProjection
 from ..results import StepClock, read_json, run_folder, save_figure, torch_threads, write_json
-from . import baselines as bl
-from . import predictors as pr
-from .evaluate import best_at_least, dominance, frontier_value, pareto_frontier, sweep
-from .extract import LayerGraphs
-from .projection import QKProjection
 
 __all__ = [
     "COLORS",
