@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -221,6 +221,8 @@ def sparse_attention(
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
     score_mod: Callable | None = None,
+    group: object = None,
+    boundaries: Sequence[int] | None = None,
 ) -> Tensor:
     """Sparse attention, Yun et al. eq. (3): out_i = Σ_{j ∈ A_i} ρ(scale · q_i·k_j)_j · v_j.
 
@@ -249,6 +251,13 @@ def sparse_attention(
             applied to the scaled scores on the pattern's edges before ρ (every map; every
             engine but ``triton``): an additive bias (T5), ALiBi, soft-capping (Gemma 2) —
             :mod:`sparseattn.score_mods`. h is the query head; q_idx, kv_idx index q and k.
+        group: a ``torch.distributed`` process group over which the sequence is sharded
+            (context parallelism, docs/parallel.md): q, k, v and ``key_padding_mask`` are this
+            rank's contiguous part (positions ``boundaries[r] … boundaries[r + 1] − 1``), the
+            pattern is the global sequence's, and the result is this rank's rows of the
+            single-process result; each rank receives only the keys its queries read
+            (:func:`sparseattn.parallel.sparse_attention`). No dropout or score modifier there.
+        boundaries: the P + 1 shard boundaries with ``group`` (default: near-equal parts).
     Returns:
         (batch, heads, n_q, d_v).
     Raises:
@@ -268,6 +277,11 @@ def sparse_attention(
     eagerly, while the code around it compiles: one graph break per call, a bounded number of
     graphs over any stream of lengths, no ``fullgraph=True`` (docs/engines.md, "torch.compile").
     """
+    if group is not None:
+        return _sharded(
+            q, k, v, pattern, prob_map, engine, scale, key_padding_mask, dropout_p, enable_gqa,
+            score_mod, group, boundaries,
+        )  # fmt: skip
     _check_qkv(q, k, v, check_bool("enable_gqa", enable_gqa))
     _check_inputs_finite(**_read_whole(q, k, v, pattern))
     rho = resolve_prob_map(prob_map)
@@ -295,6 +309,21 @@ def sparse_attention(
     if groups > 1:
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     return _attend(q, k, v, pattern, rho, engine, scale, valid, dropout_p, score_mod)
+
+
+def _sharded(q, k, v, pattern, prob_map, engine, scale, key_padding_mask, dropout_p,
+             enable_gqa, score_mod, group, boundaries):  # fmt: skip
+    """:func:`sparse_attention` with ``group``: the context-parallel call."""
+    if dropout_p:
+        raise ValueError("dropout_p must be 0 with group= (not supported across ranks yet)")
+    if score_mod is not None:
+        raise ValueError("score_mod is not supported with group= (not across ranks yet)")
+    from .parallel import sparse_attention as sharded_attention
+
+    return sharded_attention(
+        q, k, v, pattern, group=group, prob_map=prob_map, engine=engine, scale=scale,
+        key_padding_mask=key_padding_mask, enable_gqa=enable_gqa, boundaries=boundaries,
+    )  # fmt: skip
 
 
 def _check_score_mod(score_mod: Callable, q: Tensor, k: Tensor) -> None:
@@ -540,6 +569,9 @@ class SparseAttention(nn.Module):
         score_mod: a score modifier applied in every call (``sparse_attention``), e.g.
             ``sparseattn.score_mods.alibi(num_heads)``; a :class:`torch.nn.Module` score
             modifier becomes a submodule (its parameters train with the layer).
+        group, boundaries: context parallelism (``sparse_attention(group=)``): x is this
+            rank's contiguous part of the sequence, the pattern the whole sequence's; not
+            with dropout, a score modifier or ``learn_alpha``.
 
     Dtypes: x must have the layer's dtype (``.bfloat16()``, ``.half()`` layers work), except
     under ``torch.autocast``, where x of any floating dtype is accepted and the projections
@@ -559,8 +591,14 @@ class SparseAttention(nn.Module):
         layer_index: int = 0,
         learn_alpha: bool = False,
         score_mod: Callable | None = None,
+        group: object = None,
+        boundaries: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
+        if group is not None and (dropout or score_mod is not None or learn_alpha):
+            raise ValueError(
+                "group= (context parallelism) does not take dropout, score_mod or learn_alpha"
+            )
         check_positive("embed_dim", embed_dim)
         check_positive("num_heads", num_heads)
         check_choice("engine", engine, ["auto", *ENGINES])
@@ -597,6 +635,7 @@ class SparseAttention(nn.Module):
         self.engine = engine
         self.dropout = dropout
         self.score_mod = score_mod
+        self.group, self.boundaries = group, boundaries
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bias)
         self.out = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.alpha_logit = None
@@ -659,6 +698,8 @@ class SparseAttention(nn.Module):
             key_padding_mask=key_padding_mask,
             dropout_p=self.dropout if self.training else 0.0,
             score_mod=self.score_mod,
+            group=self.group,
+            boundaries=self.boundaries,
         )
         return self.out(out.transpose(1, 2).reshape(bsz, n, self.embed_dim))
 

@@ -27,6 +27,7 @@ TAKES_IT = {
     ("attention.py", "attention_weights"),
     ("attention.py", "_key_validity"),  # the check and conversion every entry point uses
     ("attention.py", "forward"),  # SparseAttention
+    ("attention.py", "_sharded"),  # hands it to parallel's (test_parallel checks it)
     ("models/encoder.py", "attend"),
     ("models/encoder.py", "forward"),
     ("montecarlo.py", "mca_attention"),
