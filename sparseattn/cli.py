@@ -110,6 +110,65 @@ def _quick_note(command: str) -> None:
     console.print(f"Quick run ({command}): {QUICK_NOTES[command]}", markup=False)
 
 
+def _experiment(
+    name: str,
+    quick: bool = False,
+    *,
+    adjust=None,
+    hint: str = "",
+    run_errors: bool = True,
+    **fields,
+) -> None:
+    """Run a registered experiment (:mod:`sparseattn.experiments.registry`) as its command:
+    its quick config or its config with ``fields`` (those left None keep the defaults),
+    ``adjust(config)`` for the options that are not fields, the run, then the summary. A
+    ValueError of the config (``hint`` appended) or of the run (unless ``run_errors`` is off)
+    is a bad option; an experiment run under torchrun prints from rank 0 only."""
+    from .experiments.registry import experiment
+
+    exp = experiment(name)
+    try:
+        config = exp.configure(quick, **{k: v for k, v in fields.items() if v is not None})
+        config = config if adjust is None else adjust(config)
+    except ValueError as err:
+        raise typer.BadParameter(f"{err}{hint}") from err
+    try:
+        result = exp.run(config)
+    except ValueError as err:
+        if not run_errors:
+            raise
+        raise typer.BadParameter(f"{err}{hint}") from err
+    if not exp.distributed or os.environ.get("RANK", "0") == "0":
+        _show(exp, config, result)
+        if quick:
+            _quick_note(name)
+
+
+def _show(exp, config, result: dict) -> None:
+    """An experiment's summary: rich tables (each followed by its notes), or the markdown of
+    its ``table.md``; then the line naming what the run wrote."""
+    from .experiments.registry import markdown
+
+    summary = exp.summary(config, result)
+    if exp.markdown:
+        print(markdown(summary))
+    else:
+        for item in summary:
+            if isinstance(item, str):
+                print(item)
+                continue
+            table = Table(title=item.title)
+            for col in item.header:
+                table.add_column(col)
+            for row in item.rows:
+                table.add_row(*map(escape, row))
+            console.print(table)
+            for note in item.notes:
+                console.print(note)
+    if exp.wrote:
+        console.print(exp.written(config, result))
+
+
 def _number(text: str, name: str, kind: type = float) -> float | int:
     """Parse one number of a comma list or key=value option, naming the option on failure."""
     try:
@@ -249,19 +308,18 @@ def expressivity_dmin(
     time_limit: float | None = typer.Option(None, help="stop starting cells after this (s)"),
 ) -> None:
     """Least d for which the Theorem 0.4 construction succeeds, versus n (paper Figs. 3, 4)."""
-    from .experiments.dmin import PAPER_NS, DminConfig
-    from .experiments.dmin import run as run_dmin
+    from .experiments.dmin import PAPER_NS
 
-    base = DminConfig()
-    config = DminConfig(
+    _experiment(
+        "dmin",
         k=k,
         gamma=gamma,
         eps1=eps1,
         eps2=eps2,
-        ns=tuple(n) if n else (PAPER_NS if paper_grid else base.ns),
+        ns=tuple(n) if n else (PAPER_NS if paper_grid else None),
         draws=draws,
         d_step=d_step,
-        qs=tuple(q) if q else base.qs,
+        qs=tuple(q) if q else None,
         causal=causal,
         seed=seed,
         run=run,
@@ -271,32 +329,6 @@ def expressivity_dmin(
         device=device,
         time_limit_s=time_limit,
     )
-    try:
-        result = run_dmin(config)
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from err
-    for qs, s in result["summary"].items():
-        table = Table(title=f"d_min, Q = {qs} ({result['folder']})")
-        for col in ("n", "d_min per draw", "mean", "eq. (6)", "2n", "min(eq. 6, 2n)"):
-            table.add_column(col)
-        for row in s["table"]:
-            table.add_row(
-                str(row["n"]),
-                " ".join(map(str, row["d_min"])),
-                f"{row['mean']:.1f}",
-                str(row["theorem_d"]),
-                str(row["2n"]),
-                str(row["bound"]),
-            )
-        console.print(table)
-        if s["fit"]:
-            fit, sq = s["fit"], s["fit_sqrt"]
-            console.print(
-                f"fit d = {fit['slope']:.2f}·ln n {fit['intercept']:+.2f} (R² {fit['r2']:.3f}); "
-                f"d = {sq['slope']:.3f}·√n {sq['intercept']:+.2f} (R² {sq['r2']:.3f}); "
-                f"eq. (6) slope in ln n {s['theory_slope']:.1f} (k = {s['k_in_theory']}); "
-                f"eq. (6) <= 2n at n = {s['theorem_applies_at'] or 'none of the grid'}"
-            )
 
 
 @expressivity_app.command("bound")
@@ -482,18 +514,10 @@ def copying(
     """The copying task (Yun et al. §5.2, Tables 1–2): accuracy per pattern and depth.
 
     Resumable (finished cells are skipped); runs unchanged under `torchrun`."""
-    import os
+    from .experiments.copying import COLUMNS, paper_config, seeds_figure, seeds_table
+    from .experiments.registry import experiment
 
-    from .experiments.copying import (
-        COLUMNS,
-        CopyConfig,
-        paper_config,
-        quick_config,
-        seeds_figure,
-        seeds_table,
-    )
-    from .experiments.copying import run as run_copying
-
+    exp = experiment("copying")
     overrides = {
         "n": n,
         "w": w,
@@ -518,18 +542,20 @@ def copying(
         overrides = {k: v for k, v in overrides.items() if v is not None}
         if quick and paper:
             raise ValueError("give at most one of --quick and --paper")
-        make = quick_config if quick else paper_config if paper else CopyConfig
         seed_list = _numbers(seeds, "seeds", int) if seeds else (seed,)
         if run and len(seed_list) > 1:
             raise ValueError("--run names one folder; leave it out with several --seeds")
-        configs = [make(**{**overrides, "seed": s}).validate() for s in seed_list]
-        results = [run_copying(c) for c in configs]
+        fields = [{**overrides, "seed": s} for s in seed_list]
+        if paper:
+            configs = [paper_config(**f).validate() for f in fields]
+        else:
+            configs = [exp.configure(quick, **f) for f in fields]
+        results = [exp.run(c) for c in configs]
     except ValueError as err:
         raise typer.BadParameter(f"{err} (columns: {', '.join(COLUMNS)})") from err
     if os.environ.get("RANK", "0") == "0":
-        for result in results:
-            print(result["table"])
-            console.print(f"wrote {result['folder']}/table.md, copying.png and cells/*.json")
+        for config, result in zip(configs, results, strict=True):
+            _show(exp, config, result)
         if len(configs) > 1:
             table, folder = seeds_table(configs), Path(results[0]["folder"])
             (folder / "seeds.md").write_text(table)
@@ -568,43 +594,31 @@ def lm(
 
     Byte-level causal LMs on the embedded corpus. Resumable (finished cells are skipped);
     runs unchanged under `torchrun`; writes table.md, metrics.json, lm.png, cells/*.json."""
-    import os
+    from .experiments.lm import COLUMNS
 
-    from .experiments.lm import COLUMNS, LMConfig, quick_config
-    from .experiments.lm import run as run_lm
-
-    overrides = {
-        "n": n,
-        "causal_form": causal_form,
-        "prob_map": prob_map,
-        "save_model": save_model or None,
-        "d": d,
-        "layers": layers,
-        "steps": steps,
-        "batch_size": batch_size,
-        "lr": lr,
-        "parallel": parallel,
-        "threads": threads,
-        "run": run,
-        "out_dir": out_dir,
-    }
-    try:
-        if widths is not None:
-            overrides["widths"] = _numbers(widths, "widths", int)
-        if seeds is not None:
-            overrides["seeds"] = _numbers(seeds, "seeds", int)
-        if pattern_list != "all":
-            overrides["columns"] = tuple(x.strip() for x in pattern_list.split(","))
-        overrides = {k: v for k, v in overrides.items() if v is not None}
-        config = (quick_config if quick else LMConfig)(**overrides).validate()
-    except ValueError as err:
-        raise typer.BadParameter(f"{err} (columns: {', '.join(COLUMNS)})") from err
-    result = run_lm(config)
-    if os.environ.get("RANK", "0") == "0":
-        print(result["table"])
-        console.print(f"wrote {result['folder']}/table.md, metrics.json, lm.png, cells/*.json")
-        if quick:
-            _quick_note("lm")
+    columns = None if pattern_list == "all" else tuple(x.strip() for x in pattern_list.split(","))
+    _experiment(
+        "lm",
+        quick,
+        hint=f" (columns: {', '.join(COLUMNS)})",
+        run_errors=False,
+        n=n,
+        widths=_numbers(widths, "widths", int) if widths is not None else None,
+        seeds=_numbers(seeds, "seeds", int) if seeds is not None else None,
+        columns=columns,
+        causal_form=causal_form,
+        prob_map=prob_map,
+        save_model=save_model or None,
+        d=d,
+        layers=layers,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        parallel=parallel,
+        threads=threads,
+        run=run,
+        out_dir=out_dir,
+    )
 
 
 @app.command()
@@ -688,52 +702,23 @@ def dam(
     patterns, compare with fixed patterns and dense attention without the diagonal.
 
     Resumable: finished cells under <out_dir>/<run>/cells/ are skipped."""
-    from .experiments.dam import DamConfig, quick_config
-    from .experiments.dam import run as run_dam
-
-    overrides = {
-        "lambdas": tuple(lam) if lam else None,
-        "variants": tuple(variant) if variant else None,
-        "baselines": tuple(baseline) if baseline else None,
-        "seq_len": seq_len,
-        "warm_steps": warm_steps,
-        "dam_steps": dam_steps,
-        "finetune_steps": finetune_steps,
-        "prob_map": prob_map,
-        "normalized_penalty": normalized,
-        "seed": seed,
-        "threads": threads,
-        "run": run,
-        "out_dir": out_dir,
-    }
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    try:
-        result = run_dam(quick_config(**overrides) if quick else DamConfig(**overrides))
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from err
-    warm = result["warm_start"]
-    table = Table(
-        title=f"MLM validation after the same steps ({result['run']}); dense warm start: "
-        f"loss {warm['val_loss']:.3f}, acc {warm['val_acc']:.3f}"
+    _experiment(
+        "dam",
+        quick,
+        lambdas=tuple(lam) if lam else None,
+        variants=tuple(variant) if variant else None,
+        baselines=tuple(baseline) if baseline else None,
+        seq_len=seq_len,
+        warm_steps=warm_steps,
+        dam_steps=dam_steps,
+        finetune_steps=finetune_steps,
+        prob_map=prob_map,
+        normalized_penalty=normalized,
+        seed=seed,
+        threads=threads,
+        run=run,
+        out_dir=out_dir,
     )
-    columns = ("cell", "sparsity", "val loss", "val acc", "retrained loss / acc", "diag kept")
-    for col in (*columns, "offsets 1–4 kept"):
-        table.add_column(col)
-    for row in result["summary"]["rows"]:
-        dam_row = "diag_kept" in row
-        table.add_row(
-            escape(row["label"]),
-            f"{row['sparsity']:.1%}",
-            f"{row['val_loss']:.3f}",
-            f"{row['val_acc']:.3f}",
-            f"{row['retrained_loss']:.3f} / {row['retrained_acc']:.3f}" if dam_row else "—",
-            f"{row['diag_kept']:.2f}" if dam_row else "—",
-            f"{row['offsets_1_4_kept']:.2f}" if dam_row else "—",
-        )
-    console.print(table)
-    console.print(f"wrote {result['folder']}: cells/*.json, metrics.json, figures")
-    if quick:
-        _quick_note("dam")
 
 
 @app.command()
@@ -760,58 +745,24 @@ def sparsefinder(
     Resumable: finished steps (JSON under OUT_DIR/RUN/) are skipped when run again."""
     from dataclasses import replace
 
-    from .experiments.sparsefinder import SparsefinderConfig, quick_config
-    from .experiments.sparsefinder import run as run_sparsefinder
-
-    overrides = {
-        "train_passages": train_passages,
-        "test_passages": test_passages,
-        "max_pairs": max_pairs,
-        "run": run,
-        "out_dir": out_dir,
-        "threads": threads,
-    }
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    try:
-        config = quick_config(**overrides) if quick else SparsefinderConfig(**overrides)
+    def adjust(config):
         if teacher_steps is not None:
             config = replace(config, teacher=replace(config.teacher, steps=teacher_steps))
         if not downstream:
             config = replace(config, downstream_knobs=())
-        if not timing:
-            config = replace(config, timing_lengths=())
-        summary = run_sparsefinder(config)
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from err
-    table = Table(
-        title=f"Sparsefinder on the entmax MiniLM (gold sparsity {summary['gold_sparsity']:.3f})"
-    )
-    for col in (
-        "method",
-        "recall at gold sparsity",
-        "best recall, sparsity ≥ gold",
-        "window points dominated",
-    ):
-        table.add_column(col)
+        return config if timing else replace(config, timing_lengths=())
 
-    def fmt(x):
-        return "—" if x is None else f"{x:.3f}"
-
-    for row in summary["methods"].values():
-        vs = row.get("vs_window", {})
-        table.add_row(
-            escape(row["label"]),
-            fmt(row["recall_at_gold_sparsity"]),
-            fmt(row["best_recall_with_sparsity_at_least_gold"]),
-            fmt(vs.get("dominated_base_points")),
-        )
-    console.print(table)
-    console.print(
-        f"wrote {summary['folder']}: summary.json, table.md, sweep.json, "
-        "downstream.json, timing.json, sparsity_recall.png, sparsity_downstream.png"
+    _experiment(
+        "sparsefinder",
+        quick,
+        adjust=adjust,
+        train_passages=train_passages,
+        test_passages=test_passages,
+        max_pairs=max_pairs,
+        run=run,
+        out_dir=out_dir,
+        threads=threads,
     )
-    if quick:
-        _quick_note("sparsefinder")
 
 
 @app.command("sparsefinder-decoder")
@@ -836,30 +787,21 @@ def sparsefinder_decoder(
     Resumable: finished steps (JSON under OUT_DIR/RUN/) are skipped when run again."""
     from dataclasses import replace
 
-    from .experiments.sparsefinder_lm import DecoderSparsefinderConfig, quick_config
-    from .experiments.sparsefinder_lm import run as run_decoder
-
-    overrides = {
-        "train_windows": train_windows,
-        "valid_windows": valid_windows,
-        "run": run,
-        "out_dir": out_dir,
-        "threads": threads,
-    }
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    try:
-        config = quick_config(**overrides) if quick else DecoderSparsefinderConfig(**overrides)
+    def adjust(config):
         if teacher_steps is not None:
             config = replace(config, teacher=replace(config.teacher, steps=teacher_steps))
-        if not downstream:
-            config = replace(config, downstream_knobs=())
-        summary = run_decoder(config)
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from err
-    print(summary["table"])
-    console.print(f"wrote {summary['folder']}: table.md, summary.json, sparsity_recall.png")
-    if quick:
-        _quick_note("sparsefinder-decoder")
+        return config if downstream else replace(config, downstream_knobs=())
+
+    _experiment(
+        "sparsefinder-decoder",
+        quick,
+        adjust=adjust,
+        train_windows=train_windows,
+        valid_windows=valid_windows,
+        run=run,
+        out_dir=out_dir,
+        threads=threads,
+    )
 
 
 @app.command()
@@ -966,77 +908,17 @@ def mca(
     """MCA sweep on MiniLM: error vs Theorem 2 bound, fidelity vs value-projection MACs kept;
     then the MCA reference code's cost accounting beside ours, on 8-word passages padded to 128
     tokens as that code runs them."""
-    from .experiments.mca import MCAConfig
-    from .experiments.mca import run as run_mca
-
-    values = (0.0, 0.2, 1.0) if quick else _numbers(alphas, "alphas")
-    try:
-        config = MCAConfig(
-            values,
-            16 if quick else max_passages,
-            seed=seed,
-            run=run,
-            sweep=sweep,
-            accounting_alphas=_numbers(accounting_alphas, "accounting_alphas"),
-        ).validate()
-        result = run_mca(config)
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from err
-    if sweep:
-        _print_mca_sweep(result)
-    if "accounting" in result:
-        _print_mca_accounting(result["accounting"])
-    console.print(f"results in results/mca/{config.run_name()}/")
-    if quick:
-        _quick_note("mca")
-
-
-def _print_mca_accounting(acc: dict) -> None:
-    table = Table(
-        title=f"MACs kept, two accountings: {acc['passages']} passages of "
-        f"{acc['mean_real_tokens']:.1f} tokens padded to {acc['padded_length']}"
+    # --quick replaces --alphas and --max-passages
+    sizes = {} if quick else {"alphas": _numbers(alphas, "alphas"), "max_passages": max_passages}
+    _experiment(
+        "mca",
+        quick,
+        **sizes,
+        seed=seed,
+        run=run,
+        sweep=sweep,
+        accounting_alphas=_numbers(accounting_alphas, "accounting_alphas"),
     )
-    for col in (
-        "α",
-        "reference code (all positions)",
-        "reference r, real tokens",
-        "ours (real tokens)",
-        "ours, unpadded",
-    ):
-        table.add_column(col)
-    for r in acc["rows"]:
-        table.add_row(
-            f"{r['alpha']:.1f}",
-            f"{r['reference_padded']:.1%}",
-            f"{r['reference_real_tokens']:.1%}",
-            f"{r['ours_padded']:.1%}",
-            f"{r['ours_unpadded']:.1%}",
-        )
-    console.print(table)
-
-
-def _print_mca_sweep(result: dict) -> None:
-    table = Table(title=f"MCA on MiniLM ({result['passages']} test passages)")
-    for col in (
-        "α",
-        "MACs kept",
-        "sampled / exact projection time",
-        "embedding cosine",
-        "retrieval acc.",
-    ):
-        table.add_column(col)
-    for c in result["cells"]:
-        t = c["projection_seconds"]
-        ratio = t["sampled"] / t["exact"] if t["exact"] else float("nan")
-        table.add_row(
-            f"{c['alpha']:.1f}",
-            f"{c['macs_kept']:.1%}",
-            f"{ratio:.1f}×",
-            f"{c['embedding_cosine_mean']:.4f}",
-            f"{c['retrieval_accuracy']:.3f}",
-        )
-    console.print(table)
-    console.print(f"exact retrieval accuracy {result['exact_retrieval_accuracy']:.3f}")
 
 
 @app.command()

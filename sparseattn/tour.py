@@ -491,39 +491,77 @@ def speed(config: TourConfig, out: Path, work: Path) -> Section:
     }
 
 
-# ------------------------------------------------------------------ 3. copying task
-def copying(config: TourConfig, out: Path, work: Path) -> Section:
-    """A few cells of Yun et al. Table 1 (bidirectional copying) at toy size."""
-    from .experiments.copying import (
-        PAPER_TABLE1,
-        column_header,
-        load_cells,
-        quick_config,
-        reachable_fraction,
-    )
-    from .experiments.copying import run as run_copying
+# ------------------------------------------------------------------ 3-4. the experiments
+@dataclass(frozen=True)
+class Study:
+    """A registered experiment (:mod:`sparseattn.experiments.registry`) as a section.
 
-    cc = quick_config(
-        n=config.copy_n,
-        w=config.copy_w,
-        steps=config.copy_steps,
-        columns=config.copy_columns,
-        depths=config.copy_depths,
-        threads=config.threads,
-        progress=config.progress,
-        out_dir=str(work / "copying"),
-    ).validate()
-    result = run_copying(cc)
+    The section runs the experiment's quick config (``quick``; else its config) with the
+    fields ``options(tour config, work folder)`` gives, in ``<work>/<name>``, and shows its
+    summary tables (those ``sparseattn <name>`` prints) and, with ``figure``, its main
+    figure. ``words(experiment config, result)`` is the tour's own part: ``html`` (the
+    explanation), ``numbers`` (for tour.json), ``commands`` and optionally ``tables`` (HTML
+    shown after the summary)."""
+
+    name: str
+    options: Callable[[TourConfig, Path], dict[str, Any]]
+    words: Callable[[Any, dict[str, Any]], dict[str, Any]]
+    quick: bool = True
+    figure: bool = True
+
+    def __call__(self, config: TourConfig, out: Path, work: Path) -> Section:
+        from .experiments.registry import experiment
+
+        exp = experiment(self.name)
+        made = exp.configure(self.quick, **self.options(config, work / self.name))
+        result = exp.run(made)
+        words = self.words(made, result)
+        figures = [exp.figures(made, result)[0]] if self.figure else []
+        return {
+            "html": words["html"],
+            "tables": _summary_html(exp.summary(made, result)) + words.get("tables", ""),
+            "figures": [_copy_figure(path, out, self.name) for path in figures],
+            "numbers": words["numbers"],
+            "commands": words["commands"],
+        }
+
+
+def _summary_html(summary: list[Any]) -> str:
+    """An experiment's summary tables: title, table, notes; ready text as preformatted."""
+    parts = []
+    for item in summary:
+        if isinstance(item, str):
+            parts.append(f"<pre>{_esc(item)}</pre>")
+            continue
+        if item.title:
+            parts.append(f"<h4>{_esc(item.title)}</h4>")
+        parts.append(_table(list(item.header), [list(row) for row in item.rows]))
+        parts += [f"<p>{_esc(note)}</p>" for note in item.notes]
+    return "".join(parts)
+
+
+def _where(config: TourConfig, folder: Path) -> dict[str, Any]:
+    """The fields every experiment but MCA takes from the tour: threads, bars, run folder."""
+    return {"threads": config.threads, "progress": config.progress, "out_dir": str(folder)}
+
+
+# ------------------------------------------------------------------ 3. copying task
+def _copying_options(config: TourConfig, folder: Path) -> dict[str, Any]:
+    """A few cells of Yun et al. Table 1 (bidirectional copying) at toy size."""
+    return {
+        "n": config.copy_n,
+        "w": config.copy_w,
+        "steps": config.copy_steps,
+        "columns": config.copy_columns,
+        "depths": config.copy_depths,
+        **_where(config, folder),
+    }
+
+
+def _copying_words(cc: Any, result: dict[str, Any]) -> dict[str, Any]:
+    from .experiments.copying import PAPER_TABLE1, load_cells
+
     cells = load_cells(Path(result["folder"]))
-    header = ["depth"] + [column_header(c, cc) for c in cc.columns]
-    rows, ceiling = [], []
-    for depth in cc.depths:
-        rows.append(
-            [f"{depth}-layer"] + [f"{cells[f'{c}-L{depth}']['accuracy']:.2%}" for c in cc.columns]
-        )
-        ceiling.append(
-            [f"{depth}-layer"] + [f"{reachable_fraction(c, depth, cc):.0%}" for c in cc.columns]
-        )
     paper = [
         [f"{d}-layer"]
         + [f"{PAPER_TABLE1[c][1][d - 1]:.2f}%" if c in PAPER_TABLE1 else "—" for c in cc.columns]
@@ -552,13 +590,8 @@ def copying(config: TourConfig, out: Path, work: Path) -> Section:
     )
     return {
         "html": text,
-        "tables": "<h4>Token accuracy (this run)</h4>"
-        + _table(header, rows)
-        + "<h4>Connectivity ceiling: share of copied symbols whose source can reach them</h4>"
-        + _table(header, ceiling)
-        + "<h4>The paper's Table 1 (n = 256, 500K steps) for these columns</h4>"
+        "tables": "<h4>The paper's Table 1 (n = 256, 500K steps) for these columns</h4>"
         + _table(["depth"] + [c for c in cc.columns], paper),
-        "figures": [],
         "numbers": {
             "config": cc.identity(),
             "cells": {
@@ -579,52 +612,35 @@ def copying(config: TourConfig, out: Path, work: Path) -> Section:
 
 
 # ------------------------------------------------------------------ 4a. Sparsefinder
-def sparsefinder(config: TourConfig, out: Path, work: Path) -> Section:
+def _sparsefinder_options(config: TourConfig, folder: Path) -> dict[str, Any]:
     """Sparsefinder's recall–sparsity Pareto curves on a briefly adapted 1.5-entmax MiniLM."""
-    from .experiments.sparsefinder import METHODS, quick_config
-    from .experiments.sparsefinder import run as run_sf
     from .experiments.sparsefinder_teacher import TeacherConfig
 
-    sc = replace(
-        quick_config(out_dir=str(work / "sparsefinder")),
-        teacher=TeacherConfig(steps=config.sf_teacher_steps, eval_passages=config.sf_teacher_eval),
-        train_passages=config.sf_train_passages,
-        test_passages=config.sf_test_passages,
-        max_pairs=config.sf_max_pairs,
-        downstream_knobs=(),
-        timing_lengths=(),
-        threads=config.threads,
-        progress=config.progress,
-    )
-    summary = run_sf(sc)
-    torch.set_num_threads(config.threads)
-    path = _copy_figure(Path(summary["folder"]) / "sparsity_recall.png", out, "sparsefinder")
-    gold = summary["gold_sparsity"]
+    return {
+        "teacher": TeacherConfig(
+            steps=config.sf_teacher_steps, eval_passages=config.sf_teacher_eval
+        ),
+        "train_passages": config.sf_train_passages,
+        "test_passages": config.sf_test_passages,
+        "max_pairs": config.sf_max_pairs,
+        "downstream_knobs": (),
+        "timing_lengths": (),
+        **_where(config, folder),
+    }
 
-    def fmt(x, spec=".3f"):
-        return "—" if x is None else format(x, spec)
 
-    rows, gaps = [], {}
-    for method, row in summary["methods"].items():
-        vs = row.get("vs_window") or {}
-        sparsest = row["sparsest"]
-        if method.startswith("sf_") and vs.get("gap_mean") is not None:
-            gaps[method] = vs["gap_mean"]
-        rows.append(
-            [
-                METHODS[method][0],
-                f"{sparsest['sparsity']:.3f}, {sparsest['recall']:.3f}",
-                fmt(row.get("recall_at_gold_sparsity")),
-                fmt(vs.get("gap_mean"), "+.3f"),
-                fmt(vs.get("dominated_base_points"), ".0%"),
-            ]
-        )
+def _sparsefinder_words(sc: Any, summary: dict[str, Any]) -> dict[str, Any]:
+    gaps = {
+        method: row["vs_window"]["gap_mean"]
+        for method, row in summary["methods"].items()
+        if method.startswith("sf_") and (row.get("vs_window") or {}).get("gap_mean") is not None
+    }
     teacher = summary["teacher"]["after"]
     best = max(gaps, key=gaps.get) if gaps else None
     outcome = (
         f"In this run the best Sparsefinder variant against the window baseline is "
-        f"{_esc(METHODS[best][0])}, {gaps[best]:+.3f} recall on average over the sparsity range "
-        "both cover (positive: better than window). "
+        f"{_esc(summary['methods'][best]['label'])}, {gaps[best]:+.3f} recall on average over "
+        "the sparsity range both cover (positive: better than window). "
         if best
         else ""
     )
@@ -638,23 +654,14 @@ def sparsefinder(config: TourConfig, out: Path, work: Path) -> Section:
         "over layers and heads. Dashed: fixed or hashing baselines.</p>"
         f"<p>Teacher: MiniLM with 1.5-entmax in every head, distilled {sc.teacher.steps} steps "
         f"towards the softmax model (embedding cosine to it {teacher['embedding_cosine_mean']:.3f}"
-        f"); gold sparsity of its graphs {gold:.3f}. {outcome}Reduced: {sc.train_passages} "
-        f"train and {sc.test_passages} test passages, {sc.max_pairs} training pairs per head, "
-        "two or three knob values per method, no downstream or timing step; the full run "
-        "distils the teacher 150 steps, uses every passage and a knob grid of 4–16 values "
-        "(docs/sparsefinder.md).</p>"
+        f"); gold sparsity of its graphs {summary['gold_sparsity']:.3f}. {outcome}Reduced: "
+        f"{sc.train_passages} train and {sc.test_passages} test passages, {sc.max_pairs} "
+        "training pairs per head, two or three knob values per method, no downstream or timing "
+        "step; the full run distils the teacher 150 steps, uses every passage and a knob grid "
+        "of 4–16 values (docs/sparsefinder.md).</p>"
     )
-    header = [
-        "method",
-        "sparsest setting (sparsity, recall)",
-        "recall at gold sparsity",
-        "mean recall gap vs window",
-        "window frontier points dominated",
-    ]
     return {
         "html": text,
-        "tables": _table(header, rows),
-        "figures": [path],
         "numbers": {k: summary[k] for k in ("gold_sparsity", "methods", "teacher", "steps")},
         "commands": [
             (
@@ -671,34 +678,23 @@ def sparsefinder(config: TourConfig, out: Path, work: Path) -> Section:
 
 
 # ------------------------------------------------------------------ 4b. MCA
-def mca(config: TourConfig, out: Path, work: Path) -> Section:
+def _mca_options(config: TourConfig, folder: Path) -> dict[str, Any]:
     """Monte-Carlo value products in MiniLM: error against α and the Theorem 2 bound."""
-    from .experiments.mca import MCAConfig
-    from .experiments.mca import run as run_mca
+    return {
+        "alphas": config.mca_alphas,
+        "max_passages": config.mca_passages,
+        "run": "tour",
+        "out": str(folder),
+    }
 
-    mc = MCAConfig(
-        alphas=config.mca_alphas,
-        max_passages=config.mca_passages,
-        run="tour",
-        out=str(work / "mca"),
-    )
-    result = run_mca(mc)
-    path = _copy_figure(work / "mca" / "tour" / "error_vs_bound.png", out, "mca")
+
+def _mca_words(mc: Any, result: dict[str, Any]) -> dict[str, Any]:
     rows = []
     for c in result["cells"]:
         errors = c["error_vs_bound"].values()
         err = sum(e["mean_error"] for e in errors) / len(errors)
         bound = sum(e["bound"] for e in errors) / len(errors)
-        rows.append(
-            [
-                f"{c['alpha']:g}",
-                f"{c['macs_kept']:.1%}",
-                f"{err:.4f}",
-                f"{bound:.4f}",
-                f"{c['embedding_cosine_mean']:.4f}",
-                f"{c['retrieval_accuracy']:.3f}",
-            ]
-        )
+        rows.append([f"{c['alpha']:g}", f"{err:.4f}", f"{bound:.4f}"])
     alphas = ",".join(f"{a:g}" for a in mc.alphas)
     text = (
         "<p>MCA (Kim &amp; Ko, 2022) approximates only the value projection X·W<sub>V</sub> "
@@ -714,18 +710,10 @@ def mca(config: TourConfig, out: Path, work: Path) -> Section:
         f"<p>Reduced: {result['passages']} test passages (the full sweep: 48) and "
         f"{len(mc.alphas)} values of α (full: 11).</p>"
     )
-    header = [
-        "α",
-        "MACs kept",
-        "mean error / token",
-        "bound αβ‖W‖_F",
-        "embedding cosine",
-        "retrieval accuracy",
-    ]
     return {
         "html": text,
-        "tables": _table(header, rows),
-        "figures": [path],
+        "tables": "<h4>Error per token against the Theorem 2 bound (mean over layers)</h4>"
+        + _table(["α", "mean error / token", "bound αβ‖W‖_F"], rows),
         "numbers": result,
         "commands": [
             (
@@ -738,38 +726,20 @@ def mca(config: TourConfig, out: Path, work: Path) -> Section:
 
 
 # ------------------------------------------------------------------ 4c. SparseBERT DAM
-def dam(config: TourConfig, out: Path, work: Path) -> Section:
+def _dam_options(config: TourConfig, folder: Path) -> dict[str, Any]:
     """SparseBERT's differentiable attention masks, learned with MLM on a small encoder."""
-    from .experiments.dam import quick_config
-    from .experiments.dam import run as run_dam
+    return {
+        "seq_len": config.dam_seq_len,
+        "warm_steps": config.dam_warm_steps,
+        "dam_steps": config.dam_steps,
+        "finetune_steps": config.dam_finetune_steps,
+        "lambdas": config.dam_lambdas,
+        "baselines": config.dam_baselines,
+        **_where(config, folder),
+    }
 
-    dc = quick_config(
-        seq_len=config.dam_seq_len,
-        warm_steps=config.dam_warm_steps,
-        dam_steps=config.dam_steps,
-        finetune_steps=config.dam_finetune_steps,
-        lambdas=config.dam_lambdas,
-        baselines=config.dam_baselines,
-        threads=config.threads,
-        progress=config.progress,
-        out_dir=str(work / "dam"),
-    )
-    result = run_dam(dc)
-    folder = Path(result["folder"])
-    path = _copy_figure(folder / "masks.png", out, "dam")
-    rows = []
-    for r in result["summary"]["rows"]:
-        dam_row = "diag_kept" in r
-        rows.append(
-            [
-                r["label"],
-                f"{r['sparsity']:.1%}",
-                f"{r['val_loss']:.3f}",
-                f"{r['val_acc']:.3f}",
-                f"{r['diag_kept']:.2f}" if dam_row else "—",
-                f"{r['offsets_1_4_kept']:.2f}" if dam_row else "—",
-            ]
-        )
+
+def _dam_words(dc: Any, result: dict[str, Any]) -> dict[str, Any]:
     warm = result["warm_start"]
     lams = " ".join(f"--lam {lam:g}" for lam in dc.lambdas)
     bases = " ".join(f"--baseline {b}" for b in dc.baselines)
@@ -790,11 +760,8 @@ def dam(config: TourConfig, out: Path, work: Path) -> Section:
         "differences in the table are small and say little about quality; the masks show "
         "what the penalty removes first.</p>"
     )
-    header = ["cell", "sparsity", "val loss", "val acc", "diagonal kept", "offsets 1–4 kept"]
     return {
         "html": text,
-        "tables": _table(header, rows),
-        "figures": [path],
         "numbers": {k: result[k] for k in ("summary", "warm_start", "run", "seconds_this_call")},
         "commands": [
             (
@@ -808,25 +775,13 @@ def dam(config: TourConfig, out: Path, work: Path) -> Section:
 
 
 # ------------------------------------------------------------------ 4d. d_min vs n
-def dmin(config: TourConfig, out: Path, work: Path) -> Section:
+def _dmin_options(config: TourConfig, folder: Path) -> dict[str, Any]:
     """The least head dimension d for which the Theorem 0.4 construction works, against n."""
-    from .experiments.dmin import DminConfig
-    from .experiments.dmin import run as run_dmin
+    return {"ns": config.dmin_ns, "draws": config.dmin_draws, **_where(config, folder)}
 
-    mc = DminConfig(
-        ns=config.dmin_ns,
-        draws=config.dmin_draws,
-        threads=config.threads,
-        progress=config.progress,
-        out_dir=str(work / "dmin"),
-    )
-    result = run_dmin(mc)
-    path = _copy_figure(Path(result["folder"]) / "dmin.png", out, "dmin")
+
+def _dmin_words(mc: Any, result: dict[str, Any]) -> dict[str, Any]:
     s = result["summary"]["1"]
-    rows = [
-        [r["n"], " ".join(map(str, r["d_min"])), f"{r['mean']:.1f}", r["2n"], r["theorem_d"]]
-        for r in s["table"]
-    ]
     fit = s["fit"]
     fit_text = (
         (
@@ -852,10 +807,6 @@ def dmin(config: TourConfig, out: Path, work: Path) -> Section:
     )
     return {
         "html": text,
-        "tables": _table(
-            ["n", "d_min per matrix", "mean", "2n (exact)", "theorem d (eq. 6)"], rows
-        ),
-        "figures": [path],
         "numbers": {"summary": result["summary"], "total_seconds": result["total_seconds"]},
         "commands": [
             ("this study", f"sparseattn expressivity dmin {ns} --draws {mc.draws}"),
@@ -869,14 +820,26 @@ def dmin(config: TourConfig, out: Path, work: Path) -> Section:
 SECTIONS: dict[str, tuple[str, Callable[[TourConfig, Path, Path], Section]]] = {
     "gallery": ("1. Pattern gallery and Assumption 1 (Yun et al. 2020)", gallery),
     "speed": ("2. Speed and memory against dense attention", speed),
-    "copying": ("3. The copying task (Yun et al. 2020, Table 1)", copying),
+    "copying": (
+        "3. The copying task (Yun et al. 2020, Table 1)",
+        Study("copying", _copying_options, _copying_words, figure=False),
+    ),
     "sparsefinder": (
         "4a. Sparsefinder: predicting the entmax graph (Treviso et al. 2022)",
-        sparsefinder,
+        Study("sparsefinder", _sparsefinder_options, _sparsefinder_words),
     ),
-    "mca": ("4b. MCA: Monte-Carlo value products (error vs α)", mca),
-    "dam": ("4c. SparseBERT: learned attention masks (DAM)", dam),
-    "dmin": ("4d. How small can d be? d_min vs n (Likhosherstov et al. 2023)", dmin),
+    "mca": (
+        "4b. MCA: Monte-Carlo value products (error vs α)",
+        Study("mca", _mca_options, _mca_words, quick=False),
+    ),
+    "dam": (
+        "4c. SparseBERT: learned attention masks (DAM)",
+        Study("dam", _dam_options, _dam_words),
+    ),
+    "dmin": (
+        "4d. How small can d be? d_min vs n (Likhosherstov et al. 2023)",
+        Study("dmin", _dmin_options, _dmin_words, quick=False),
+    ),
 }
 
 

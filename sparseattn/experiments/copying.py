@@ -70,6 +70,7 @@ from ..patterns import (
 )
 from ..progress import tqdm
 from ..results import machine_facts, save_figure, torch_threads, write_json, write_text
+from .registry import Experiment, SummaryTable, figures_in, markdown
 from .runner import (
     COLUMNS,
     Dist,
@@ -545,35 +546,36 @@ def column_header(column: str, config: CopyConfig) -> str:
     return f"{name} ({level:.1%})"
 
 
-def table_markdown(config: CopyConfig, cells: dict[str, dict[str, Any]]) -> str:
-    """Tables 1 / 2 in markdown: one row per depth, one column per pattern; sparsity in the
-    header, test token accuracy in the cells ("—" where a cell has not run). A second table
-    gives each cell's connectivity ceiling (:func:`reachable_fraction`)."""
+def summary_tables(config: CopyConfig, cells: dict[str, dict[str, Any]]) -> list[SummaryTable]:
+    """Tables 1 / 2: one row per depth, one column per pattern; sparsity in the header, test
+    token accuracy in the cells ("—" where a cell has not run). A second table gives each
+    cell's connectivity ceiling (:func:`reachable_fraction`)."""
     columns = [c for c in COLUMNS if any(v["column"] == c for v in cells.values())]
     depths = sorted({v["depth"] for v in cells.values()})
-    head = [
-        "| depth | " + " | ".join(column_header(c, config) for c in columns) + " |",
-        "|---|" + "---:|" * len(columns),
-    ]
-    lines, ceiling = list(head), list(head)
+    header = ("depth", *(column_header(c, config) for c in columns))
+    rows, ceiling = [], []
     for depth in depths:
         row = []
         for c in columns:
             cell = cells.get(cell_name(c, depth))
             row.append(f"{cell['accuracy']:.2%}" if cell else "—")
-        lines.append(f"| {depth}-layer | " + " | ".join(row) + " |")
+        rows.append((f"{depth}-layer", *row))
         row = [f"{reachable_fraction(c, depth, config):.1%}" for c in columns]
-        ceiling.append(f"| {depth}-layer | " + " | ".join(row) + " |")
+        ceiling.append((f"{depth}-layer", *row))
     kind = "autoregressive" if config.causal else "bidirectional"
-    lines.append("")
-    lines.append(
+    note = (
         f"Token accuracy on {config.test_size} held-out sequences ({kind}, n = {config.n}, "
         f"w = {config.segment}, d = {config.d}, {config.heads} heads, {config.steps} steps of "
         f"batch {config.batch_size}); chance {1 / (config.vocab - 1):.2%}. "
         "Percentages in parentheses: measured sparsity."
     )
-    lines += ["", "Share of copied symbols whose source can reach them through the graphs:", ""]
-    return "\n".join(lines + ceiling) + "\n"
+    reach = "Share of copied symbols whose source can reach them through the graphs:"
+    return [SummaryTable("", header, rows, (note,)), SummaryTable(reach, header, ceiling)]
+
+
+def table_markdown(config: CopyConfig, cells: dict[str, dict[str, Any]]) -> str:
+    """:func:`summary_tables` in markdown (``table.md``)."""
+    return markdown(summary_tables(config, cells))
 
 
 def seeds_table(configs: Sequence[CopyConfig]) -> str:
@@ -712,3 +714,16 @@ def run(config: CopyConfig, dist: Dist | None = None) -> dict[str, Any]:
             seeds_figure([config], folder / "copying.png")
     sweep.close()
     return result
+
+
+EXPERIMENT = Experiment(
+    name="copying",
+    config=CopyConfig,
+    quick=quick_config,
+    run=run,
+    summary=lambda config, result: summary_tables(config, load_cells(Path(result["folder"]))),
+    figures=lambda config, result: figures_in(result["folder"], "copying.png"),
+    wrote="wrote {folder}/table.md, copying.png and cells/*.json",
+    markdown=True,
+    distributed=True,
+)

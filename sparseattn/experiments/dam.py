@@ -75,6 +75,7 @@ from ..results import (
     torch_threads,
     write_json,
 )
+from .registry import Experiment, SummaryTable, figures_in
 
 #: Fixed patterns, parameters chosen so that at n = 128 their sparsity is near the SparseBERT
 #: table (strided 70.4 %, fixed 72.7 %, Longformer 88.7 %, BigBird 93.2 %, Star 96.1 %).
@@ -799,3 +800,52 @@ def run(config: DamConfig) -> dict[str, Any]:
     write_json(folder / "metrics.json", result)
     result["folder"] = str(folder)
     return result
+
+
+# --------------------------------------------------------------------------- the registry's view
+def summary_tables(config: DamConfig, result: dict[str, Any]) -> list[SummaryTable]:
+    """The table ``sparseattn dam`` prints and the tour shows: each cell's sparsity and MLM
+    validation loss / accuracy after the same steps; for DAM cells the retrained mask and the
+    kept fraction of the diagonal and of the offsets 1–4."""
+    warm = result["warm_start"]
+    rows = []
+    for row in result["summary"]["rows"]:
+        dam_row = "diag_kept" in row
+        rows.append(
+            (
+                row["label"],
+                f"{row['sparsity']:.1%}",
+                f"{row['val_loss']:.3f}",
+                f"{row['val_acc']:.3f}",
+                f"{row['retrained_loss']:.3f} / {row['retrained_acc']:.3f}" if dam_row else "—",
+                f"{row['diag_kept']:.2f}" if dam_row else "—",
+                f"{row['offsets_1_4_kept']:.2f}" if dam_row else "—",
+            )
+        )
+    title = (
+        f"MLM validation after the same steps ({result['run']}); dense warm start: "
+        f"loss {warm['val_loss']:.3f}, acc {warm['val_acc']:.3f}"
+    )
+    header = (
+        "cell",
+        "sparsity",
+        "val loss",
+        "val acc",
+        "retrained loss / acc",
+        "diag kept",
+        "offsets 1–4 kept",
+    )
+    return [SummaryTable(title, header, rows)]
+
+
+EXPERIMENT = Experiment(
+    name="dam",
+    config=DamConfig,
+    quick=quick_config,
+    run=run,
+    summary=summary_tables,
+    figures=lambda config, result: figures_in(
+        result["folder"], "masks.png", "sparsity_quality.png", "offsets.png"
+    ),
+    wrote="wrote {folder}: cells/*.json, metrics.json, figures",
+)

@@ -37,6 +37,7 @@ from ..analysis.expressivity import (
 from ..progress import tqdm
 from ..results import machine_facts, run_folder, torch_threads, write_json
 from ..validate import check_finite_float, check_int, check_positive
+from .registry import Experiment, SummaryTable, figures_in
 from .runner import run_name_digest
 
 #: The paper's grid: n from 512 to 3072 in steps of 256, 5 matrices per n.
@@ -321,3 +322,43 @@ def run(config: DminConfig) -> dict[str, Any]:
     plot(config, result["summary"], folder / "dmin.png")
     result["folder"] = str(folder)
     return result
+
+
+# --------------------------------------------------------------------------- the registry's view
+def summary_tables(config: DminConfig, result: dict[str, Any]) -> list[SummaryTable]:
+    """One table per Q (what ``sparseattn expressivity dmin`` prints and the tour shows): d_min
+    per draw and its mean against eq. (6) and 2n, then the fits against ln n and √n."""
+    tables = []
+    for qs, s in result["summary"].items():
+        rows = [
+            (
+                str(row["n"]),
+                " ".join(map(str, row["d_min"])),
+                f"{row['mean']:.1f}",
+                str(row["theorem_d"]),
+                str(row["2n"]),
+                str(row["bound"]),
+            )
+            for row in s["table"]
+        ]
+        notes = []
+        if s["fit"]:
+            fit, sq = s["fit"], s["fit_sqrt"]
+            notes.append(
+                f"fit d = {fit['slope']:.2f}·ln n {fit['intercept']:+.2f} (R² {fit['r2']:.3f}); "
+                f"d = {sq['slope']:.3f}·√n {sq['intercept']:+.2f} (R² {sq['r2']:.3f}); "
+                f"eq. (6) slope in ln n {s['theory_slope']:.1f} (k = {s['k_in_theory']}); "
+                f"eq. (6) <= 2n at n = {s['theorem_applies_at'] or 'none of the grid'}"
+            )
+        header = ("n", "d_min per draw", "mean", "eq. (6)", "2n", "min(eq. 6, 2n)")
+        tables.append(SummaryTable(f"d_min, Q = {qs} ({result['folder']})", header, rows, notes))
+    return tables
+
+
+EXPERIMENT = Experiment(
+    name="dmin",
+    config=DminConfig,
+    run=run,
+    summary=summary_tables,
+    figures=lambda config, result: figures_in(result["folder"], "dmin.png"),
+)

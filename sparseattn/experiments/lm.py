@@ -74,6 +74,7 @@ from ..results import (
     write_text,
 )
 from . import runner
+from .registry import Experiment, figures_in
 from .runner import COLUMNS, Dist, head_configuration, sparsity
 
 #: What the paper reports from Fig. 1a (§5 "Language modeling" and "Discussion").
@@ -691,3 +692,16 @@ def _report(config: LMConfig, folder: Path, todo: list, machine: dict, dist: Dis
         write_json(folder / "metrics.json", result)
         plot(config, summary, ngram, folder / "lm.png")
     return result
+
+
+EXPERIMENT = Experiment(
+    name="lm",
+    config=LMConfig,
+    quick=quick_config,
+    run=run,
+    summary=lambda config, result: [result["table"]],  # table.md, as the run wrote it
+    figures=lambda config, result: figures_in(result["folder"], "lm.png"),
+    wrote="wrote {folder}/table.md, metrics.json, lm.png, cells/*.json",
+    markdown=True,
+    distributed=True,
+)

@@ -26,8 +26,9 @@ import torch
 from ..progress import tqdm
 from ..results import machine_facts, read_json, save_figure, write_json
 from ..validate import check_finite_float, check_int, check_positive
+from .registry import Experiment, SummaryTable, figures_in
 
-__all__ = ["MCAConfig", "run"]
+__all__ = ["EXPERIMENT", "MCAConfig", "quick_config", "run", "summary_tables"]
 
 #: Config fields of the accounting comparison (kept out of the run identity).
 ACCOUNTING_FIELDS = ("accounting_alphas", "accounting_words", "accounting_length")
@@ -83,6 +84,11 @@ class MCAConfig:
         ):
             raise ValueError(f"run must be None or a non-empty folder name, got {self.run!r}")
         return self
+
+
+def quick_config(**overrides) -> MCAConfig:
+    """The smoke run: α ∈ {0, 0.2, 1.0} on 16 passages (its own run folder)."""
+    return MCAConfig(**{"alphas": (0.0, 0.2, 1.0), "max_passages": 16, **overrides})
 
 
 def run(config: MCAConfig = MCAConfig()) -> dict:
@@ -307,3 +313,78 @@ def _plot(cells: list[dict], exact_retrieval: float, folder: Path) -> None:
     ax1.legend(fontsize=7)
     ax1.set_title("MCA on MiniLM: fidelity vs cost")
     save_figure(fig, folder / "fidelity_vs_macs.png")
+
+
+# --------------------------------------------------------------------------- the registry's view
+def _alpha(a: float) -> str:
+    """α as the tables write it: one decimal on the default grid, every digit off it."""
+    return f"{a:.1f}" if round(a, 1) == a else f"{a:g}"
+
+
+def summary_tables(config: MCAConfig, result: dict) -> list[SummaryTable]:
+    """What ``sparseattn mca`` prints and the tour shows: the α sweep (MACs kept, sampled /
+    exact projection time, fidelity) unless ``sweep`` is off, then the two cost accountings
+    when they ran."""
+    tables = []
+    if config.sweep:
+        rows = []
+        for c in result["cells"]:
+            t = c["projection_seconds"]
+            ratio = t["sampled"] / t["exact"] if t["exact"] else float("nan")
+            rows.append(
+                (
+                    _alpha(c["alpha"]),
+                    f"{c['macs_kept']:.1%}",
+                    f"{ratio:.1f}×",
+                    f"{c['embedding_cosine_mean']:.4f}",
+                    f"{c['retrieval_accuracy']:.3f}",
+                )
+            )
+        header = (
+            "α",
+            "MACs kept",
+            "sampled / exact projection time",
+            "embedding cosine",
+            "retrieval acc.",
+        )
+        note = f"exact retrieval accuracy {result['exact_retrieval_accuracy']:.3f}"
+        title = f"MCA on MiniLM ({result['passages']} test passages)"
+        tables.append(SummaryTable(title, header, rows, (note,)))
+    if "accounting" in result:
+        acc = result["accounting"]
+        rows = [
+            (
+                _alpha(r["alpha"]),
+                f"{r['reference_padded']:.1%}",
+                f"{r['reference_real_tokens']:.1%}",
+                f"{r['ours_padded']:.1%}",
+                f"{r['ours_unpadded']:.1%}",
+            )
+            for r in acc["rows"]
+        ]
+        header = (
+            "α",
+            "reference code (all positions)",
+            "reference r, real tokens",
+            "ours (real tokens)",
+            "ours, unpadded",
+        )
+        title = (
+            f"MACs kept, two accountings: {acc['passages']} passages of "
+            f"{acc['mean_real_tokens']:.1f} tokens padded to {acc['padded_length']}"
+        )
+        tables.append(SummaryTable(title, header, rows))
+    return tables
+
+
+EXPERIMENT = Experiment(
+    name="mca",
+    config=MCAConfig,
+    quick=quick_config,
+    run=run,
+    summary=summary_tables,
+    figures=lambda config, result: figures_in(
+        Path(config.out) / config.run_name(), "error_vs_bound.png", "fidelity_vs_macs.png"
+    ),
+    wrote="results in results/mca/{run}/",
+)

@@ -44,10 +44,7 @@ from ..fastmaps import entmax15_rows
 from ..hf.graphs import extract_graphs
 from ..maps import entmax
 from ..patterns import dense
-from ..predict.evaluate import (
-    gold_summary,
-    pareto_frontier,
-)
+from ..predict.evaluate import pareto_frontier
 from ..predict.extract import LayerGraphs, token_batches
 from ..predict.pattern import PredictedPattern
 from ..predict.predictors import (
@@ -61,6 +58,7 @@ from ..results import (
     save_figure,
     write_json,
 )
+from .registry import Experiment, SummaryTable, figures_in
 from .runner import run_name_digest
 from .sparsefinder_downstream import downstream, embed
 from .sparsefinder_pipeline import (
@@ -69,6 +67,8 @@ from .sparsefinder_pipeline import (
     METHODS,
     FittedPredictors,
     fit_layers,
+    fitted_layers,
+    gold_record,
     open_run,
     plot_recall,
     summarise_sweeps,
@@ -77,7 +77,7 @@ from .sparsefinder_pipeline import (
 )
 from .sparsefinder_teacher import TeacherConfig, load_teacher, teacher_folder
 
-__all__ = ["METHODS", "SparsefinderConfig", "quick_config", "run"]
+__all__ = ["EXPERIMENT", "METHODS", "SparsefinderConfig", "quick_config", "run", "summary_tables"]
 
 #: Config fields of the timing step (kept out of the run identity).
 TIMING_FIELDS = ("timing_lengths", "timing_layer", "timing_methods", "timing_repeats")
@@ -657,39 +657,20 @@ def _run(config: SparsefinderConfig) -> dict:
         if need_graphs:
             with step("extract"):
                 _extract(data, config, bar)
-            gold = gold_summary(data.test) | {
-                "train_batches": len(data.train[0].batches),
-                "train_tokens": int(sum(int(b.valid.sum()) for b in data.train[0].batches)),
-                "test_batches": len(data.test[0].batches),
-                "test_tokens": int(sum(int(b.valid.sum()) for b in data.test[0].batches)),
-                "train": {
-                    k: v
-                    for k, v in gold_summary(data.train).items()
-                    if k in ("sparsity", "sparsity_per_layer")
-                },
-            }
+            gold = gold_record(
+                data.test,
+                data.train,
+                train_batches=len(data.train[0].batches),
+                train_tokens=int(sum(int(b.valid.sum()) for b in data.train[0].batches)),
+                test_batches=len(data.test[0].batches),
+                test_tokens=int(sum(int(b.valid.sum()) for b in data.test[0].batches)),
+            )
             write_json(paths["gold"], gold)
         gold = read_json(paths["gold"])
         bar.update(1)
-        if fits_path.exists():
-            fits = torch.load(fits_path, weights_only=False)
-        else:
-            with step("fit"):
-                fits = fit_layers(data.train, config, bar)
-            atomic_write(fits_path, lambda tmp: torch.save(fits, tmp))
-            write_json(
-                paths["fits"],
-                {
-                    "seconds": fits["seconds"],
-                    "projection_pairs_per_head": [
-                        s["n_pairs"].tolist() for s in fits["projection"]
-                    ],
-                    "projection_loss_first_last": [
-                        [s["loss_curve"][0], s["loss_curve"][-1]] for s in fits["projection"]
-                    ],
-                    "projection_steps": [len(s["loss_curve"]) for s in fits["projection"]],
-                },
-            )
+        fits = fitted_layers(
+            fits_path, paths["fits"], lambda: fit_layers(data.train, config, bar), step
+        )
         fitted = FittedPredictors(fits, config)
         sweeps = sweep_methods(
             fitted, sweep_todo, data.test, sweeps, paths["sweep"], step, bar, METHODS
@@ -745,3 +726,47 @@ def _run(config: SparsefinderConfig) -> dict:
             down_rows, down["reference"], gold["sparsity"], folder / "sparsity_downstream.png"
         )
     return summary | {"folder": str(folder)}
+
+
+# --------------------------------------------------------------------------- the registry's view
+def summary_tables(config: SparsefinderConfig, summary: dict) -> list[SummaryTable]:
+    """What ``sparseattn sparsefinder`` prints and the tour shows: per method, the recall at
+    the gold sparsity, the best recall at a sparsity at least the gold one, and the share of
+    the window baseline's frontier points it dominates (``table.md`` has every column)."""
+
+    def fmt(x):
+        return "—" if x is None else f"{x:.3f}"
+
+    rows = []
+    for row in summary["methods"].values():
+        vs = row.get("vs_window", {})
+        rows.append(
+            (
+                row["label"],
+                fmt(row["recall_at_gold_sparsity"]),
+                fmt(row["best_recall_with_sparsity_at_least_gold"]),
+                fmt(vs.get("dominated_base_points")),
+            )
+        )
+    header = (
+        "method",
+        "recall at gold sparsity",
+        "best recall, sparsity ≥ gold",
+        "window points dominated",
+    )
+    title = f"Sparsefinder on the entmax MiniLM (gold sparsity {summary['gold_sparsity']:.3f})"
+    return [SummaryTable(title, header, rows)]
+
+
+EXPERIMENT = Experiment(
+    name="sparsefinder",
+    config=SparsefinderConfig,
+    quick=quick_config,
+    run=run,
+    summary=summary_tables,
+    figures=lambda config, summary: figures_in(
+        summary["folder"], "sparsity_recall.png", "sparsity_downstream.png"
+    ),
+    wrote="wrote {folder}: summary.json, table.md, sweep.json, downstream.json, timing.json, "
+    "sparsity_recall.png, sparsity_downstream.png",
+)

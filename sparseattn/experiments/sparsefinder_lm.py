@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from ..attention import attention_weights
 from ..patterns import cycle, dense
-from ..predict.evaluate import frontier_value, gold_summary
+from ..predict.evaluate import frontier_value
 from ..predict.extract import GraphBatch, LayerGraphs
 from ..predict.pattern import PredictedPattern
 from ..predict.predictors import FixedParts
@@ -56,10 +56,12 @@ from ..results import (
 )
 from . import lm
 from . import sparsefinder_pipeline as pipeline
+from .registry import Experiment, figures_in
 from .runner import run_name_digest
 
 __all__ = [
     "DECODER_METHODS",
+    "EXPERIMENT",
     "DecoderSparsefinderConfig",
     "check_causal",
     "extract_decoder_graphs",
@@ -538,37 +540,23 @@ def _run(config: DecoderSparsefinderConfig) -> dict:
             with step("extract"):
                 test = extract_decoder_graphs(model, valid[:, :-1], config.batch_size)
                 train = extract_decoder_graphs(model, train_ids, config.batch_size)
-            gold = gold_summary(test, causal=True) | {
-                "valid_windows": int(valid.shape[0]),
-                "train_windows": int(train_ids.shape[0]),
-                "n": config.teacher.n,
-                "train": {
-                    k: v
-                    for k, v in gold_summary(train, causal=True).items()
-                    if k in ("sparsity", "sparsity_per_layer")
-                },
-            }
+            gold = pipeline.gold_record(
+                test,
+                train,
+                causal=True,
+                valid_windows=int(valid.shape[0]),
+                train_windows=int(train_ids.shape[0]),
+                n=config.teacher.n,
+            )
             write_json(paths["gold"], gold)
         gold = read_json(paths["gold"])
         bar.update(1)
-        if fits_path.exists():
-            fits = torch.load(fits_path, weights_only=False)
-        else:
-            with step("fit"):
-                fits = pipeline.fit_layers(train, config, bar, causal=True, encoder_rows=False)
-            atomic_write(fits_path, lambda tmp: torch.save(fits, tmp))
-            write_json(
-                paths["fits"],
-                {
-                    "seconds": fits["seconds"],
-                    "projection_pairs_per_head": [
-                        s["n_pairs"].tolist() for s in fits["projection"]
-                    ],
-                    "projection_loss_first_last": [  # empty: no gold row had a non-edge
-                        s["loss_curve"][:1] + s["loss_curve"][-1:] for s in fits["projection"]
-                    ],
-                },
-            )
+        fits = pipeline.fitted_layers(
+            fits_path,
+            paths["fits"],
+            lambda: pipeline.fit_layers(train, config, bar, causal=True, encoder_rows=False),
+            step,
+        )
         bar.update(1)
         fitted = pipeline.FittedPredictors(fits, config)
         sweeps = pipeline.sweep_methods(
@@ -620,3 +608,17 @@ def _run(config: DecoderSparsefinderConfig) -> dict:
     if down_rows and down["reference"]:
         _plot_downstream(summary, folder / "sparsity_downstream.png")
     return summary | {"folder": str(folder), "table": table}
+
+
+EXPERIMENT = Experiment(
+    name="sparsefinder-decoder",
+    config=DecoderSparsefinderConfig,
+    quick=quick_config,
+    run=run,
+    summary=lambda config, summary: [summary["table"]],  # table.md, as the run wrote it
+    figures=lambda config, summary: figures_in(
+        summary["folder"], "sparsity_recall.png", "sparsity_downstream.png"
+    ),
+    wrote="wrote {folder}: table.md, summary.json, sparsity_recall.png",
+    markdown=True,
+)

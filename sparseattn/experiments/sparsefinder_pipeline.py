@@ -24,10 +24,25 @@ import torch
 
 from ..predict import baselines as bl
 from ..predict import predictors as pr
-from ..predict.evaluate import best_at_least, dominance, frontier_value, pareto_frontier, sweep
+from ..predict.evaluate import (
+    best_at_least,
+    dominance,
+    frontier_value,
+    gold_summary,
+    pareto_frontier,
+    sweep,
+)
 from ..predict.extract import LayerGraphs
 from ..predict.projection import QKProjection
-from ..results import StepClock, read_json, run_folder, save_figure, torch_threads, write_json
+from ..results import (
+    StepClock,
+    atomic_write,
+    read_json,
+    run_folder,
+    save_figure,
+    torch_threads,
+    write_json,
+)
 
 __all__ = [
     "COLORS",
@@ -284,6 +299,40 @@ def open_run(config: Any, names: Sequence[str]) -> tuple[Path, dict, StepClock, 
     paths = {name: folder / f"{name}.json" for name in names}
     down = read_json(paths["downstream"]) or {"reference": None, "methods": {}}
     return folder, paths, StepClock(folder / "steps.json"), read_json(paths["sweep"]) or {}, down
+
+
+def gold_record(
+    test: Sequence[LayerGraphs], train: Sequence[LayerGraphs], causal: bool = False, **facts: Any
+) -> dict:
+    """What ``gold.json`` holds: the sparsity of the test set's gold graphs
+    (:func:`~sparseattn.predict.evaluate.gold_summary`), ``facts`` about the data, and under
+    ``train`` the training set's sparsity (overall and per layer)."""
+    trained = gold_summary(train, causal=causal)
+    keep = ("sparsity", "sparsity_per_layer")
+    return gold_summary(test, causal=causal) | facts | {"train": {k: trained[k] for k in keep}}
+
+
+def fitted_layers(path: Path, record: Path, fit: Callable[[], dict], step: Callable) -> dict:
+    """The per-layer fits saved at ``path``; else ``fit()`` (timed as the step "fit"), saved
+    there, with ``record`` (``fits.json``) holding its seconds and, per layer, the projection's
+    training pairs per head, first and last loss (none where no gold row had a non-edge) and
+    steps."""
+    if path.exists():
+        return torch.load(path, weights_only=False)
+    with step("fit"):
+        fits = fit()
+    atomic_write(path, lambda tmp: torch.save(fits, tmp))
+    projection = fits["projection"]
+    summary = {
+        "seconds": fits["seconds"],
+        "projection_pairs_per_head": [s["n_pairs"].tolist() for s in projection],
+        "projection_loss_first_last": [
+            s["loss_curve"][:1] + s["loss_curve"][-1:] for s in projection
+        ],
+        "projection_steps": [len(s["loss_curve"]) for s in projection],
+    }
+    write_json(record, summary)
+    return fits
 
 
 def threaded(config: Any, body: Callable[[Any], dict]) -> dict:
