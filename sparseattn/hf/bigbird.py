@@ -65,11 +65,10 @@ import torch
 from torch import Tensor, nn
 
 from ..attention import sparse_attention
-from ..engines import ENGINES
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap, resolve_prob_map
 from ..memo import Memo
-from ..patterns import HeadSplit, Pattern, PatternCycle, as_cycle
+from ..patterns import HeadSplit, Pattern, PatternCycle
 from ..patterns.bigbird_blocks import (
     HF_LEGACY_LENGTHS,
     BigBirdBlocks,
@@ -78,10 +77,17 @@ from ..patterns.bigbird_blocks import (
     _rand_mask_with_head,
     bigbird_blocks,
 )
-from ..validate import check_choice, check_model
-from .longformer import _resolve_method
+from ..validate import check_model
 from .persist import forget_config, guard, record_config
-from .state import LayerContext, LayerSpec, Method, check_layers, declares
+from .state import (
+    LayerContext,
+    LayerSpec,
+    Method,
+    check_layers,
+    declares,
+    per_layer,
+    resolve_method,
+)
 
 __all__ = [
     "attention_modules",
@@ -231,26 +237,15 @@ def sparsify(
     """
     modules = attention_modules(model)
     num_layers = len(modules)
-    if pattern is None:
-        per_layer: Callable[[int], Pattern | AttentionGraph | None] = lambda _layer: None  # noqa: E731
-    elif isinstance(pattern, AttentionGraph):
-        per_layer = lambda _layer: pattern  # noqa: E731
-    elif isinstance(pattern, (Pattern, PatternCycle, list, tuple)):
-        per_layer = as_cycle(pattern).__getitem__
-    else:
-        raise TypeError(
-            "pattern must be a Pattern, a cycle/sequence of patterns, an AttentionGraph or None, "
-            f"got {type(pattern).__name__}"
-        )
+    pattern_of = per_layer(pattern, lambda _layer: None)  # None: the model's own layouts
     rho = resolve_prob_map(prob_map)
-    method = _resolve_method(method, method_options)
-    check_choice("engine", engine, ["auto", *ENGINES])
+    method = resolve_method(method, method_options, engine)
     chosen = check_layers(layers, num_layers)
     chosen_layers = range(num_layers) if chosen is None else chosen
     wants_context = declares(method, "context")
     specs, evals = {}, {}
     for layer in chosen_layers:
-        layer_pattern = per_layer(layer)
+        layer_pattern = pattern_of(layer)
         if layer_pattern is None:
             layer_pattern, evals[layer] = _own_layouts(modules[layer], layer)
         elif isinstance(layer_pattern, HeadSplit):

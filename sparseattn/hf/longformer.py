@@ -65,13 +65,20 @@ import torch
 from torch import Tensor, nn
 
 from ..attention import resolve_graph, sparse_attention
-from ..engines import ENGINES
 from ..graph import AttentionGraph, broadcast_or_none
 from ..maps import ProbabilityMap, resolve_prob_map
-from ..patterns import HeadSplit, Pattern, PatternCycle, as_cycle, dense, window
-from ..validate import check_choice, check_model
+from ..patterns import HeadSplit, Pattern, PatternCycle, dense, window
+from ..validate import check_model
 from .persist import forget_config, guard, record_config
-from .state import LayerContext, LayerSpec, Method, check_layers, declares
+from .state import (
+    LayerContext,
+    LayerSpec,
+    Method,
+    check_layers,
+    declares,
+    per_layer,
+    resolve_method,
+)
 
 __all__ = [
     "attention_modules",
@@ -198,27 +205,6 @@ def _state(model: nn.Module) -> LongformerState | None:
     return getattr(model, _KEY, None)
 
 
-def _resolve_method(method: Method | str | None, options: dict) -> Method:
-    """``method`` as :func:`sparseattn.hf.sparsify` takes it: None (sparse_attention), a callable
-    with its signature, or a name with options (``"mca"``)."""
-    if isinstance(method, str):
-        from ..montecarlo import MCAMethod
-
-        named = {"mca": MCAMethod}
-        if method not in named:
-            raise ValueError(f"method must be one of {sorted(named)} or a callable, got {method!r}")
-        return named[method](**options)
-    if options:
-        raise TypeError(f"options {sorted(options)} need a named method, e.g. method='mca'")
-    if method is None:
-        return sparse_attention
-    if not callable(method):
-        raise TypeError(
-            f"method must be callable like sparse_attention, got {type(method).__name__}"
-        )
-    return method
-
-
 def sparsify(
     model: nn.Module,
     pattern: Pattern | PatternCycle | Sequence[Pattern] | AttentionGraph | None = None,
@@ -244,28 +230,17 @@ def sparsify(
     """
     modules = attention_modules(model)
     num_layers = len(modules)
-    if pattern is None:
-        per_layer: Callable[[int], Pattern | AttentionGraph] = lambda layer: window(  # noqa: E731
-            2 * modules[layer].one_sided_attn_window_size
-        )
-    elif isinstance(pattern, AttentionGraph):
-        per_layer = lambda _layer: pattern  # noqa: E731
-    elif isinstance(pattern, (Pattern, PatternCycle, list, tuple)):
-        per_layer = as_cycle(pattern).__getitem__
-    else:
-        raise TypeError(
-            "pattern must be a Pattern, a cycle/sequence of patterns, an AttentionGraph or None, "
-            f"got {type(pattern).__name__}"
-        )
+    pattern_of = per_layer(
+        pattern, lambda layer: window(2 * modules[layer].one_sided_attn_window_size)
+    )
     rho = resolve_prob_map(prob_map)
-    method = _resolve_method(method, method_options)
-    check_choice("engine", engine, ["auto", *ENGINES])
+    method = resolve_method(method, method_options, engine)
     chosen = check_layers(layers, num_layers)
     chosen_layers = range(num_layers) if chosen is None else chosen
     wants_context = declares(method, "context")
     specs = {}
     for layer in chosen_layers:
-        layer_pattern = per_layer(layer)
+        layer_pattern = pattern_of(layer)
         if isinstance(layer_pattern, HeadSplit):
             layer_pattern.head_sizes(modules[layer].num_heads)
         specs[layer] = LayerSpec(layer_pattern, rho, engine, method, wants_context)

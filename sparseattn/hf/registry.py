@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
 from ..attention import sparse_attention
-from ..engines import ENGINES
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap, resolve_prob_map
-from ..patterns import HeadSplit, Pattern, PatternCycle, as_cycle, dense
-from ..validate import check_choice, check_model
+from ..patterns import HeadSplit, Pattern, PatternCycle, dense
+from ..validate import check_model
 from . import bigbird, longformer
 from .adapter import attention_forward
 from .persist import forget_config, record_config
@@ -30,6 +29,8 @@ from .state import (
     check_layers,
     declares,
     model_state,
+    per_layer,
+    resolve_method,
 )
 
 __all__ = ["attention_modules", "layer_names", "layer_specs", "register", "restore", "sparsify"]
@@ -178,33 +179,9 @@ def sparsify(
         return bigbird.sparsify(model, pattern, prob_map, engine, method, layers, **method_options)
     modules = attention_modules(model)
     num_layers = len(modules)
-    pattern = dense() if pattern is None else pattern
-    if isinstance(pattern, AttentionGraph):
-        per_layer: Callable[[int], Pattern | AttentionGraph] = lambda _layer: pattern  # noqa: E731
-    elif isinstance(pattern, (Pattern, PatternCycle, list, tuple)):
-        per_layer = as_cycle(pattern).__getitem__
-    else:
-        raise TypeError(
-            "pattern must be a Pattern, a cycle/sequence of patterns or an AttentionGraph, got "
-            f"{type(pattern).__name__}"
-        )
+    pattern_of = per_layer(pattern, lambda _layer: dense())
     rho = resolve_prob_map(prob_map)
-    if isinstance(method, str):
-        from ..montecarlo import MCAMethod
-
-        named = {"mca": MCAMethod}
-        if method not in named:
-            raise ValueError(f"method must be one of {sorted(named)} or a callable, got {method!r}")
-        method = named[method](**method_options)
-    elif method_options:
-        raise TypeError(f"options {sorted(method_options)} need a named method, e.g. method='mca'")
-    check_choice("engine", engine, ["auto", *ENGINES])
-    if method is None:
-        method = sparse_attention
-    elif not callable(method):
-        raise TypeError(
-            f"method must be callable like sparse_attention, got {type(method).__name__}"
-        )
+    method = resolve_method(method, method_options, engine)
     chosen = check_layers(layers, num_layers)
     chosen_layers = range(num_layers) if chosen is None else chosen
     heads = model.config.get_text_config().num_attention_heads
@@ -212,7 +189,7 @@ def sparsify(
     takes_gqa = method is sparse_attention or declares(method, "enable_gqa")
     specs = {}
     for layer in chosen_layers:
-        layer_pattern = per_layer(layer)
+        layer_pattern = pattern_of(layer)
         if isinstance(layer_pattern, HeadSplit):
             layer_pattern.head_sizes(heads)
         if wants_context and _value_projection(modules[layer]) is None:

@@ -12,10 +12,11 @@ from collections.abc import Callable, Iterable
 
 from torch import Tensor, nn
 
+from ..engines import ENGINES
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
-from ..patterns import Pattern
-from ..validate import check_int
+from ..patterns import Pattern, PatternCycle, as_cycle
+from ..validate import check_choice, check_int
 
 __all__ = [
     "ATTN_NAME",
@@ -156,3 +157,45 @@ def check_layers(layers: object, num_layers: int | None = None) -> list[int] | N
 
 def model_state(model: nn.Module) -> State | None:
     return getattr(model, "_sparseattn", None)
+
+
+def per_layer(
+    pattern: object, default: Callable[[int], Pattern | AttentionGraph | None]
+) -> Callable[[int], Pattern | AttentionGraph | None]:
+    """layer → its pattern, as ``sparsify`` takes ``pattern``: None — ``default(layer)`` (the
+    model's own); an AttentionGraph — every layer; a Pattern, a cycle or a sequence of
+    patterns — layer l's is pattern l mod p (Yun §5.1 SEQUENTIAL)."""
+    if pattern is None:
+        return default
+    if isinstance(pattern, AttentionGraph):
+        return lambda _layer: pattern
+    if isinstance(pattern, (Pattern, PatternCycle, list, tuple)):
+        return as_cycle(pattern).__getitem__
+    raise TypeError(
+        "pattern must be a Pattern, a cycle/sequence of patterns, an AttentionGraph or None, "
+        f"got {type(pattern).__name__}"
+    )
+
+
+def resolve_method(method: Method | str | None, options: dict, engine: str) -> Method:
+    """``method`` as ``sparsify`` takes it: None (sparse_attention), a callable with its
+    signature, or a name with options (``"mca"``); ``engine`` checked on the way."""
+    check_choice("engine", engine, ["auto", *ENGINES])
+    if isinstance(method, str):
+        from ..montecarlo import MCAMethod
+
+        named = {"mca": MCAMethod}
+        if method not in named:
+            raise ValueError(f"method must be one of {sorted(named)} or a callable, got {method!r}")
+        return named[method](**options)
+    if options:
+        raise TypeError(f"options {sorted(options)} need a named method, e.g. method='mca'")
+    if method is None:
+        from ..attention import sparse_attention
+
+        return sparse_attention
+    if not callable(method):
+        raise TypeError(
+            f"method must be callable like sparse_attention, got {type(method).__name__}"
+        )
+    return method
