@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
+import os
 import socket
 import statistics
 import time
@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 import sparseattn as sa
 from sparseattn import parallel as cp
+from sparseattn.results import timing_facts
 
 
 def _pattern(args) -> sa.Pattern:
@@ -116,10 +117,10 @@ def main() -> None:
     parser.add_argument("--d", type=int, default=64)
     parser.add_argument("--map", default="softmax")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", help="also write the rows and the machine's facts as JSON")
     args = parser.parse_args()
     facts = {
-        "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
+        **timing_facts(threads=1),
         "pattern": repr(_pattern(args)),
         **{k: getattr(args, k) for k in ("n", "parts", "batch", "heads", "d", "map")},
     }
@@ -131,8 +132,12 @@ def main() -> None:
         {"run": f"1 process, {args.parts} threads", "seconds": many},
         {"run": f"{args.parts} processes x 1 thread (gloo)", "seconds": sharded},
     ]
+    facts["load after"] = os.getloadavg()[0]
     for row in rows:
         print(json.dumps(facts | row))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({**facts, "rows": rows, "sharded / 1 thread": sharded / one}, f, indent=1)
     print(
         f"sharded / 1 thread = {sharded / one:.2f}; sharded / {args.parts} threads = "
         f"{sharded / many:.2f}"
