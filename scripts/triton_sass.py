@@ -31,9 +31,10 @@ from sparseattn.engines.triton_entmax import LONGEST_FIRST, MAX_IT, SKIP_TILES, 
 
 TYPES = {
     **dict.fromkeys(("n_q", "n_k", "H", "HKV", "nbq", "nbk", "n_pairs"), "i32"),
-    **dict.fromkeys(("mul", "scale", "AM1", "R"), "fp32"),
+    **dict.fromkeys(("mul", "scale", "AM1", "R", "m_cap", "m_scale", "m_am1"), "fp32"),
+    **dict.fromkeys(("mb_b", "mb_h", "mb_i", "mb_j"), "i32"),  # a score modifier's bias strides
     **dict.fromkeys(("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_"), "*bf16"),
-    **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX"), "*fp32"),
+    **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX", "MB", "MSL", "MDB", "MDSL"), "*fp32"),
     **dict.fromkeys(("NZ", "KPM"), "*i8"),
     # int64 row words; uint8 tiles before them (so that older commits compile for comparison)
     "MASKS": "*i64" if hasattr(triton_entmax, "pack_rows") else "*u8",
@@ -55,13 +56,15 @@ def _NEVER(kb, midx, n_k, rows_in, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr):
 
 def sass(fn, constexprs: dict, warps: int) -> list[str]:
     """The kernel's SASS instructions (text after the address), compiled for sm_90."""
-    constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
+    # a bias contiguous along the keys: its key stride 1 is specialised, as a launch does
+    constexprs = {k: v for k, v in {**constexprs, "mb_j": 1}.items() if k in fn.arg_names}
     signature = {a: "constexpr" if a in constexprs else TYPES.get(a, "*i32") for a in fn.arg_names}
     # as a launch specialises them: pointers 16-byte aligned, lengths multiples of 16
     aligned = {
         (i,): [["tt.divisibility", 16]]
         for i, a in enumerate(fn.arg_names)
-        if a not in constexprs and (signature[a].startswith("*") or a in ("n_q", "n_k"))
+        if a not in constexprs
+        and (signature[a].startswith("*") or a in ("n_q", "n_k", "mb_b", "mb_h", "mb_i"))
     }
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -93,15 +96,29 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--mode", type=int, default=1, help="2 sparsemax, 1 1.5-entmax, 0 other α")
     parser.add_argument("--topk", type=int, default=TOPK, help="triton_entmax.TOPK")
+    parser.add_argument(
+        "--mod",
+        type=int,
+        default=0,
+        help="the kernels' score-modifier code MOD (0 none; 17 a bias then a softcap, 22 ALiBi, "
+        "a softcap, then a bias: triton_entmax.KernelMod); with --mod-grad, dq's MOD_GRAD",
+    )
+    parser.add_argument("--mod-grad", type=int, default=0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     base = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": args.block, "HAS_KPM": False,
-            "UPCAST": False, "MODE": args.mode, "PREC": "tf32"}  # fmt: skip
+            "UPCAST": False, "MODE": args.mode, "PREC": "tf32", "MOD": args.mod,
+            "MOD_GRAD": args.mod_grad}  # fmt: skip
     kernels = {
         "forward": (
             kern._forward,
-            {"NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": args.topk, "SKIP": SKIP_TILES,
-             "LONGEST_FIRST": LONGEST_FIRST},
+            {
+                "NEED_GRAD": True,
+                "MAX_IT": MAX_IT,
+                "TOPK": args.topk,
+                "SKIP": SKIP_TILES,
+                "LONGEST_FIRST": LONGEST_FIRST,
+            },
         ),  # fmt: skip
         "backward dq": (kern._backward_dq, {"LONGEST_FIRST": LONGEST_FIRST}),
         "backward dk dv": (kern._backward_dkdv, {"GROUP": 1}),
@@ -109,7 +126,9 @@ def main() -> None:
     warps = 4 if args.block <= 64 else 8
     lines = [
         f"# python scripts/triton_sass.py --block {args.block} --mode {args.mode} "
-        f"--topk {args.topk} (triton {triton.__version__}, sm_90, bf16, d = 64, {warps} warps)"
+        f"--topk {args.topk}"
+        + (f" --mod {args.mod} --mod-grad {args.mod_grad}" if args.mod or args.mod_grad else "")
+        + f" (triton {triton.__version__}, sm_90, bf16, d = 64, {warps} warps)"
     ]
     per_tile = {}  # (kernel, loop name) -> instructions, for partial and full pairs
     variants = [

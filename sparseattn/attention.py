@@ -130,7 +130,7 @@ def choose_engine(
     k: Tensor,
     prob_map: ProbabilityMap | None = None,
     dropout_p: float = 0.0,
-    score_mod: bool = False,
+    score_mod: bool | Callable = False,
     key_padding: bool = False,
 ) -> str:
     """The ``auto`` rule (docs/engines.md): the engine table's choice
@@ -153,12 +153,13 @@ def choose_engine(
       and backward), then ``triton`` (α-entmax, sparsemax: fused kernels), then ``block`` or
       ``gather`` by the same costs.
 
-    ``score_mod`` and ``key_padding`` say whether the call has a score modifier and a key
-    padding mask (the dense engine then materialises the scores). The decision is kept on the
+    ``score_mod`` (the modifier, or whether the call has one) and ``key_padding`` (whether it
+    has a key padding mask) change the decision: the dense engine then materialises the
+    scores, and the Triton kernels take the library's modifiers only. The decision is kept on the
     graph per request.
     """
     request = Request.of(q, k, k, prob_map, dropout_p, score_mod, key_padding)
-    return capabilities.choose(request, graph, (q, k, k, prob_map, dropout_p))
+    return capabilities.choose(request, graph, (q, k, k, prob_map, dropout_p, score_mod))
 
 
 def _autocasting(t: Tensor) -> bool:
@@ -248,9 +249,10 @@ def sparse_attention(
             ready graphs the query heads sharing a key/value head are stacked along the query
             axis (k and v are not copied); otherwise k and v are repeated per query head.
         score_mod: FlexAttention's score modifier, ``score_mod(score, b, h, q_idx, kv_idx)``,
-            applied to the scaled scores on the pattern's edges before ρ (every map; every
-            engine but ``triton``): an additive bias (T5), ALiBi, soft-capping (Gemma 2) —
-            :mod:`sparseattn.score_mods`. h is the query head; q_idx, kv_idx index q and k.
+            applied to the scaled scores on the pattern's edges before ρ (every map and
+            engine; ``triton`` takes the library's own only): an additive bias (T5), ALiBi,
+            soft-capping (Gemma 2) — :mod:`sparseattn.score_mods`. h is the query head;
+            q_idx, kv_idx index q and k.
         group: a ``torch.distributed`` process group over which the sequence is sharded
             (context parallelism, docs/parallel.md): q, k, v and ``key_padding_mask`` are this
             rank's contiguous part (positions ``boundaries[r] … boundaries[r + 1] − 1``), the
@@ -355,9 +357,8 @@ def _attend(
     """:func:`sparse_attention` on validated inputs with as many key/value heads as query
     heads; ``valid`` (batch, n_k) is True for real keys (the engines' convention)."""
     full = _full_rows(pattern, q, k) if engine in ("auto", "rows") else None
-    modded = score_mod is not None
-    request = Request.of(q, k, v, rho, dropout_p, modded, valid is not None, full)
-    call = (q, k, v, rho, dropout_p)
+    request = Request.of(q, k, v, rho, dropout_p, score_mod, valid is not None, full)
+    call = (q, k, v, rho, dropout_p, score_mod)
     extra = {} if score_mod is None else {"score_mod": score_mod}
     try:
         if full is not None:  # the dense pattern: no n² graph (docs/engines.md, "full rows")

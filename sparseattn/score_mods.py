@@ -43,6 +43,7 @@ __all__ = [
     "check_score_mod",
     "lifted_tensors",
     "softcap",
+    "steps",
 ]
 
 
@@ -51,15 +52,22 @@ class ScoreMod:
 
     Attributes:
         tensors: the tensors it reads (their gradients are returned by every engine).
+        kind: "bias", "alibi" or "softcap" for the library's elementary modifiers (what
+            :func:`steps` lists), None for any other.
     """
 
     tensors: tuple[Tensor, ...] = ()
+    kind: str | None = None
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor):
         raise NotImplementedError
 
 
 class _Bias(ScoreMod):
+    """s + t[b, h, i, j]; ``t`` 4-D (size-1 dims broadcast)."""
+
+    kind = "bias"
+
     def __init__(self, t: Tensor) -> None:
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f"bias must be a floating-point tensor, got {_what(t)}")
@@ -98,9 +106,23 @@ def bias(t: Tensor) -> ScoreMod:
 
 
 class _ALiBi(ScoreMod):
+    """s − m_h·|i − j|; ``slopes`` the m_h given, or None: the paper's, computed from h
+    for a model of ``heads`` heads."""
+
+    kind = "alibi"
+
     def __init__(self, slopes: Tensor | None, heads: int) -> None:
         self.slopes, self.heads = slopes, heads
         self.tensors = () if slopes is None else (slopes,)
+
+    def computed_slopes(self, heads: int, device: torch.device | str = "cpu") -> Tensor:
+        """m_h for h = 0 … ``heads`` − 1 as :meth:`__call__` computes them without a slopes
+        tensor, float32 (heads,): the paper's for this modifier's head count, continued past
+        it by the same formula."""
+        h = torch.arange(heads, device=device, dtype=torch.float64)
+        low = 2 ** math.floor(math.log2(self.heads))
+        exponent = torch.where(h < low, 8.0 * (h + 1.0), 4.0 * (2.0 * (h - low) + 1.0))
+        return torch.exp2(-exponent / low).float()
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         distance = (q_idx - kv_idx).abs().to(score.dtype)
@@ -149,6 +171,10 @@ def alibi(slopes: Tensor | int) -> ScoreMod:
 
 
 class _SoftCap(ScoreMod):
+    """cap·tanh(s / cap)."""
+
+    kind = "softcap"
+
     def __init__(self, cap: float) -> None:
         self.cap = cap
 
@@ -187,6 +213,28 @@ def chain(*mods: Callable) -> ScoreMod:
     for mod in mods:
         check_score_mod(mod)
     return _Chain(mods)
+
+
+#: The library's elementary modifiers, by exact type (a subclass may compute anything).
+_ELEMENTARY = (_Bias, _ALiBi, _SoftCap)
+
+
+def steps(score_mod: Callable) -> tuple[ScoreMod, ...] | None:
+    """The library's elementary modifiers that ``score_mod`` applies, in order — :func:`bias`,
+    :func:`alibi` and :func:`softcap` (``kind`` "bias", "alibi", "softcap"), chains flattened —
+    or None when any part of it is another callable. A kernel that cannot call Python takes a
+    modifier as this description (kinds and parameters) instead of calling it."""
+    if type(score_mod) in _ELEMENTARY:
+        return (score_mod,)
+    if type(score_mod) is _Chain:
+        found: list[ScoreMod] = []
+        for mod in score_mod.mods:
+            inner = steps(mod)
+            if inner is None:
+                return None
+            found.extend(inner)
+        return tuple(found)
+    return None
 
 
 def lifted_tensors(score_mod: Callable, all_: bool = False) -> tuple[Tensor, ...]:

@@ -220,14 +220,30 @@ def test_bad_score_mods_are_refused():
 
 
 def test_engines_declare_score_mods():
-    """The Triton kernels do not apply modifiers: declared, so ``auto`` never picks them
-    for such a call and ``engine="triton"`` says why."""
+    """Every engine applies modifiers; the Triton kernels only the library's, which they
+    take as a description (``Request.mod_kinds``, from ``score_mods.steps``): declared, so
+    ``auto`` never picks them for another callable and ``engine="triton"`` says why."""
+    import dataclasses
+
     from sparseattn.engines import SPECS, Request
 
-    req = Request("cuda", torch.float32, sa.entmax(1.5), score_mod=True)
-    assert "score modifiers" in " ".join(SPECS["triton"].not_supported_reasons(req))
+    req = Request("cuda", torch.float32, sa.entmax(1.5), score_mod=True)  # kinds not known
+    assert "score modifiers only" in " ".join(SPECS["triton"].not_supported_reasons(req))
+    known = dataclasses.replace(req, mod_kinds=("softcap", "bias"))
+    assert not any("modif" in r for r in SPECS["triton"].not_supported_reasons(known))
+    twice = dataclasses.replace(req, mod_kinds=("bias", "softcap", "bias"))
+    assert "2 × bias" in " ".join(SPECS["triton"].not_supported_reasons(twice))
     for name in ("dense", "rows", "block", "gather", "flex"):
-        assert SPECS[name].score_mod, name
+        assert SPECS[name].score_mod and SPECS[name].mod_kinds is None, name
+    q = k = v = torch.zeros(1, H, 8, D)
+    bias = torch.zeros(1, H, 8, 8)
+    assert Request.of(q, k, v, sa.entmax(1.5), 0.0, None).score_mod is False
+    chained = Request.of(q, k, v, sa.entmax(1.5), 0.0, sm.chain(sm.softcap(2.0), sm.bias(bias)))
+    assert chained.score_mod and chained.mod_kinds == ("softcap", "bias")
+    plain = Request.of(q, k, v, sa.entmax(1.5), 0.0, lambda s, b, h, i, j: s)
+    assert plain.score_mod and plain.mod_kinds is None
+    assert sm.steps(sm.chain(sm.alibi(H), sm.chain(sm.softcap(1.0), sm.bias(bias))))
+    assert sm.steps(sm.chain(sm.alibi(H), lambda s, b, h, i, j: s)) is None
 
 
 def test_alibi_from_the_head_count_matches_its_slopes():

@@ -11,6 +11,7 @@ compiler would not is caught here too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -20,7 +21,8 @@ import pytest
 import torch
 
 import sparseattn as sa
-from sparseattn.engines import costs
+from sparseattn import score_mods as sm
+from sparseattn.engines import capabilities, costs
 from sparseattn.engines import triton_entmax as te
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,6 +38,8 @@ finally:  # the other test modules see the environment unchanged
     else:
         os.environ["TRITON_INTERPRET"] = _ENV
 entmax_pkg = pytest.importorskip("entmax", reason="the entmax package is the reference")
+tl = triton.language
+_entmax_kernels = te._kernels()  # (imported above, interpreted or not)
 
 
 @pytest.fixture(autouse=True)
@@ -445,6 +449,180 @@ def test_matches_dense_engine_float64():
     torch.testing.assert_close(out.detach().double().cpu(), ref, atol=2e-5, rtol=0)
 
 
+# ---------------------------------------------------------------------------- score modifiers
+def _modifier(name: str, bias=None, slopes=None):
+    """The modifiers the kernels take, by name, on a bias tensor and ALiBi slopes (None: the
+    paper's, computed from the head count 2)."""
+    heads = 2 if slopes is None else slopes
+    return {
+        "bias": lambda: sm.bias(bias),
+        "alibi": lambda: sm.alibi(heads),
+        "softcap": lambda: sm.softcap(1.5),
+        "softcap-bias": lambda: sm.chain(sm.softcap(2.0), sm.bias(bias)),  # Gemma 2 + a bias
+        "bias-alibi-softcap": lambda: sm.chain(sm.bias(bias), sm.alibi(heads), sm.softcap(1.2)),
+    }[name]()
+
+
+def check_modded(run, q, k, v, tensors, make, graph, prob_map, scale, key_valid=None, tol=2e-5):
+    """``run(q, k, v, score_mod)`` (the kernels) against the float64 dense engine with the same
+    modifier, ``make(*tensors)`` (bias, slopes: float64 copies there): the output and the
+    gradients of q, k, v and of the modifier's tensors, for one upstream gradient."""
+    out = run(q, k, v, make(*tensors))
+    rep = q.shape[1] // k.shape[1]
+    q64, k64, v64, *t64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v, *tensors))
+    kk, vv = k64.repeat_interleave(rep, 1), v64.repeat_interleave(rep, 1)
+    valid = None if key_valid is None else key_valid.cpu()
+    ref = sa.engines.dense_attention(q64, kk, vv, graph, prob_map, scale, valid, 0.0, make(*t64))
+    torch.testing.assert_close(out.detach().cpu().double(), ref.detach(), atol=tol, rtol=0)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v, *tensors), up.to(out))
+    refs = torch.autograd.grad(ref, (q64, k64, v64, *t64), up)
+    names = ["q", "k", "v", *(f"tensor {i}" for i in range(len(tensors)))]
+    for name, got, want in zip(names, grads, refs, strict=True):
+        # rtol: ALiBi's slope gradients sum B·n² float32 terms
+        torch.testing.assert_close(got.cpu().double(), want, atol=5 * tol, rtol=1e-5, msg=name)
+
+
+@triton.jit
+def _tanh_of(X, Y, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, _entmax_kernels._tanh(tl.load(X + offs)))
+
+
+@needs_kernels
+def test_softcap_tanh_is_float32_accurate():
+    """The kernels' tanh (the softcap's): a series near 0, where 1 − e^{−2|x|} would cancel,
+    the exponential form beyond; within a few float32 ulps of tanh across both."""
+    x = torch.cat([torch.linspace(-30, 30, 900), torch.logspace(-8, 0.5, 124)]).to(DEVICE)
+    y = torch.empty_like(x)
+    _tanh_of[(1,)](x, y, x.numel())
+    want = torch.tanh(x.double())
+    assert ((y.double() - want).abs() <= 4e-7 * want.abs() + 1e-12).all()
+
+
+@pytest.mark.parametrize("pattern", ["window", "random"])
+@pytest.mark.parametrize("map_name", ["entmax15", "sparsemax"])
+@pytest.mark.parametrize("mod", ["bias", "alibi", "softcap", "softcap-bias", "bias-alibi-softcap"])
+@needs_kernels
+def test_score_mods_forward_and_backward(mod, map_name, pattern):
+    """Each modifier the kernels take × map × pattern (a window; random keys: every pair
+    partial) against the float64 dense engine with the same modifier: outputs, ∂q, ∂k, ∂v
+    and ∂bias — the bias shared by the heads (its gradient added atomically) on the window,
+    one per head (stored) on the random graph."""
+    alpha, prob_map = MAPS[map_name]
+    n = 48
+    graph = (sa.window(8) if pattern == "window" else sa.random(5, seed=1)).graph(n)
+    q, k, v = inputs(1, 2, n, n, 16, seed=20)
+    heads = 1 if pattern == "window" else 2
+    gen = torch.Generator().manual_seed(21)
+    bias = torch.randn(1, heads, n, n, generator=gen).to(DEVICE).requires_grad_()
+    tensors = (bias,) if "bias" in mod else ()
+
+    def run(q, k, v, score_mod):
+        return te.triton_entmax_attention(
+            q, k, v, graph, prob_map, 0.5, block=16, score_mod=score_mod
+        )
+
+    check_modded(run, q, k, v, tensors, lambda *t: _modifier(mod, *t), graph, prob_map, 0.5)
+
+
+@needs_kernels
+def test_score_mod_key_bias_learned_slopes_gqa_padding():
+    """A bias per (batch, key) — broadcast over heads and queries: its gradient summed over
+    each tile's rows, then added — learned ALiBi slopes (their gradient −Σ ds·|i − j| per
+    head), the softcap between them, with key padding and two query heads per key/value
+    head (h is the query head)."""
+    n, bsz = 40, 2
+    graph = sa.longformer(6, 2).graph(n)
+    q, k, v = inputs(bsz, 2, n, n, 16, kv_heads=1, seed=22)
+    gen = torch.Generator().manual_seed(23)
+    bias = torch.randn(bsz, 1, 1, n, generator=gen).to(DEVICE).requires_grad_()
+    slopes = torch.tensor([0.3, 0.1], device=DEVICE, requires_grad=True)
+    kpm = torch.ones(bsz, n, dtype=torch.bool, device=DEVICE)
+    kpm[1, 30:] = False
+
+    def make(bias, slopes):
+        return sm.chain(sm.alibi(slopes), sm.softcap(2.5), sm.bias(bias))
+
+    def run(q, k, v, score_mod):
+        return te.triton_entmax_attention(
+            q, k, v, graph, sa.entmax(1.5), 0.5, kpm, block=16, score_mod=score_mod
+        )
+
+    check_modded(run, q, k, v, (bias, slopes), make, graph, sa.entmax(1.5), 0.5, kpm)
+
+
+@needs_kernels
+def test_score_mod_in_split_blocks_and_full_rows(monkeypatch):
+    """Decoding against a long cache with the split on (every query block cut into chunks:
+    the chunk kernels apply the modifier and the split dq writes the bias's gradient), on
+    the causal layout without a graph (``full_rows_entmax``)."""
+    monkeypatch.setattr(te, "_multiprocessors", lambda device: 8)
+    splits = _counting_splits(monkeypatch)
+    n_q, n_k = 16, 256
+    q, k, v = inputs(1, 1, n_q, n_k, 16, seed=24)
+    bias = torch.randn(1, 1, n_q, n_k, generator=torch.Generator().manual_seed(25))
+    bias = bias.to(DEVICE).requires_grad_()
+    graph = sa.dense().causal().graph(n_k, n_q)
+
+    def make(bias):
+        return sm.chain(sm.softcap(2.0), sm.bias(bias))
+
+    def run(q, k, v, score_mod):
+        with te.tuning(split_long=4.0):
+            return te.full_rows_entmax(
+                q, k, v, sa.sparsemax(), 0.5, None, causal=True, block=16, score_mod=score_mod
+            )
+
+    check_modded(run, q, k, v, (bias,), make, graph, sa.sparsemax(), 0.5)
+    assert len(splits) == 2 and splits[0].ch_rb.numel() >= 2
+
+
+@needs_kernels
+def test_score_mods_the_kernels_refuse_go_elsewhere(monkeypatch):
+    """Another callable (a plain function, an nn.Module, a chain holding one), two of a kind
+    in a chain, a bias that does not broadcast and too few slopes are refused with their
+    reasons; ``auto`` on a CUDA request keeps ``triton`` for the library's modifiers and
+    routes the others to another engine (decisions kept apart per modifier kind)."""
+    q, k, v = inputs(1, 2, 32, 32, 16)
+    bias = torch.zeros(1, 2, 32, 32, device=DEVICE)
+
+    def plain(score, b, h, q_idx, kv_idx):
+        return score * 2
+
+    rho = sa.entmax(1.5)
+    assert te.triton_entmax_unsupported(q, k, v, rho, 0.0, None, sm.bias(bias)) is None
+    cases = {
+        "function": (plain, "score modifiers only"),
+        "module": (torch.nn.Identity(), "score modifiers only"),
+        "chain with a function": (sm.chain(sm.softcap(2.0), plain), "score modifiers only"),
+        "two biases": (sm.chain(sm.bias(bias), sm.bias(bias)), "2 × bias"),
+        "bias shape": (sm.bias(torch.zeros(3, 32, device=DEVICE)), "does not broadcast"),
+        "slopes": (sm.alibi(torch.ones(1, device=DEVICE)), "1 slopes for 2 query heads"),
+    }
+    for case, (mod, words) in cases.items():
+        why = te.triton_entmax_unsupported(q, k, v, rho, 0.0, None, mod)
+        assert why is not None and words in why, (case, why)
+    graph = sa.window(8).graph(32)
+    with pytest.raises(ValueError, match="score modifiers only"):
+        te.triton_entmax_attention(q, k, v, graph, rho, 0.25, score_mod=plain)
+    with pytest.raises(ValueError, match="score modifiers only"):
+        te.entmax_attention(q, k, v, te.dense_layout(32, 32, 16), 1.5, score_mod=plain)
+
+    monkeypatch.setattr(costs, "GPU_DENSE_LIMIT", 0)  # no dense engine for this small call
+    chosen = {}
+    for name, mod in [("bias", sm.bias(bias)), ("plain", plain), ("alibi", sm.alibi(2))]:
+        req = capabilities.Request.of(q, k, v, rho, 0.0, mod)
+        req = dataclasses.replace(req, device="cuda")
+        call = (q, k, v, rho, 0.0, mod)
+        chosen[name] = capabilities.choose(req, graph, call)
+        if name == "plain":
+            why = " ".join(capabilities.request_reasons("triton", req, call))
+            assert "score modifiers only" in why
+    assert chosen["bias"] == chosen["alibi"] == "triton"
+    assert chosen["plain"] in ("block", "gather")
+
+
 def test_layout_cached_on_graph():
     graph = sa.window(8).graph(64)
     assert te.graph_layout(graph, 16) is te.graph_layout(graph, 16)
@@ -491,20 +669,24 @@ from sparseattn.engines.triton_entmax import MAX_IT, TOPK
 
 types = {
     **dict.fromkeys(("n_q", "n_k", "H", "HKV", "nbq", "nbk", "n_pairs", "n_chunks", "BH"), "i32"),
-    **dict.fromkeys(("mul", "scale", "AM1", "R"), "fp32"),
+    **dict.fromkeys(("mul", "scale", "AM1", "R", "m_cap", "m_scale", "m_am1"), "fp32"),
+    **dict.fromkeys(("mb_b", "mb_h", "mb_i", "mb_j"), "i32"),
     **dict.fromkeys(("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_"), "*bf16"),
-    **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX", "PART", "TOP", "STATE", "ACC", "GACC", "DQP"),
-                    "*fp32"),
+    **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX", "PART", "TOP", "STATE", "ACC", "GACC", "DQP",
+                     "MSL", "MDB", "MDSL"), "*fp32"),
+    "MB": "*bf16",
     **dict.fromkeys(("NZ", "KPM"), "*i8"),
     "MASKS": "*i64",
 }
 consts = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": 64, "HAS_KPM": True, "UPCAST": False,
-          "PARTIAL": True, "LONGEST_FIRST": True}
+          "PARTIAL": True, "LONGEST_FIRST": True, "MOD": 0, "MOD_GRAD": 0}
+# score modifiers (MOD): 22 = ALiBi, softcap, then the bias; 17 = the bias, then the softcap
 specs = [
     (kern._forward, {"MODE": 1, "NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": TOPK, "PREC": "tf32",
                      "SKIP": True}),
     (kern._backward_dkdv, {"MODE": 0, "GROUP": 2, "PREC": "tf32"}),
     (split._split_sums, {"MODE": 1, "PREC": "tf32", "SKIP": True}),
+    (kern._backward_dq, {"MODE": 1, "PREC": "tf32", "MOD": 22, "MOD_GRAD": 6}),
 ]
 if sys.argv[1] == "all":
     specs += [
@@ -524,6 +706,15 @@ if sys.argv[1] == "all":
     ]
     specs += [(kern._backward_dq, {"MODE": m, "PREC": "tf32"}) for m in (0, 1, 2)]
     specs += [(kern._backward_dkdv, {"MODE": m, "GROUP": 1, "PREC": "tf32"}) for m in (1, 2)]
+    specs += [
+        (kern._forward, {"MODE": 1, "NEED_GRAD": True, "MAX_IT": MAX_IT, "TOPK": TOPK,
+                         "PREC": "tf32", "SKIP": True, "MOD": 17}),
+        (kern._backward_dkdv, {"MODE": 2, "GROUP": 2, "PREC": "tf32", "MOD": 22}),
+        (kern._backward_dq, {"MODE": 2, "PREC": "tf32", "MOD": 17, "MOD_GRAD": 1}),
+        (kern._backward_dq, {"MODE": 1, "PREC": "tf32", "MOD": 5, "MOD_GRAD": 7}),
+        (split._split_last, {"MODE": 1, "NEED_GRAD": True, "PREC": "tf32", "MOD": 22}),
+        (split._split_dq, {"MODE": 1, "PREC": "tf32", "MOD": 17, "MOD_GRAD": 3}),
+    ]
 for fn, extra in specs:
     constexprs = {k: v for k, v in {**consts, **extra}.items() if k in fn.arg_names}
     signature = {a: "constexpr" if a in constexprs else types.get(a, "*i32") for a in fn.arg_names}
@@ -565,7 +756,7 @@ def test_compiles_for_h100(which):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"compiled {3 if which == 'main' else 18}" in done.stdout
+    assert f"compiled {4 if which == 'main' else 25}" in done.stdout
 
 
 @pytest.mark.slow

@@ -31,6 +31,16 @@ partial block's tile, key padding or the sequence ends take no part). The kernel
   dO·Vᵀ and δ_i = Σ_j g_ij dp_ij / Σ_j g_ij (= dO_i · (Σ_j g_ij v_j)/Σ_j g_ij, from the
   forward), ds = g ⊙ (dp − δ); dV = pᵀ dO, dQ = scale · ds K, dK = scale · dsᵀ Q.
 
+Score modifiers (:mod:`sparseattn.score_mods`) reach the kernels as a description, not as
+code: the compile-time ``MOD`` says which of a bias tensor, ALiBi and a softcap apply and in
+which order (bits 0-1: the bias, 1 before the softcap or without one, 2 after it; bits 2-3:
+ALiBi, the same; bit 4: the softcap), and a tuple of run-time arguments holds the bias
+pointer and strides, the slopes, the cap and the gradients' buffers (:func:`_mod_at`). The
+scores are then z = (α − 1) · f(scale · q_i·k_j) (:func:`_modify`); the backward multiplies ds
+by f' (the softcap's 1 − tanh², :func:`_unmodify`) and, in the dq kernels, writes the bias's
+gradient (ds at the bias, summed where it broadcasts: atomic adds) and adds the ALiBi slopes'
+(−Σ ds·|i − j| per head) (:func:`_mod_grads`). ``MOD`` = 0 compiles none of it.
+
 Tiles are square, ``BLOCK`` × ``BLOCK`` (the layout's block); head dims are padded to powers
 of two. Accumulation in float32; fp32 inputs use exact (IEEE) products, bf16/fp16 inputs cast
 the weights to the input type for the value products, as flash attention does.
@@ -83,18 +93,23 @@ def _keys_in(KEY_OK, cols, n_k, HAS_KEY_OK: tl.constexpr):
 
 
 @triton.jit
-def _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK: tl.constexpr, PARTIAL: tl.constexpr,
-            PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """Scores z = mul · q kᵀ of one (query block, key block) pair, (BLOCK, BLOCK) float32, and
-    the bool tile of the entries that are edges: rows ``row_ok``, key columns ``col_in`` and
-    the pair's mask tile ``midx`` of MASKS (a full block when midx < 0).
+def _scored(q, k, row_ok, col_in, cols, MASKS, midx, mul, mod, BLOCK: tl.constexpr,
+            PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+            MOD: tl.constexpr):  # fmt: skip
+    """Scores z = mul · q kᵀ of one (query block, key block) pair, (BLOCK, BLOCK) float32, the
+    bool tile of the entries that are edges: rows ``row_ok``, key columns ``col_in`` and the
+    pair's mask tile ``midx`` of MASKS (a full block when midx < 0), and the softcap's tanh
+    tile for the backward (0.0 without one). With a score modifier (``MOD``, context ``mod``
+    from :func:`_mod_at`, key columns ``cols``), z = (α − 1) · f(scale · q kᵀ) instead.
 
     A mask tile is one int64 word per row (two for BLOCK = 128): bit c of the row's word is
     key column c. The tile is built from (BLOCK,) vectors only, so it takes the layout of the
     scores; a (BLOCK, BLOCK) load would be laid out apart and cost a layout conversion of
     every tile the scores meet. Full pairs skip the bits (a scalar branch), and layouts
     without partial pairs (``PARTIAL`` False: the dense layout) leave them out."""
-    s = _mm(q, tl.trans(k), PREC, UPCAST) * mul
+    qk = _mm(q, tl.trans(k), PREC, UPCAST)
+    if MOD == 0:  # before the mask (the order compiled before score modifiers: same SASS)
+        s = qk * mul
     ok = row_ok[:, None] & col_in[None, :]
     if PARTIAL:  # noqa: SIM102 (a compile-time test, then a run-time one)
         if midx >= 0:
@@ -108,26 +123,137 @@ def _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK: tl.constexpr, PARTIAL
                 word = tl.where(offs[None, :] < 64, low[:, None], high[:, None])
                 shift = (offs[None, :] % 64).to(tl.int64)
             ok = ok & (((word >> shift) & 1) != 0)
-    return s, ok
+    if MOD == 0:
+        t = 0.0
+    else:
+        s, t = _modify(qk * mod[7], ok, cols, mod, MOD)
+        s = s * mod[8]
+    return s, ok, t
+
+
+@triton.jit
+def _mod_at(bh, H, rows, BIAS, mb_b, mb_h, mb_i, mb_j, SLOPES, cap, scale, am1, DBIAS, DSLOPES,
+            MOD: tl.constexpr):  # fmt: skip
+    """The score modifier's context for query rows ``rows`` of batch·head bh (H query heads):
+    the bias and its gradient at (b, h) (strides mb_*, 0 where the bias broadcasts), the rows
+    and the query/key strides, the head's ALiBi slope, the cap, scale, α − 1, the head's
+    slope gradient and 1 / cap. A tuple: one argument through the tile loops."""
+    b = bh // H
+    h = bh % H
+    at = b.to(tl.int64) * mb_b + h.to(tl.int64) * mb_h
+    slope = 0.0
+    if ((MOD >> 2) & 3) != 0:
+        slope = tl.load(SLOPES + h).to(tl.float32)
+    return (BIAS + at, DBIAS + at, rows, mb_i, mb_j, slope, cap, scale, am1, DSLOPES + h,
+            1.0 / cap)  # fmt: skip
+
+
+@triton.jit
+def _bias_at(P, rows, cols, mod):
+    """Pointers of the (rows, cols) tile of the bias (or its gradient) at P, this (b, h)'s."""
+    return P + rows[:, None].to(tl.int64) * mod[3] + cols[None, :].to(tl.int64) * mod[4]
+
+
+@triton.jit
+def _distance(rows, cols):
+    """|i − j| of the tile, float32 (ALiBi's)."""
+    return tl.abs(rows[:, None] - cols[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh, float32: the odd series to x¹¹ below |x| = 1/4 (no cancellation near 0), else
+    (1 − e^{−2|x|}) / (1 + e^{−2|x|}) with x's sign, the division by a reciprocal square root
+    (one instruction on a GPU; the whole is ~20 SASS instructions per score)."""
+    ax = tl.abs(x)
+    e = tl.exp2(-2.8853900817779268 * ax)  # e^{−2|x|}
+    x2 = x * x
+    series = x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (
+        62.0 / 2835.0 - x2 * (1382.0 / 155925.0)))))  # fmt: skip
+    far = (1.0 - e) * tl.rsqrt((1.0 + e) * (1.0 + e))  # no division: 1 + e ∈ (1, 2]
+    t = tl.where(ax < 0.25, ax + ax * series, far)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _modify(s, ok, cols, mod, MOD: tl.constexpr):
+    """The score modifier on the scaled scores s: the bias and ALiBi placed before the softcap
+    (or without one), the softcap c·tanh(s/c), then those placed after it (``MOD``'s bits).
+    Returns (f(s), the tanh tile: 0.0 without a softcap). The bias is read on the edges
+    ``ok`` only."""
+    rows = mod[2]
+    if (MOD & 3) == 1:
+        s += tl.load(_bias_at(mod[0], rows, cols, mod), mask=ok, other=0.0).to(tl.float32)
+    if ((MOD >> 2) & 3) == 1:
+        s -= mod[5] * _distance(rows, cols)
+    t = 0.0
+    if ((MOD >> 4) & 1) != 0:
+        t = _tanh(s * mod[10])
+        s = mod[6] * t
+    if (MOD & 3) == 2:
+        s += tl.load(_bias_at(mod[0], rows, cols, mod), mask=ok, other=0.0).to(tl.float32)
+    if ((MOD >> 2) & 3) == 2:
+        s -= mod[5] * _distance(rows, cols)
+    return s, t
+
+
+@triton.jit
+def _unmodify(ds, t, MOD: tl.constexpr):
+    """The scores' gradient ds with respect to the modified scores → with respect to the scaled
+    scores: times f' (the softcap's 1 − tanh²; the bias and ALiBi add)."""
+    if ((MOD >> 4) & 1) != 0:
+        ds = ds * (1.0 - t * t)
+    return ds
+
+
+@triton.jit
+def _mod_grads(ds, t, ok, cols, mod, MOD: tl.constexpr, MOD_GRAD: tl.constexpr):
+    """The modifier's own gradients from ds (with respect to the modified scores) of one tile:
+    the bias's, ds times the derivative of what follows it (the softcap's 1 − tanh² when the
+    bias comes first), stored (``MOD_GRAD`` bits 0-1 = 1: each entry has one owner), added
+    atomically (2: the bias broadcasts over batch, heads or keys) or summed over the tile's
+    rows first (3: over the queries); and the head's ALiBi slope's, −Σ ds·|i − j| (bit 2),
+    returned (0.0 without)."""
+    rows = mod[2]
+    if (MOD_GRAD & 3) != 0:
+        gb = ds
+        if (MOD & 3) == 1:
+            gb = _unmodify(ds, t, MOD)
+        if (MOD_GRAD & 3) == 1:
+            tl.store(_bias_at(mod[1], rows, cols, mod), gb, mask=ok)
+        elif (MOD_GRAD & 3) == 2:
+            tl.atomic_add(_bias_at(mod[1], rows, cols, mod), gb, mask=ok)
+        else:
+            col_ok = tl.max(ok.to(tl.int32), 0) > 0
+            tl.atomic_add(mod[1] + cols.to(tl.int64) * mod[4], tl.sum(gb, 0), mask=col_ok)
+    slope = 0.0
+    if ((MOD_GRAD >> 2) & 1) != 0:
+        ga = ds
+        if ((MOD >> 2) & 3) == 1:
+            ga = _unmodify(ds, t, MOD)
+        slope = -tl.sum(tl.sum(ga * _distance(rows, cols), 1), 0)
+    return slope
 
 
 @triton.jit
 def _scores(
-    p, PAIR_KB, PAIR_MASK, MASKS, q, K, KEY_OK, row_ok, rows_in, n_k, mul,
+    p, PAIR_KB, PAIR_MASK, MASKS, q, K, KEY_OK, row_ok, rows_in, n_k, mul, mod,
     D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, HAS_KEY_OK: tl.constexpr,
-    PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MOD: tl.constexpr,
 ):  # fmt: skip
     """:func:`_scored` for the layout's pair ``p`` of a query block q: its scores, the bool
     tile of its edges (mask tile, key padding, sequence ends), whether the tile is whole
     (:func:`_whole`; ``rows_in``: the query block is inside the sequence), the key tile k
-    (BLOCK, BD) loaded from K (this key/value head's keys) and the key columns."""
+    (BLOCK, BD) loaded from K (this key/value head's keys), the key columns and the softcap's
+    tanh tile (:func:`_scored`)."""
     kb = tl.load(PAIR_KB + p)
     cols = kb * BLOCK + tl.arange(0, BLOCK)
     k = _tile(K, cols, cols < n_k, D, BD)
     col_in = _keys_in(KEY_OK, cols, n_k, HAS_KEY_OK)
     midx = tl.load(PAIR_MASK + p)
-    s, ok = _scored(q, k, row_ok, col_in, MASKS, midx, mul, BLOCK, PARTIAL, PREC, UPCAST)
-    return s, ok, _whole(kb, midx, n_k, rows_in, BLOCK, HAS_KEY_OK), k, cols
+    s, ok, t = _scored(q, k, row_ok, col_in, cols, MASKS, midx, mul, mod, BLOCK, PARTIAL, PREC,
+                       UPCAST, MOD)  # fmt: skip
+    return s, ok, _whole(kb, midx, n_k, rows_in, BLOCK, HAS_KEY_OK), k, cols, t
 
 
 @triton.jit
@@ -298,9 +424,10 @@ def _pairs(ROW_PTR, ROW_END, GIDX, bh, qb, nbq):
 
 @triton.jit
 def _pass0(start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k,
-           mul, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, HAS_KEY_OK: tl.constexpr,
-           PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
-           TOPK: tl.constexpr):  # fmt: skip
+           mul, mod, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
+           HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr, PREC: tl.constexpr,
+           UPCAST: tl.constexpr, MODE: tl.constexpr, TOPK: tl.constexpr,
+           MOD: tl.constexpr):  # fmt: skip
     """Pass 0 over the pairs [start, end): each row's max m (−inf without keys), its number
     of keys (α ∉ {1.5, 2} only: it bounds τ from above), its TOPK largest per-tile maxima (a
     subset of the row: a start for τ; a tuple of (BLOCK,) vectors, :func:`_insert`), and each
@@ -311,9 +438,9 @@ def _pass0(start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_
     for _ in tl.static_range(TOPK):
         top = top + (tl.full((BLOCK,), float("-inf"), tl.float32),)
     for p in range(start, end):
-        s, ok, whole, k, cols = _scores(
-            p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k, mul,
-            D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST,
+        s, ok, whole, k, cols, th = _scores(
+            p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k, mul, mod,
+            D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MOD,
         )  # fmt: skip
         s = _masked(s, ok, whole, -float("inf"))
         t = tl.max(s, 1)
@@ -334,9 +461,10 @@ def _floor(done, m, tau, lo, MODE: tl.constexpr):
 
 @triton.jit
 def _sums(start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k,
-          mul, t_abs, floor, R, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
+          mul, mod, t_abs, floor, R, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
           HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr, PREC: tl.constexpr,
-          UPCAST: tl.constexpr, MODE: tl.constexpr, SKIP: tl.constexpr):  # fmt: skip
+          UPCAST: tl.constexpr, MODE: tl.constexpr, SKIP: tl.constexpr,
+          MOD: tl.constexpr):  # fmt: skip
     """A threshold pass over the pairs [start, end) at the absolute threshold t_abs = m + τ
     (one fused multiply-add per score, which rounds τ to the float spacing of m): per row
     |S|, Σ d^r (Σ d), Σ d^{r−1} (Σ d²) and the least y of S, with y = x − τ, d = [y]₊ and
@@ -351,9 +479,9 @@ def _sums(start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_o
         if SKIP:
             visit = tl.load(TMAX_b + p) > floor
         if visit:
-            s, ok, whole, k, cols = _scores(
-                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k, mul,
-                D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST,
+            s, ok, whole, k, cols, th = _scores(
+                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k, mul, mod,
+                D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MOD,
             )  # fmt: skip
             y = _masked(s - t_abs[:, None], ok, whole, -float("inf"))  # x − τ, x = z − m
             d = tl.maximum(y, 0.0)
@@ -406,10 +534,10 @@ def _update(tau, lo, hi, done, m, c0, s1, s2, y_in, AM1, R, MODE: tl.constexpr):
 
 @triton.jit
 def _last(start, end, TMAX_b, NZ_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, V_h, KEY_OK_b, row_ok,
-          rows_in, n_k, mul, tau_abs, R, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
-          BDV: tl.constexpr, BLOCK: tl.constexpr, HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr,
-          PREC: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
-          NEED_GRAD: tl.constexpr):  # fmt: skip
+          rows_in, n_k, mul, mod, tau_abs, R, D: tl.constexpr, DV: tl.constexpr,
+          BD: tl.constexpr, BDV: tl.constexpr, BLOCK: tl.constexpr, HAS_KEY_OK: tl.constexpr,
+          PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MODE: tl.constexpr,
+          NEED_GRAD: tl.constexpr, MOD: tl.constexpr):  # fmt: skip
     """The last pass over the pairs [start, end): Σ p V and Σ p per row, and for the backward
     Σ g V, Σ g (g = p^{2−α}) and one byte per pair at NZ_b + p, whether it holds a non-zero.
     Tiles below every row's threshold skip both products."""
@@ -421,9 +549,9 @@ def _last(start, end, TMAX_b, NZ_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, V_h, KEY_
     for p in range(start, end):
         nz = tl.load(TMAX_b + p) > floor
         if nz:  # else no row has a weight in this tile: skip both products
-            s, ok, whole, k, cols = _scores(
-                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k, mul,
-                D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST,
+            s, ok, whole, k, cols, th = _scores(
+                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k, mul, mod,
+                D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MOD,
             )  # fmt: skip
             d = _excess(s, ok, whole, tau_abs)
             nz = tl.max(tl.max(d, 1), 0) > 0
@@ -472,21 +600,24 @@ def _forward(
     ROW_PTR, ROW_END, ORDER, PAIR_KB, PAIR_MASK, MASKS, GIDX, KEY_OK,
     n_q, n_k, H, HKV, nbq, n_pairs,
     mul, AM1, R,
+    MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap, m_scale, m_am1, MDB, MDSL,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr,
     NEED_GRAD: tl.constexpr,
     MAX_IT: tl.constexpr, TOPK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    SKIP: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    SKIP: tl.constexpr, LONGEST_FIRST: tl.constexpr, MOD: tl.constexpr,
 ):  # fmt: skip
     qb, bh = _query_block(ORDER, GIDX, nbq, LONGEST_FIRST)
     start, end = _pairs(ROW_PTR, ROW_END, GIDX, bh, qb, nbq)
     rows, row_ok, rows_in, K_h, V_h, KEY_OK_b = _program(qb, bh, K, V, KEY_OK, H, HKV, n_q, n_k,
                                                          D, DV, BLOCK)  # fmt: skip
+    mod = _mod_at(bh, H, rows, MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap, m_scale, m_am1,
+                  MDB, MDSL, MOD)  # fmt: skip
     q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
     TMAX_b = TMAX + bh.to(tl.int64) * n_pairs
     m, cnt, top = _pass0(
         start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k,
-        mul, D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MODE, TOPK,
+        mul, mod, D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MODE, TOPK, MOD,
     )  # fmt: skip
     has = m > float("-inf")
     m = tl.where(has, m, 0.0)
@@ -500,8 +631,8 @@ def _forward(
     while (it < MAX_IT) & (tl.sum((~done).to(tl.int32), 0) > 0):
         c0, s1, s2, y_in = _sums(
             start, end, TMAX_b, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k,
-            mul, m + tau, _floor(done, m, tau, lo, MODE), R,
-            D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MODE, SKIP,
+            mul, mod, m + tau, _floor(done, m, tau, lo, MODE), R,
+            D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MODE, SKIP, MOD,
         )  # fmt: skip
         tau, lo, hi, done = _update(tau, lo, hi, done, m, c0, s1, s2, y_in, AM1, R, MODE)
         it += 1
@@ -509,8 +640,8 @@ def _forward(
     tau_abs = tl.where(has, m + tau, float("inf"))
     acc, g_acc, g_sum, p_sum = _last(
         start, end, TMAX_b, NZ + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q, K_h,
-        V_h, KEY_OK_b, row_ok, rows_in, n_k, mul, tau_abs, R,
-        D, DV, BD, BDV, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MODE, NEED_GRAD,
+        V_h, KEY_OK_b, row_ok, rows_in, n_k, mul, mod, tau_abs, R,
+        D, DV, BD, BDV, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MODE, NEED_GRAD, MOD,
     )  # fmt: skip
     _finish(O, TAU, GV, bh, rows, row_ok, n_q, acc, g_acc, g_sum, p_sum, tau_abs, None,
             DV, BDV, MODE, NEED_GRAD, False)  # fmt: skip
@@ -519,21 +650,36 @@ def _forward(
 
 @triton.jit
 def _dq(start, end, NZ_b, PAIR_KB, PAIR_MASK, MASKS, q, do, tau, delta, K_h, V_h, KEY_OK_b, row_ok,
-        rows_in, n_k, mul, R, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+        rows_in, n_k, mul, mod, R, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
         BDV: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr,
-        PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """Σ ds K over the pairs [start, end) that hold a non-zero (flags at NZ_b + p)."""
+        PARTIAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MOD: tl.constexpr,
+        MOD_GRAD: tl.constexpr):  # fmt: skip
+    """Σ ds K over the pairs [start, end) that hold a non-zero (flags at NZ_b + p), and the
+    score modifier's gradients (:func:`_mod_grads`: the bias's written, the ALiBi slope's
+    sum returned)."""
     dq = tl.zeros((BLOCK, BD), tl.float32)
+    slope = tl.zeros((), tl.float32)
     for p in range(start, end):
         if tl.load(NZ_b + p) != 0:
-            s, ok, whole, k, cols = _scores(
-                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k, mul,
-                D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST,
+            s, ok, whole, k, cols, th = _scores(
+                p, PAIR_KB, PAIR_MASK, MASKS, q, K_h, KEY_OK_b, row_ok, rows_in, n_k, mul, mod,
+                D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MOD,
             )  # fmt: skip
             v = _tile(V_h, cols, cols < n_k, DV, BDV)
             d, ds = _grads(s, ok, whole, tau, do, v, delta, R, MODE, PREC, UPCAST)
+            if MOD_GRAD != 0:
+                slope += _mod_grads(ds, th, ok, cols, mod, MOD, MOD_GRAD)
+            if MOD != 0:
+                ds = _unmodify(ds, th, MOD)
             dq += _mm(ds.to(k.dtype), k, PREC, UPCAST)
-    return dq
+    return dq, slope
+
+
+@triton.jit
+def _slope_grad(mod, slope, MOD_GRAD: tl.constexpr):
+    """Add a program's sum to its head's ALiBi slope gradient (``MOD_GRAD`` bit 2)."""
+    if ((MOD_GRAD >> 2) & 1) != 0:
+        tl.atomic_add(mod[9], slope)
 
 
 @triton.jit
@@ -542,21 +688,26 @@ def _backward_dq(
     ROW_PTR, ROW_END, ORDER, PAIR_KB, PAIR_MASK, MASKS, GIDX, KEY_OK,
     n_q, n_k, H, HKV, nbq, n_pairs,
     mul, scale, R,
+    MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap, m_scale, m_am1, MDB, MDSL,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, LONGEST_FIRST: tl.constexpr, MOD: tl.constexpr,
+    MOD_GRAD: tl.constexpr,
 ):  # fmt: skip
     qb, bh = _query_block(ORDER, GIDX, nbq, LONGEST_FIRST)
     start, end = _pairs(ROW_PTR, ROW_END, GIDX, bh, qb, nbq)
     rows, row_ok, rows_in, K_h, V_h, KEY_OK_b = _program(qb, bh, K, V, KEY_OK, H, HKV, n_q, n_k,
                                                          D, DV, BLOCK)  # fmt: skip
+    mod = _mod_at(bh, H, rows, MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap, m_scale, m_am1,
+                  MDB, MDSL, MOD)  # fmt: skip
     q, do, tau, delta = _grad_rows(Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D, DV, BD, BDV)
-    dq = _dq(
+    dq, slope = _dq(
         start, end, NZ + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q, do, tau, delta,
-        K_h, V_h, KEY_OK_b, row_ok, rows_in, n_k, mul, R,
-        D, DV, BD, BDV, BLOCK, MODE, HAS_KEY_OK, PARTIAL, PREC, UPCAST,
+        K_h, V_h, KEY_OK_b, row_ok, rows_in, n_k, mul, mod, R,
+        D, DV, BD, BDV, BLOCK, MODE, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MOD, MOD_GRAD,
     )  # fmt: skip
     _put(DQ + bh.to(tl.int64) * n_q * D, rows, row_ok, dq * scale, D, BD)
+    _slope_grad(mod, slope, MOD_GRAD)
 
 
 @triton.jit
@@ -565,10 +716,11 @@ def _backward_dkdv(
     COL_PTR, COL_PAIR, COL_QB, PAIR_MASK, MASKS, GIDX, KEY_OK,
     n_q, n_k, H, HKV, nbk, n_pairs,
     mul, scale, R,
+    MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap, m_scale, m_am1, MDB, MDSL,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr,
     PARTIAL: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, MOD: tl.constexpr,
 ):  # fmt: skip
     kb = tl.program_id(0)
     bkv = tl.program_id(1)
@@ -600,11 +752,16 @@ def _backward_dkdv(
                     Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D, DV, BD, BDV
                 )
                 midx = tl.load(PAIR_MASK + pair)
-                s, ok = _scored(
-                    q, k, row_ok, col_in, MASKS, midx, mul, BLOCK, PARTIAL, PREC, UPCAST
-                )
+                mod = _mod_at(bh, H, rows, MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap, m_scale, m_am1,
+                              MDB, MDSL, MOD)  # fmt: skip
+                s, ok, th = _scored(
+                    q, k, row_ok, col_in, cols, MASKS, midx, mul, mod, BLOCK, PARTIAL, PREC,
+                    UPCAST, MOD,
+                )  # fmt: skip
                 whole = _whole(kb, midx, n_k, (qb + 1) * BLOCK <= n_q, BLOCK, HAS_KEY_OK)
                 d, ds = _grads(s, ok, whole, tau, do, v, delta, R, MODE, PREC, UPCAST)
+                if MOD != 0:
+                    ds = _unmodify(ds, th, MOD)
                 w = _weights(d, R, MODE)
                 dv += _mm(tl.trans(w.to(do.dtype)), do, PREC, UPCAST)
                 dk += _mm(tl.trans(ds.to(q.dtype)), q, PREC, UPCAST)

@@ -10,7 +10,8 @@ as one launch each: a chunk kernel writes each row's partial sums of its chunk t
 (B·H, chunks, 4, BLOCK), and a merge kernel (one program per split query block and
 batch·head) adds them and updates the row's state in STATE (6, B·H, n_q): m, τ, lo, hi, done,
 has. Chunk c covers pairs CH_START[c] : CH_END[c] of row block CH_RB[c] (= g·nbq + query
-block); split row block r is LONG_RB[r], its chunks LONG_C0[r] : LONG_C1[r].
+block); split row block r is LONG_RB[r], its chunks LONG_C0[r] : LONG_C1[r]. The kernels that
+score take the score modifier's arguments and ``MOD`` as the main kernels do.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from ._entmax_kernels import (
     _grad_rows,
     _insert,
     _last,
+    _mod_at,
     _pass0,
     _program,
     _put,
+    _slope_grad,
     _stack,
     _start,
     _sums,
@@ -98,9 +101,10 @@ def _split_pass0(
     CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KEY_OK,
     n_q, n_k, H, HKV, nbq, n_pairs, n_chunks,
     mul,
+    MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap, m_scale, m_am1, MDB, MDSL,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
     MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr, TOPK: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, MOD: tl.constexpr,
 ):  # fmt: skip
     """Pass 0 of one chunk: its rows' max and key count (to PART) and their TOPK largest
     per-tile maxima (to TOP, (B·H, chunks, TOPK, BLOCK))."""
@@ -109,10 +113,12 @@ def _split_pass0(
     )
     if mine:
         q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
+        mod = _mod_at(bh, H, rows, MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap, m_scale, m_am1,
+                      MDB, MDSL, MOD)  # fmt: skip
         m, cnt, top = _pass0(
             start, end, TMAX + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q, K_h,
-            KEY_OK_b, row_ok, rows_in, n_k, mul, D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST,
-            MODE, TOPK,
+            KEY_OK_b, row_ok, rows_in, n_k, mul, mod, D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC,
+            UPCAST, MODE, TOPK, MOD,
         )  # fmt: skip
         offs = tl.arange(0, BLOCK)
         at = bh.to(tl.int64) * n_chunks + c
@@ -161,9 +167,10 @@ def _split_sums(
     CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KEY_OK,
     n_q, n_k, H, HKV, nbq, n_pairs, n_chunks, BH,
     mul, R,
+    MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap, m_scale, m_am1, MDB, MDSL,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
     MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, SKIP: tl.constexpr,
+    UPCAST: tl.constexpr, SKIP: tl.constexpr, MOD: tl.constexpr,
 ):  # fmt: skip
     """A threshold pass over one chunk (:func:`_sums`), while a row of its block is open."""
     c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KEY_OK_b = _chunk(
@@ -173,10 +180,13 @@ def _split_sums(
         q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
         m, tau, lo, hi, done, has = _state(STATE, bh, rows, row_ok, n_q, BH)
         if tl.sum((~done).to(tl.int32), 0) > 0:
+            mod = _mod_at(bh, H, rows, MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap, m_scale, m_am1,
+                          MDB, MDSL, MOD)  # fmt: skip
             c0, s1, s2, y_in = _sums(
                 start, end, TMAX + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q,
-                K_h, KEY_OK_b, row_ok, rows_in, n_k, mul, m + tau, _floor(done, m, tau, lo, MODE),
-                R, D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MODE, SKIP,
+                K_h, KEY_OK_b, row_ok, rows_in, n_k, mul, mod, m + tau,
+                _floor(done, m, tau, lo, MODE), R, D, BD, BLOCK, HAS_KEY_OK, PARTIAL, PREC,
+                UPCAST, MODE, SKIP, MOD,
             )  # fmt: skip
             part = PART + (bh.to(tl.int64) * n_chunks + c) * 4 * BLOCK + tl.arange(0, BLOCK)
             tl.store(part, c0)
@@ -222,9 +232,10 @@ def _split_last(
     CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KEY_OK,
     n_q, n_k, H, HKV, nbq, n_pairs, n_chunks, BH,
     mul, R,
+    MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap, m_scale, m_am1, MDB, MDSL,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr,
-    NEED_GRAD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    NEED_GRAD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MOD: tl.constexpr,
 ):  # fmt: skip
     """The last pass over one chunk (:func:`_last`): its partial Σ p V, Σ p (and Σ g V, Σ g)."""
     c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KEY_OK_b = _chunk(
@@ -234,10 +245,13 @@ def _split_last(
         q = _tile(Q + bh.to(tl.int64) * n_q * D, rows, row_ok, D, BD)
         m, tau, lo, hi, done, has = _state(STATE, bh, rows, row_ok, n_q, BH)
         tau_abs = tl.where(has, m + tau, float("inf"))
+        mod = _mod_at(bh, H, rows, MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap, m_scale, m_am1,
+                      MDB, MDSL, MOD)  # fmt: skip
         acc, g_acc, g_sum, p_sum = _last(
             start, end, TMAX + bh.to(tl.int64) * n_pairs, NZ + bh.to(tl.int64) * n_pairs,
-            PAIR_KB, PAIR_MASK, MASKS, q, K_h, V_h, KEY_OK_b, row_ok, rows_in, n_k, mul, tau_abs,
-            R, D, DV, BD, BDV, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MODE, NEED_GRAD,
+            PAIR_KB, PAIR_MASK, MASKS, q, K_h, V_h, KEY_OK_b, row_ok, rows_in, n_k, mul, mod,
+            tau_abs, R, D, DV, BD, BDV, BLOCK, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MODE,
+            NEED_GRAD, MOD,
         )  # fmt: skip
         at = bh.to(tl.int64) * n_chunks + c
         offs = tl.arange(0, BLOCK)
@@ -285,21 +299,26 @@ def _split_dq(
     CH_RB, CH_START, CH_END, PAIR_KB, PAIR_MASK, MASKS, GIDX, KEY_OK,
     n_q, n_k, H, HKV, nbq, n_pairs, n_chunks,
     mul, R,
+    MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap, m_scale, m_am1, MDB, MDSL,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
     BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_KEY_OK: tl.constexpr, PARTIAL: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, MOD: tl.constexpr, MOD_GRAD: tl.constexpr,
 ):  # fmt: skip
-    """dq of a split query block, one chunk of its pairs: the partial Σ ds K, to DQP."""
+    """dq of a split query block, one chunk of its pairs: the partial Σ ds K, to DQP (and the
+    score modifier's gradients of the chunk's pairs)."""
     c, bh, mine, start, end, rows, row_ok, rows_in, K_h, V_h, KEY_OK_b = _chunk(
         CH_RB, CH_START, CH_END, GIDX, K, V, KEY_OK, H, HKV, nbq, n_q, n_k, D, DV, BLOCK
     )
     if mine:
         q, do, tau, delta = _grad_rows(Q, DO, TAU, DELTA, bh, rows, row_ok, n_q, D, DV, BD, BDV)
-        dq = _dq(
+        mod = _mod_at(bh, H, rows, MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap, m_scale, m_am1,
+                      MDB, MDSL, MOD)  # fmt: skip
+        dq, slope = _dq(
             start, end, NZ + bh.to(tl.int64) * n_pairs, PAIR_KB, PAIR_MASK, MASKS, q, do, tau,
-            delta, K_h, V_h, KEY_OK_b, row_ok, rows_in, n_k, mul, R,
-            D, DV, BD, BDV, BLOCK, MODE, HAS_KEY_OK, PARTIAL, PREC, UPCAST,
+            delta, K_h, V_h, KEY_OK_b, row_ok, rows_in, n_k, mul, mod, R,
+            D, DV, BD, BDV, BLOCK, MODE, HAS_KEY_OK, PARTIAL, PREC, UPCAST, MOD, MOD_GRAD,
         )  # fmt: skip
+        _slope_grad(mod, slope, MOD_GRAD)
         offs = tl.arange(0, BLOCK)
         _put(DQP + (bh.to(tl.int64) * n_chunks + c) * BLOCK * BD, offs, offs < BLOCK, dq, BD, BD)
 

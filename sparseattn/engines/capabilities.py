@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
+from ..score_mods import steps
 from . import costs
 from .block import block_attention
 from .dense import dense_attention
@@ -40,6 +41,7 @@ from .triton_entmax import (
     triton_entmax_attention,
     triton_entmax_unsupported,
     triton_map_reason,
+    triton_mod_reason,
 )
 
 __all__ = [
@@ -91,6 +93,10 @@ class Request:
         row_alpha: ρ is α-entmax with a tensor α (one per head or row).
         gqa: k and v have fewer heads than q (grouped-query attention).
         score_mod: a score modifier (``sparseattn.score_mods``) applies to the scores.
+        mod_kinds: the kinds of the library's elementary modifiers it is made of, in order
+            (``score_mods.steps``: "bias", "alibi", "softcap"), or None for any other
+            callable (or when not known): what engines that take the library's modifiers
+            only, as a description, read.
         key_padding: a key padding mask applies.
         shape: (batch, heads, n_q, n_k) of the scores.
         full_rows: for the dense pattern, whether it is causal (then no graph is built);
@@ -105,6 +111,7 @@ class Request:
     row_alpha: bool = False
     gqa: bool = False
     score_mod: bool = False
+    mod_kinds: tuple[str, ...] | None = None
     key_padding: bool = False
     shape: tuple[int, int, int, int] = (1, 1, 1, 1)
     full_rows: bool | None = None
@@ -122,12 +129,17 @@ class Request:
         v: Tensor,
         prob_map: ProbabilityMap | None,
         dropout_p: float = 0.0,
-        score_mod: bool = False,
+        score_mod: bool | Callable | None = False,
         key_padding: bool = False,
         full_rows: bool | None = None,
     ) -> Request:
         """The request of a call with q (B, H, n_q, d), k (B, H_kv, n_k, d), v like k: made
-        once per call, and what every decision about it reads."""
+        once per call, and what every decision about it reads. ``score_mod``: the modifier
+        itself (its kinds are read) or whether there is one (kinds unknown)."""
+        kinds = None
+        if callable(score_mod):
+            found = steps(score_mod)
+            kinds = None if found is None else tuple(mod.kind for mod in found)
         return cls(
             device=q.device.type,
             dtype=q.dtype,
@@ -137,7 +149,8 @@ class Request:
             dropout=dropout_p > 0,
             row_alpha=prob_map is not None and prob_map.alpha is not None,
             gqa=k.shape[1] != q.shape[1],
-            score_mod=score_mod,
+            score_mod=bool(score_mod),
+            mod_kinds=kinds,
             key_padding=key_padding,
             shape=(q.shape[0], q.shape[1], q.shape[2], k.shape[2]),
             full_rows=full_rows,
@@ -161,9 +174,13 @@ class EngineSpec:
         row_alpha: it takes α-entmax with a tensor α.
         gqa: it takes k, v with fewer heads than q itself (else they are repeated first).
         score_mod: it applies a score modifier (keyword ``score_mod`` of ``run``).
+        mod_kinds: for an engine that takes only some modifiers (the library's, as a
+            description): why it cannot apply one of these kinds (``Request.mod_kinds``;
+            None: unknown), or None when it can. None here: any modifier.
         available: None when what it needs is here (a compiler, a package), else why not.
-        refuses: a finer check on the tensors themselves (head dims, shapes), consulted once
-            the declared capabilities allow the call: None, or why not.
+        refuses: a finer check on the tensors themselves (head dims, shapes),
+            ``refuses(q, k, v, prob_map, dropout_p, score_mod=None)``, consulted once the
+            declared capabilities allow the call: None, or why not.
         cost: ``cost(request, graph, memo)``, its estimated cost for a request it can
             compute (:data:`Cost`), or None where ``auto`` should not pick it (``graph`` is
             None for the dense pattern, ``memo`` a dict kept on the graph for per-graph work).
@@ -182,6 +199,7 @@ class EngineSpec:
     row_alpha: bool = False
     gqa: bool = False
     score_mod: bool = True
+    mod_kinds: Callable[[tuple[str, ...] | None], str | None] | None = None
     available: Callable[[], str | None] = lambda: None
     refuses: Callable[..., str | None] | None = None
     cost: Callable[[Request, AttentionGraph | None, dict], Cost | None] = lambda *_: None
@@ -205,6 +223,10 @@ class EngineSpec:
             reasons.append("it does not take a tensor α (alpha: one per head or row)")
         if req.score_mod and not self.score_mod:
             reasons.append("it does not apply score modifiers (score_mod)")
+        elif req.score_mod and self.mod_kinds is not None:
+            wrong_mod = self.mod_kinds(req.mod_kinds)
+            if wrong_mod is not None:
+                reasons.append(wrong_mod)
         missing = self.available()
         if missing is not None:
             reasons.append(missing)
@@ -290,8 +312,8 @@ def _rows_cost(req: Request, graph: AttentionGraph | None, memo: dict) -> Cost |
 
 
 def _full_rows_entmax(q, k, v, prob_map, scale, key_valid, dropout_p, causal, score_mod=None):
-    """The Triton kernels' fused full rows (no dropout, no score modifier: its reasons)."""
-    return full_rows_entmax(q, k, v, prob_map, scale, key_valid, causal)
+    """The Triton kernels' fused full rows (no dropout: its reasons)."""
+    return full_rows_entmax(q, k, v, prob_map, scale, key_valid, causal, score_mod=score_mod)
 
 
 SPECS: dict[str, EngineSpec] = {
@@ -347,7 +369,7 @@ SPECS: dict[str, EngineSpec] = {
             maps=triton_map_reason,
             dropout=False,
             gqa=True,
-            score_mod=False,
+            mod_kinds=triton_mod_reason,
             available=_triton_available,
             refuses=triton_entmax_unsupported,
             cost=_triton_cost,
@@ -362,8 +384,8 @@ ENGINES: dict[str, Callable[..., Tensor]] = {name: spec.run for name, spec in SP
 
 def reasons(engine: str, *call: Any) -> list[str]:
     """Why ``engine`` cannot compute this call — (q, k, v, prob_map[, dropout_p[, score_mod]]),
-    as :meth:`Request.of` takes them —: its declared reasons, then (if none) its finer check on
-    the tensors; empty when it can."""
+    as :meth:`Request.of` takes them (``score_mod`` the modifier, or whether there is one) —:
+    its declared reasons, then (if none) its finer check on the tensors; empty when it can."""
     return request_reasons(engine, Request.of(*call), call)
 
 
@@ -375,19 +397,21 @@ def unsupported(engine: str, *call: Any) -> str | None:
 
 def request_reasons(name: str, req: Request, call: tuple) -> list[str]:
     """Why engine ``name`` cannot compute ``req`` (the call's tensors: ``call`` = (q, k, v,
-    prob_map, dropout_p), for its finer check); empty when it can."""
+    prob_map, dropout_p[, score_mod]), for its finer check; a ``score_mod`` that is not
+    callable, a bool, is left out); empty when it can."""
     spec = SPECS[name]
     found = spec.not_supported_reasons(req)
     if not found and spec.refuses is not None:
-        finer = spec.refuses(*call[:5])
+        mod = call[5] if len(call) > 5 and callable(call[5]) else None
+        finer = spec.refuses(*call[:5], score_mod=mod)
         found = [] if finer is None else [finer]
     return found
 
 
 def choose(req: Request, graph: AttentionGraph | None, call: tuple) -> str:
     """``engine="auto"``: the cheapest engine of the table without reasons (its ``cost``;
-    ``graph`` None for the dense pattern), for ``call`` = (q, k, v, prob_map, dropout_p), the
-    tensors the finer checks read. The decision is kept on the graph per request.
+    ``graph`` None for the dense pattern), for ``call`` = (q, k, v, prob_map, dropout_p[,
+    score_mod]), what the finer checks read. The decision is kept on the graph per request.
 
     Raises:
         ValueError: when no engine can compute the request, with every engine's reasons.
@@ -434,8 +458,7 @@ def checked(name: str) -> Callable[..., Tensor]:
 
     @functools.wraps(spec.run)
     def run(q, k, v, graph, prob_map, scale, key_valid=None, dropout_p=0.0, **options):
-        modded = options.get("score_mod") is not None
-        reason = unsupported(name, q, k, v, prob_map, dropout_p, modded)
+        reason = unsupported(name, q, k, v, prob_map, dropout_p, options.get("score_mod"))
         if reason is not None:
             raise ValueError(f"engine={name!r} cannot run this call: {reason}")
         return spec.run(q, k, v, graph, prob_map, scale, key_valid, dropout_p, **options)

@@ -75,7 +75,9 @@ def flex_available() -> str | None:
     return None
 
 
-def flex_refuses(q: Tensor, k: Tensor, v: Tensor, *_) -> str | None:
+def flex_refuses(
+    q: Tensor, k: Tensor, v: Tensor, *_: object, score_mod: object = None
+) -> str | None:
     """Why FlexAttention cannot take these tensors (None if it can): its GPU kernels need
     head dims of at least 16 (torch 2.11: "NYI: embedding dimension … must be at least 16")."""
     if q.device.type == "cuda" and min(q.shape[-1], v.shape[-1]) < 16:

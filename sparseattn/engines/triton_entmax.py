@@ -15,6 +15,13 @@ Entry points:
   :func:`causal_layout`, which need no graph: the dense and causal patterns as layouts);
 * :func:`triton_entmax_unsupported` — None if a request can run here, else why not.
 
+Score modifiers: the library's own (:mod:`sparseattn.score_mods`: ``bias``, ``alibi``,
+``softcap`` and chains with at most one of each) reach the kernels as a description
+(:func:`kernel_mod`: which, in which order, the bias tensor, the slopes, the cap), applied to
+the scaled scores before ρ, forward and backward, with the gradients of the bias and of ALiBi
+slopes that require them. Any other callable cannot run inside the kernels:
+:func:`triton_mod_reason` says so, and the engine table routes such calls elsewhere.
+
 Triton is imported on first use only: ``import sparseattn`` works without it. The kernels run
 on CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before
 triton is first imported, and while the kernels run).
@@ -38,19 +45,23 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
+from ..score_mods import alibi, steps
 from .layout import block_pairs
 
 __all__ = [
     "BlockLayout",
+    "KernelMod",
     "causal_layout",
     "dense_layout",
     "entmax_attention",
     "full_rows_entmax",
     "graph_layout",
+    "kernel_mod",
     "split_plan",
     "triton_entmax_attention",
     "triton_entmax_unsupported",
     "triton_map_reason",
+    "triton_mod_reason",
     "tuning",
 ]
 
@@ -389,6 +400,46 @@ def triton_map_reason(prob_map: ProbabilityMap | None) -> str | None:
     return alpha if isinstance(alpha, str) else None
 
 
+def triton_mod_reason(kinds: tuple[str, ...] | None) -> str | None:
+    """None if the kernels apply a score modifier made of these elementary modifiers
+    (``score_mods.steps``' kinds, in order; None: another callable), else why not (the engine
+    table's modifier check)."""
+    if kinds is None:
+        return (
+            "the Triton kernels apply the library's score modifiers only (score_mods.bias, "
+            "alibi, softcap and chains of them), which they take as a description: another "
+            "function cannot run inside them"
+        )
+    repeated = sorted({kind for kind in kinds if kinds.count(kind) > 1})
+    if repeated:
+        return (
+            "the Triton kernels take at most one bias, one alibi and one softcap in a chain, "
+            f"not {', '.join(f'{kinds.count(kind)} × {kind}' for kind in repeated)}"
+        )
+    return None
+
+
+def _score_mod_reason(score_mod: Any, q: Tensor, k: Tensor) -> str | None:
+    """Why the kernels cannot apply ``score_mod`` to scores of q and k (None if they can)."""
+    found = steps(score_mod)
+    why = triton_mod_reason(None if found is None else tuple(mod.kind for mod in found))
+    if why is not None or found is None:
+        return why
+    heads = q.shape[1]
+    for mod in found:
+        tensor = getattr(mod, "t" if mod.kind == "bias" else "slopes", None)
+        if tensor is not None and tensor.device != q.device:
+            return f"score_mod {mod!r} reads a tensor on {tensor.device}, inputs on {q.device}"
+        if mod.kind == "bias":
+            try:
+                mod.check((q.shape[0], heads, q.shape[2], k.shape[2]))
+            except ValueError as err:
+                return str(err)
+        if mod.kind == "alibi" and tensor is not None and tensor.numel() < heads:
+            return f"alibi has {tensor.numel()} slopes for {heads} query heads"
+    return None
+
+
 def triton_entmax_unsupported(
     q: Tensor,
     k: Tensor,
@@ -396,8 +447,10 @@ def triton_entmax_unsupported(
     prob_map: ProbabilityMap | None,
     dropout_p: float = 0.0,
     graph: AttentionGraph | None = None,
+    score_mod: Any = None,
 ) -> str | None:
-    """None if :func:`triton_entmax_attention` can compute this request, else why not."""
+    """None if :func:`triton_entmax_attention` can compute this request (with ``score_mod``,
+    a score modifier, when given), else why not."""
     wrong_map = triton_map_reason(prob_map)
     if wrong_map is not None:
         return wrong_map
@@ -423,6 +476,10 @@ def triton_entmax_unsupported(
         return f"head dims above {MAX_HEAD_DIM} are not supported"
     if graph is not None and (graph.n_q, graph.n_k) != (q.shape[2], k.shape[2]):
         return f"graph is {graph.n_q} × {graph.n_k}, inputs {q.shape[2]} × {k.shape[2]}"
+    if score_mod is not None:
+        wrong_mod = _score_mod_reason(score_mod, q, k)
+        if wrong_mod is not None:
+            return wrong_mod
     try:
         _kernels()
     except ImportError:
@@ -552,7 +609,7 @@ def _split_factor(alpha: float) -> float | None:
 def _launch_split(
     plan: SplitPlan, q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout, gidx: Tensor,
     key_ok: Tensor, consts: dict, outs: tuple[Tensor, ...], alpha: float, scale: float,
-    need_grad: bool,
+    need_grad: bool, mod_args: tuple,
 ) -> None:  # fmt: skip
     """The split query blocks: pass 0 per chunk, merged; :data:`SPLIT_PASSES` threshold
     passes, each per chunk then merged; the last pass per chunk, merged into ``outs`` (out,
@@ -570,12 +627,13 @@ def _launch_split(
     sizes = (*_sizes(q, k), layout.nbq, tmax.shape[1])
     mul, am1, r = scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0)
     d, dv, bd, mode = consts["D"], consts["DV"], consts["BD"], consts["MODE"]
-    scored = {key: consts[key] for key in ("HAS_KEY_OK", "PARTIAL", "PREC", "UPCAST", "num_warps")}
+    keys = ("HAS_KEY_OK", "PARTIAL", "PREC", "UPCAST", "MOD", "num_warps")
+    scored = {key: consts[key] for key in keys}
     on_chunks = (plan.ch_rb, plan.ch_start, plan.ch_end, layout.pair_kb, layout.pair_mask)
     on_chunks += (layout.masks, gidx, key_ok)
     merged = (plan.long_rb, plan.long_c0, plan.long_c1, gidx)
     kern._split_pass0[(chunks, bh)](
-        q, k, v, tmax, part, top, *on_chunks, *sizes, chunks, mul,
+        q, k, v, tmax, part, top, *on_chunks, *sizes, chunks, mul, *mod_args,
         D=d, DV=dv, BD=bd, BLOCK=block, MODE=mode, TOPK=TOPK, **scored,
     )  # fmt: skip
     kern._split_init[(longs, bh)](
@@ -584,7 +642,7 @@ def _launch_split(
     )  # fmt: skip
     for _ in range(SPLIT_PASSES):
         kern._split_sums[(chunks, bh)](
-            q, k, v, tmax, part, state, *on_chunks, *sizes, chunks, bh, mul, r,
+            q, k, v, tmax, part, state, *on_chunks, *sizes, chunks, bh, mul, r, *mod_args,
             D=d, DV=dv, BD=bd, BLOCK=block, MODE=mode, SKIP=SKIP_TILES, **scored,
         )  # fmt: skip
         kern._split_update[(longs, bh)](
@@ -593,13 +651,111 @@ def _launch_split(
         )  # fmt: skip
     kern._split_last[(chunks, bh)](
         q, k, v, tmax, nz, part, acc, g_acc, state, *on_chunks, *sizes, chunks, bh, mul, r,
-        D=d, DV=dv, BD=bd, BDV=dvp, BLOCK=block, MODE=mode, NEED_GRAD=need_grad, **scored,
+        *mod_args, D=d, DV=dv, BD=bd, BDV=dvp, BLOCK=block, MODE=mode, NEED_GRAD=need_grad,
+        **scored,
     )  # fmt: skip
     kern._split_finish[(longs, bh)](
         out, tau, gv, state, part, acc, g_acc, *merged, q.shape[2], bh, layout.nbq, chunks,
         DV=dv, BDV=dvp, BLOCK=block, MODE=mode, NEED_GRAD=need_grad,
         num_warps=consts["num_warps"],
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- score modifiers
+@dataclass
+class KernelMod:
+    """A score modifier as the kernels take it (:func:`kernel_mod`).
+
+    Attributes:
+        code: the kernels' compile-time ``MOD`` (:mod:`._entmax_kernels`): bits 0-1 the bias,
+            bits 2-3 ALiBi (1: before the softcap, or without one; 2: after it), bit 4 the
+            softcap; 0 is no modifier.
+        bias: the bias as the modifier holds it, 4-D (size-1 dims broadcast), or None.
+        slopes: ALiBi's slopes m_h, one per query head at least (the modifier's own tensor,
+            or the paper's computed for its head count), or None.
+        cap: the softcap's c (1.0 without one).
+    """
+
+    code: int
+    bias: Tensor | None = None
+    slopes: Tensor | None = None
+    cap: float = 1.0
+
+
+def kernel_mod(score_mod: Any, heads: int, device: torch.device) -> KernelMod | str:
+    """``score_mod`` as the kernels take it for ``heads`` query heads on ``device``, or why
+    they cannot (:func:`triton_mod_reason`)."""
+    found = steps(score_mod)
+    why = triton_mod_reason(None if found is None else tuple(mod.kind for mod in found))
+    if why is not None or found is None:
+        return why or ""
+    out = KernelMod(0)
+    at = 1  # 2 once the softcap has been applied
+    for mod in found:
+        if mod.kind == "bias":
+            out.code |= at
+            out.bias = mod.t
+        elif mod.kind == "alibi":
+            out.code |= at << 2
+            out.slopes = mod.slopes
+            if out.slopes is None:
+                out.slopes = _paper_slopes(mod.heads, heads, device)
+        else:
+            out.code |= 16
+            out.cap, at = mod.cap, 2
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _paper_slopes(model_heads: int, heads: int, device: torch.device) -> Tensor:
+    """``alibi(model_heads)``'s slopes of query heads 0 … heads − 1, on ``device`` (made once)."""
+    return alibi(model_heads).computed_slopes(heads, device)
+
+
+@functools.lru_cache(maxsize=8)
+def _placeholder(device: torch.device) -> Tensor:
+    """A float32 tensor of one element on ``device``, made once: the pointer the kernels take
+    for a modifier's tensor they do not read (no allocation per call)."""
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
+def _strides(t: Tensor) -> list[int]:
+    """t's strides, 0 along its size-1 dims (they broadcast)."""
+    return [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride(), strict=True)]
+
+
+def _mod_args(
+    mod: KernelMod | None, q: Tensor, scale: float, alpha: float, grads: tuple = (None, None)
+) -> tuple:
+    """The kernels' score-modifier arguments (``MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap,
+    m_scale, m_am1, MDB, MDSL``): bias and strides, slopes, cap, scale, α − 1 and the
+    gradients' buffers ``grads`` (bias, slopes; None: none). Placeholders without ``mod``
+    (never read or written: ``MOD`` = 0 compiles them out)."""
+    dummy = _placeholder(q.device)
+    if mod is None:
+        return (dummy, 0, 0, 0, 0, dummy, 1.0, 1.0, 1.0, dummy, dummy)
+    bias = dummy if mod.bias is None else mod.bias
+    strides = [0, 0, 0, 0] if mod.bias is None else _strides(bias)
+    slopes = dummy if mod.slopes is None else mod.slopes
+    d_bias, d_slopes = (dummy if g is None else g for g in grads)
+    return (bias, *strides, slopes, mod.cap, scale, alpha - 1.0, d_bias, d_slopes)
+
+
+def _mod_grad_code(mod: KernelMod | None, sizes: tuple[int, ...], bias: bool, slopes: bool) -> int:
+    """The dq kernels' ``MOD_GRAD`` for scores of ``sizes`` (B, H, n_q, n_k): bits 0-1 the
+    bias's gradient (``bias``: wanted) — 1 stored, each entry one program's; 2 added
+    atomically, where the bias broadcasts over batch, heads or keys; 3 summed over the tile's
+    rows, then added, where it broadcasts over the queries —, bit 2 the slopes'."""
+    code = 4 if slopes else 0
+    if bias and mod is not None and mod.bias is not None:
+        (bb, hb, nq, nk), (b, h, n_q, n_k) = mod.bias.shape, sizes
+        if nq == 1 and n_q > 1:
+            code |= 3
+        elif (bb == 1 and b > 1) or (hb == 1 and h > 1) or (nk == 1 and n_k > 1):
+            code |= 2
+        else:
+            code |= 1
+    return code
 
 
 # ---------------------------------------------------------------------------- the function
@@ -617,11 +773,12 @@ def _launch_forward(
     alpha: float,
     scale: float,
     need_grad: bool,
+    mod: KernelMod | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Run the forward kernel on contiguous q, k, v. Returns out (B, H, n_q, d_v), τ + m per
-    row (B, H, n_q) float32, Σ g v / Σ g (B, H, n_q, d_v) and the non-zero flags int8
-    (B·H, pairs) — the last two only with ``need_grad`` — and the threshold passes each
-    program took, int32 (B·H, nbq)."""
+    """Run the forward kernel on contiguous q, k, v (with the score modifier ``mod``). Returns
+    out (B, H, n_q, d_v), τ + m per row (B, H, n_q) float32, Σ g v / Σ g (B, H, n_q, d_v) and
+    the non-zero flags int8 (B·H, pairs) — the last two only with ``need_grad`` — and the
+    threshold passes each program took, int32 (B·H, nbq)."""
     bsz, heads, n_q = q.shape[:3]
     dv, pairs, dev = v.shape[-1], max(1, layout.pairs), q.device
     out = torch.empty(bsz, heads, n_q, dv, dtype=q.dtype, device=dev)
@@ -638,19 +795,22 @@ def _launch_forward(
     plan = None
     if split is not None:
         plan = split_plan(layout, split, dev, bsz * heads, _multiprocessors(dev))
-    consts = _constants(q, v, layout, alpha, key_ok is not None, "forward")
+    consts = _constants(q, v, layout, alpha, key_ok is not None, "forward", mod)
+    mod_args = _mod_args(mod, q, scale, alpha)
     row_end, order = _rows(layout, plan, LONGEST_FIRST)
     _kernels()._forward[_grid(layout, bsz * heads, LONGEST_FIRST)](
         q, k, v, out, tau, gv, nz, tmax, passes,
         layout.row_ptr, row_end, order, layout.pair_kb, layout.pair_mask, layout.masks, gidx,
         key_ok_t, *_sizes(q, k), layout.nbq, pairs,
-        scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0),
+        scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0), *mod_args,
         NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK, SKIP=SKIP_TILES,
         LONGEST_FIRST=LONGEST_FIRST, **consts,
     )  # fmt: skip
     if plan is not None:  # after the main kernel, which left the split blocks empty
         outs = (out, tau, gv, nz, tmax, passes)
-        _launch_split(plan, q, k, v, layout, gidx, key_ok_t, consts, outs, alpha, scale, need_grad)
+        _launch_split(
+            plan, q, k, v, layout, gidx, key_ok_t, consts, outs, alpha, scale, need_grad, mod_args
+        )
     return out, tau, gv, nz, passes
 
 
@@ -658,15 +818,25 @@ class _EntmaxAttention(torch.autograd.Function):
     """Fused α-entmax attention on a block layout; backward by the closed form (module doc)."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, *launch: Any) -> Tensor:
+    def forward(
+        ctx: FunctionCtx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        bias: Tensor | None,
+        slopes: Tensor | None,
+        *launch: Any,
+    ) -> Tensor:
         """``launch``: the arguments of :func:`_launch_forward` after q, k, v (layout, gidx,
-        key_ok, alpha, scale, need_grad)."""
+        key_ok, alpha, scale, need_grad, mod); ``bias`` and ``slopes`` are the modifier's
+        tensors (``mod.bias``, ``mod.slopes``: inputs here, for their gradients)."""
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, tau, gv, nz, _ = _launch_forward(q, k, v, *launch)
-        layout, gidx, key_ok, alpha, scale, need_grad = launch
+        layout, gidx, key_ok, alpha, scale, need_grad, mod = launch
         key_ok_t = torch.zeros(1, dtype=torch.int8, device=q.device) if key_ok is None else key_ok
         if need_grad:
-            ctx.save_for_backward(q, k, v, tau, gv, nz)
+            ctx.save_for_backward(q, k, v, tau, gv, nz, bias, slopes)
+            ctx.mod = None if mod is None else (mod.code, mod.cap)
             ctx.layout, ctx.gidx, ctx.key_ok = layout, gidx, key_ok_t
             ctx.has_key_ok, ctx.alpha, ctx.scale = key_ok is not None, alpha, scale
             # the forward's knobs, whatever they are at the backward
@@ -677,14 +847,23 @@ class _EntmaxAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_out: Tensor):
         kern = _kernels()
-        q, k, v, tau, gv, nz = ctx.saved_tensors
+        q, k, v, tau, gv, nz, bias, slopes = ctx.saved_tensors
         layout, alpha, scale = ctx.layout, ctx.alpha, ctx.scale
         n_q, n_k, heads, hkv = sizes = _sizes(q, k)
         bsz = q.shape[0]
         do = grad_out.to(q.dtype).contiguous()
         delta = (do.float() * gv).sum(-1).contiguous()  # δ_i = Σ_j g dp / Σ_j g
         dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        common = _constants(q, v, layout, alpha, ctx.has_key_ok, "backward")
+        mod = None if ctx.mod is None else KernelMod(ctx.mod[0], bias, slopes, ctx.mod[1])
+        want_bias, want_slopes = ctx.needs_input_grad[3:5]
+        d_bias = d_slopes = None
+        if want_bias:
+            d_bias = torch.zeros(bias.shape, dtype=torch.float32, device=q.device)
+        if want_slopes:
+            d_slopes = torch.zeros(slopes.shape, dtype=torch.float32, device=q.device)
+        mod_args = _mod_args(mod, q, scale, alpha, (d_bias, d_slopes))
+        mod_grad = _mod_grad_code(mod, (bsz, heads, n_q, n_k), want_bias, want_slopes)
+        common = _constants(q, v, layout, alpha, ctx.has_key_ok, "backward", mod)
         mul, r = scale * (alpha - 1.0), 1.0 / (alpha - 1.0)
         plan = None
         if ctx.split is not None:
@@ -693,8 +872,8 @@ class _EntmaxAttention(torch.autograd.Function):
         kern._backward_dq[_grid(layout, bsz * heads, ctx.longest_first)](
             q, k, v, do, dq, tau, delta, nz,
             layout.row_ptr, row_end, order, layout.pair_kb, layout.pair_mask, layout.masks,
-            ctx.gidx, ctx.key_ok, *sizes, layout.nbq, nz.shape[1], mul, scale, r,
-            LONGEST_FIRST=ctx.longest_first, **common,
+            ctx.gidx, ctx.key_ok, *sizes, layout.nbq, nz.shape[1], mul, scale, r, *mod_args,
+            LONGEST_FIRST=ctx.longest_first, MOD_GRAD=mod_grad, **common,
         )  # fmt: skip
         if plan is not None:  # the split query blocks' dq: partial sums per chunk, added
             chunks, bd = plan.ch_rb.numel(), common["BD"]
@@ -706,7 +885,8 @@ class _EntmaxAttention(torch.autograd.Function):
                 q, k, v, do, tau, delta, nz, dqp,
                 plan.ch_rb, plan.ch_start, plan.ch_end, layout.pair_kb, layout.pair_mask,
                 layout.masks, ctx.gidx, ctx.key_ok,
-                *sizes, layout.nbq, nz.shape[1], chunks, mul, r, **common,
+                *sizes, layout.nbq, nz.shape[1], chunks, mul, r, *mod_args,
+                MOD_GRAD=mod_grad, **common,
             )  # fmt: skip
             split_kern._split_dq_finish[(plan.long_rb.numel(), bsz * heads)](
                 dq, dqp, plan.long_rb, plan.long_c0, plan.long_c1, ctx.gidx,
@@ -716,10 +896,12 @@ class _EntmaxAttention(torch.autograd.Function):
             q, k, v, do, dk, dvv, tau, delta, nz,
             layout.col_ptr, layout.col_pair, layout.col_qb, layout.pair_mask, layout.masks,
             ctx.gidx, ctx.key_ok,
-            *sizes, layout.nbk, nz.shape[1], mul, scale, r,
+            *sizes, layout.nbk, nz.shape[1], mul, scale, r, *mod_args,
             GROUP=heads // hkv, **common,
         )  # fmt: skip
-        return dq, dk, dvv, None, None, None, None, None, None
+        d_bias = None if d_bias is None else d_bias.to(bias.dtype)
+        d_slopes = None if d_slopes is None else d_slopes.to(slopes.dtype)
+        return dq, dk, dvv, d_bias, d_slopes, None, None, None, None, None, None, None
 
 
 def _sizes(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
@@ -728,15 +910,16 @@ def _sizes(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
 
 
 def _constants(
-    q: Tensor, v: Tensor, layout: BlockLayout, alpha: float, has_key_ok: bool, kernel: str
-) -> dict:
-    """The compile-time arguments all three kernels take, their warps and the ``kernel``'s
-    (``"forward"`` or ``"backward"``) stages."""
+    q: Tensor, v: Tensor, layout: BlockLayout, alpha: float, has_key_ok: bool, kernel: str,
+    mod: KernelMod | None = None,
+) -> dict:  # fmt: skip
+    """The compile-time arguments all three kernels take (``MOD``: the score modifier's
+    code), their warps and the ``kernel``'s (``"forward"`` or ``"backward"``) stages."""
     d, dv, block, stages = q.shape[-1], v.shape[-1], layout.block, STAGES[kernel]
     return dict(
         D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BLOCK=block, MODE=_mode(alpha),
         HAS_KEY_OK=has_key_ok, PARTIAL=layout.masks.shape[0] > 0, PREC=_precision(q),
-        UPCAST=_upcast(q), num_warps=WARPS[block],
+        UPCAST=_upcast(q), MOD=0 if mod is None else mod.code, num_warps=WARPS[block],
         **({} if stages is None else {"num_stages": stages}),
     )  # fmt: skip
 
@@ -766,6 +949,7 @@ def entmax_attention(
     scale: float | None = None,
     key_valid: Tensor | None = None,
     graph_index: Tensor | None = None,
+    score_mod: Any = None,
 ) -> Tensor:
     """α-entmax attention (α > 1; 2 = sparsemax) over a block layout, Yun et al. eq. (3).
 
@@ -778,8 +962,14 @@ def entmax_attention(
         scale: score scale, default 1/sqrt(d).
         key_valid: (B, n_k) bool, True for real keys. A row left without keys gives 0.
         graph_index: int32 (B·H,), the layout graph of each (batch, head); default all 0.
+        score_mod: a score modifier of :mod:`sparseattn.score_mods` (``bias``, ``alibi``,
+            ``softcap``, a chain with at most one of each), applied to the scaled scores
+            before ρ (FlexAttention's convention: h the query head, indices in q and k).
     Returns:
-        (B, H, n_q, d_v) in the inputs' dtype; differentiable in q, k and v.
+        (B, H, n_q, d_v) in the inputs' dtype; differentiable in q, k and v, and in the
+        modifier's bias and ALiBi slopes where they require grad.
+    Raises:
+        ValueError: a score modifier the kernels cannot take (:func:`triton_mod_reason`).
     """
     bsz, heads, n_q, d = q.shape
     if (layout.n_q, layout.n_k) != (n_q, k.shape[2]):
@@ -793,9 +983,18 @@ def entmax_attention(
     key_ok = None
     if key_valid is not None:
         key_ok = key_valid.to(device=q.device, dtype=torch.int8).contiguous()
-    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    mod = None
+    if score_mod is not None:
+        mod = kernel_mod(score_mod, heads, q.device)
+        if isinstance(mod, str):
+            raise ValueError(mod)
+        if mod.bias is not None:  # one layout for the bias and its gradient
+            mod.bias = mod.bias.contiguous()
+    bias, slopes = (None, None) if mod is None else (mod.bias, mod.slopes)
+    inputs = [t for t in (q, k, v, bias, slopes) if t is not None]
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     return _EntmaxAttention.apply(
-        q, k, v, layout, graph_index, key_ok, float(alpha), scale, need_grad
+        q, k, v, bias, slopes, layout, graph_index, key_ok, float(alpha), scale, need_grad, mod
     )
 
 
@@ -811,6 +1010,7 @@ def triton_entmax_attention(
     block: int | None = None,
     *,
     check: bool = True,
+    score_mod: Any = None,
 ) -> Tensor:
     """α-entmax / sparsemax attention on ``graph`` by the Triton kernels (engine signature).
 
@@ -819,9 +1019,12 @@ def triton_entmax_attention(
     True for real keys. ``block``: tile size of the layout (default ``DEFAULT_BLOCK``).
     Raises ValueError with the reason of :func:`triton_entmax_unsupported` when it cannot run;
     ``check=False`` skips that check: the engine table's entry, called by ``sparse_attention``,
-    which has checked the request already (host time on every call).
+    which has checked the request already (host time on every call). ``score_mod``: as
+    :func:`entmax_attention` takes it.
     """
-    why = triton_entmax_unsupported(q, k, v, prob_map, dropout_p, graph) if check else None
+    why = None
+    if check:
+        why = triton_entmax_unsupported(q, k, v, prob_map, dropout_p, graph, score_mod)
     if why is not None:
         raise ValueError(why)
     alpha = _alpha_of(prob_map)
@@ -832,7 +1035,7 @@ def triton_entmax_attention(
         ("triton_entmax_graph_index", bsz, heads, q.device),
         lambda: _graph_index(graph.batch_shape, bsz, heads, q.device),
     )
-    return entmax_attention(q, k, v, layout, alpha, scale, key_valid, gidx)
+    return entmax_attention(q, k, v, layout, alpha, scale, key_valid, gidx, score_mod)
 
 
 def full_rows_entmax(
@@ -844,14 +1047,16 @@ def full_rows_entmax(
     key_valid: Tensor | None,
     causal: bool,
     block: int | None = None,
+    score_mod: Any = None,
 ) -> Tensor:
     """The dense pattern (``sa.dense()``, or causal: queries at the end of the keys) by the
     Triton kernels, without a graph: the dense or causal layout, built once per (n_q, n_k,
-    block, device). Shapes and ``key_valid`` (True for real keys) as
+    block, device). Shapes, ``key_valid`` (True for real keys) and ``score_mod`` as
     :func:`triton_entmax_attention`."""
     block = DEFAULT_BLOCK.get(q.device.type, 64) if block is None else block
     layout = _full_layout(q.shape[2], k.shape[2], block, causal, q.device)
-    return entmax_attention(q, k, v, layout, _alpha_of(prob_map), scale, key_valid)
+    alpha = _alpha_of(prob_map)
+    return entmax_attention(q, k, v, layout, alpha, scale, key_valid, None, score_mod)
 
 
 @functools.lru_cache(maxsize=16)
