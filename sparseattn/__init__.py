@@ -1,6 +1,6 @@
 """sparseattn: sparse attention for PyTorch — patterns, probability maps, engines, one data path."""
 
-from . import maps, patterns, score_mods
+from . import maps, parallel, patterns, score_mods
 from .attention import SparseAttention, attention_weights, sparse_attention
 from .graph import AttentionGraph
 from .maps import ProbabilityMap, entmax, hardmax, softmax, sparselin_gen, sparsemax
@@ -54,6 +54,7 @@ __all__ = [
     "longformer",
     "no_diagonal",
     "maps",
+    "parallel",
     "patterns",
     "random",
     "random_blocks",

@@ -313,6 +313,18 @@ def sparse_attention(
     return _attend(q, k, v, pattern, rho, engine, scale, valid, dropout_p, score_mod)
 
 
+#: The context-parallel call, :func:`sparseattn.parallel.sparse_attention`, registered by
+#: that package on import (``import sparseattn`` imports it), so that this module, which it
+#: builds on, does not import it back.
+_SHARDED: Callable[..., Tensor] | None = None
+
+
+def register_sharded(call: Callable[..., Tensor]) -> None:
+    """Set the call :func:`sparse_attention` makes with ``group=``."""
+    global _SHARDED
+    _SHARDED = call
+
+
 def _sharded(q, k, v, pattern, prob_map, engine, scale, key_padding_mask, dropout_p,
              enable_gqa, score_mod, group, boundaries):  # fmt: skip
     """:func:`sparse_attention` with ``group``: the context-parallel call."""
@@ -320,9 +332,9 @@ def _sharded(q, k, v, pattern, prob_map, engine, scale, key_padding_mask, dropou
         raise ValueError("dropout_p must be 0 with group= (not supported across ranks yet)")
     if score_mod is not None:
         raise ValueError("score_mod is not supported with group= (not across ranks yet)")
-    from .parallel import sparse_attention as sharded_attention
-
-    return sharded_attention(
+    if _SHARDED is None:
+        raise RuntimeError("group= needs sparseattn.parallel (import sparseattn registers it)")
+    return _SHARDED(
         q, k, v, pattern, group=group, prob_map=prob_map, engine=engine, scale=scale,
         key_padding_mask=key_padding_mask, enable_gqa=enable_gqa, boundaries=boundaries,
     )  # fmt: skip

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .. import attention as _attention
 from . import comm
 from .attention import map_kind, sparse_attention
 from .comm import count_traffic
@@ -100,3 +101,5 @@ def gather(x: Tensor, group: object = None, dim: int = -2) -> Tensor:
         return x
     dim = dim % x.dim()
     return _Gather.apply(x, group, dim)
+
+_attention.register_sharded(sparse_attention)
