@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
+from ..memo import Memo
 from ..score_mods import steps
 from . import costs
 from .block import block_attention
@@ -411,15 +412,31 @@ def request_reasons(name: str, req: Request, call: tuple) -> list[str]:
 def choose(req: Request, graph: AttentionGraph | None, call: tuple) -> str:
     """``engine="auto"``: the cheapest engine of the table without reasons (its ``cost``;
     ``graph`` None for the dense pattern), for ``call`` = (q, k, v, prob_map, dropout_p[,
-    score_mod]), what the finer checks read. The decision is kept on the graph per request.
+    score_mod]), what the finer checks read. The decision is kept per request: on the graph,
+    or for the dense pattern in a module-wide memo (it depends on the request alone).
 
     Raises:
         ValueError: when no engine can compute the request, with every engine's reasons.
     """
-    memo = {} if graph is None else graph.cached(("auto",), dict)
     key = _decision_key(req)
+    if graph is None:
+        if key is None:
+            return _cheapest(req, None, call, {})
+        return _DENSE_DECISIONS.get(key, lambda: _cheapest(req, None, call, {}))
+    memo = graph.cached(("auto",), dict)
     if key is not None and key in memo:
         return memo[key]
+    chosen = _cheapest(req, graph, call, memo)
+    if key is not None:
+        memo[key] = chosen
+    return chosen
+
+
+#: The dense pattern's decisions, per request key (no graph to keep them on).
+_DENSE_DECISIONS = Memo(256)
+
+
+def _cheapest(req: Request, graph: AttentionGraph | None, call: tuple, memo: dict) -> str:
     found, why = {}, {}
     for name, spec in SPECS.items():
         why[name] = request_reasons(name, req, call)
@@ -429,10 +446,7 @@ def choose(req: Request, graph: AttentionGraph | None, call: tuple) -> str:
     if not found:
         listed = "; ".join(f"{name}: {', '.join(r) or 'no cost here'}" for name, r in why.items())
         raise ValueError(f"no engine can compute this call — {listed}")
-    chosen = min(found, key=found.get)
-    if key is not None:
-        memo[key] = chosen
-    return chosen
+    return min(found, key=found.get)
 
 
 def _decision_key(req: Request) -> tuple | None:
