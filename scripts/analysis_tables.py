@@ -32,8 +32,8 @@ from sparseattn.analysis import (
     verify_contextual_mapping,
     yun_contextual_mapping,
 )
+from sparseattn.lab.results import machine_facts, write_json, write_text
 from sparseattn.maps import entmax, hardmax, softmax, sparselin_gen, sparsemax
-from sparseattn.results import machine_facts, write_json, write_text
 
 ZETA, ETA = 0.1, 0.01
 

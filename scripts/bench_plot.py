@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sparseattn.bench.kernels import plot_runs
+from sparseattn.lab.bench.kernels import plot_runs
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from sparseattn.results import interleaved_medians, machine_facts, timing_facts
+from sparseattn.lab.results import interleaved_medians, machine_facts, timing_facts
 
 ONE_CALL = """
 import sys, torch

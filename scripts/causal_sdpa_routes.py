@@ -20,7 +20,7 @@ import torch
 
 import sparseattn as sa
 from sparseattn.engines.rows import full_rows_attention, rows_attention
-from sparseattn.results import interleaved_medians, timing_facts
+from sparseattn.lab.results import interleaved_medians, timing_facts
 
 #: (batch, n_q, n_k, left padding of the last item as a share of n_k)
 CASES = [(1, 1, 4096, 0.0), (1, 16, 4096, 0.0), (1, 512, 4096, 0.0), (1, 1, 32768, 0.0),

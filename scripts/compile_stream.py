@@ -25,7 +25,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import sparseattn as sa
-from sparseattn.results import timing_facts
+from sparseattn.lab.results import timing_facts
 
 LENGTHS = [256, 300, 384, 512, 640, 700, 768, 800, 900, 1000]
 

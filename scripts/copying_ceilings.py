@@ -17,15 +17,15 @@ import argparse
 
 import torch
 
-from sparseattn.experiments.copying import (
+from sparseattn.lab.experiments.copying import (
     CopyConfig,
     column_pattern,
     reachable_fraction,
     task_tensors,
 )
-from sparseattn.experiments.runner import COLUMNS, sparsity
+from sparseattn.lab.experiments.runner import COLUMNS, sparsity
+from sparseattn.lab.results import machine_facts, write_json
 from sparseattn.patterns import HeadSplit, as_cycle
-from sparseattn.results import machine_facts, write_json
 
 DEPTHS = (1, 2, 3, 4)
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import sparseattn as sa
-from sparseattn.results import cpu_name  # also in older commits' sparseattn
+from sparseattn.lab.results import cpu_name  # also in older commits' sparseattn
 
 PATTERNS = {
     "dense().causal()": lambda: sa.dense().causal(),
@@ -46,7 +46,7 @@ def commit() -> str:
 
 def time_step(n_k: int, gen: torch.Generator, repeats: int) -> dict[str, float]:
     """Median µs per call of SDPA over the cache and of each pattern's step, interleaved (the
-    loop of ``sparseattn.results.interleaved_medians``, written out: older commits, which this
+    loop of ``sparseattn.lab.results.interleaved_medians``, written out: older commits, which this
     script also times, lack that helper)."""
     q = torch.randn(1, 8, 1, 64, generator=gen)
     k, v = (torch.randn(1, 8, n_k, 64, generator=gen) for _ in range(2))

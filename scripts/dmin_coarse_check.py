@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from dmin_paper_grid import SETS  # noqa: E402
 
-from sparseattn.experiments.dmin import DminConfig, run  # noqa: E402
+from sparseattn.lab.experiments.dmin import DminConfig, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

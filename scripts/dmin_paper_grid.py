@@ -1,6 +1,6 @@
 """The d_min study of Likhosherstov et al. (Fig. 3) on the paper's grid, several parameter sets.
 
-Runs ``sparseattn.experiments.dmin.run`` for each parameter set below on n = 512, 768, ..., 3072
+Runs ``sparseattn.lab.experiments.dmin.run`` for each parameter set below on n = 512, 768, ..., 3072
 (the paper's grid), d grid step 8 scanned coarse-to-fine (``coarse``: every 8th d first), Q = 1,
 in rounds: round r adds matrix A number r for every n of every set, so a run stopped by
 ``--minutes`` still covers the whole n range with fewer matrices. Each set's metrics.json is
@@ -32,7 +32,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from sparseattn.experiments.dmin import PAPER_NS, DminConfig, plot, summarise
+from sparseattn.lab.experiments.dmin import PAPER_NS, DminConfig, plot, summarise
 
 SETS = {
     "k1-e0.25-2": {"k": 1, "gamma": 2.0, "eps1": 0.25, "eps2": 2.0},
@@ -79,7 +79,7 @@ def _copier(cfgs: dict[str, DminConfig], dest: Path, stop: threading.Event) -> N
 
 
 def run_rounds(args: argparse.Namespace) -> None:
-    from sparseattn.experiments.dmin import run
+    from sparseattn.lab.experiments.dmin import run
 
     deadline = time.perf_counter() + 60 * args.minutes
     cfgs = configs(args)

@@ -25,7 +25,7 @@ import time
 import torch
 
 import sparseattn as sa
-from sparseattn.results import machine_facts  # also in older commits' sparseattn
+from sparseattn.lab.results import machine_facts  # also in older commits' sparseattn
 
 MAPS = ("softmax", "entmax15")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

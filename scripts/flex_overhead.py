@@ -21,7 +21,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import sparseattn as sa
-from sparseattn.results import timing_facts
+from sparseattn.lab.results import timing_facts
 
 
 def measure(n: int, repeats: int) -> dict:

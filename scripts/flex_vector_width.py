@@ -25,7 +25,7 @@ CASES = [(8, 8), (72, 8), (136, 8), (8, 16), (72, 16), (136, 16), (128, 16), (72
 ONE_WIDTH = """
 import json, math, sys, torch, sparseattn as sa
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-from sparseattn.results import machine_facts
+from sparseattn.lab.results import machine_facts
 
 def inputs(n, d):
     g = torch.Generator().manual_seed(0)

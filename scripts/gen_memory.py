@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 import sparseattn as sa
 from sparseattn import hf
-from sparseattn.results import machine_facts, write_json
+from sparseattn.lab.results import machine_facts, write_json
 
 
 def rss_mib() -> float:

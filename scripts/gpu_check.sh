@@ -49,7 +49,7 @@ torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton._
 timeout 90 python3 scripts/host_overhead.py --device cuda --out "$out/host-overhead-cuda.json" \
   2>&1 | tail -2
 if [ "$suite" != none ]; then
-  timeout "$bench_s" python3 -m sparseattn.cli bench "$suite" --out "$out" --run "$suite" \
+  timeout "$bench_s" python3 -m sparseattn.lab.cli bench "$suite" --out "$out" --run "$suite" \
     >"$out/bench.log" 2>&1
   echo "bench: exit $?" | tee -a "$out/bench.log"
   tail -60 "$out/bench.log"

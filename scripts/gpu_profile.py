@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 import sparseattn as sa
-from sparseattn.bench.gpu import GPU_SUITES, _flex_by_hand, _sample
+from sparseattn.lab.bench.gpu import GPU_SUITES, _flex_by_hand, _sample
 
 
 def _cases(n: int) -> dict:

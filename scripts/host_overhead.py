@@ -28,7 +28,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 import sparseattn as sa
 import sparseattn.attention as attention
 import sparseattn.engines.flex as flex_engine
-from sparseattn.results import timing_facts
+from sparseattn.lab.results import timing_facts
 
 
 def per_call_us(call, device: str, calls: int, repeats: int) -> float:

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 import sparseattn as sa
 from sparseattn import parallel as cp
-from sparseattn.results import timing_facts
+from sparseattn.lab.results import timing_facts
 
 
 def _pattern(args) -> sa.Pattern:

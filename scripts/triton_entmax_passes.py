@@ -28,8 +28,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from sparseattn.bench.gpu import with_locality  # noqa: E402
 from sparseattn.engines import triton_entmax as te  # noqa: E402
+from sparseattn.lab.bench.gpu import with_locality  # noqa: E402
 
 
 def main() -> None:

@@ -29,6 +29,11 @@ from sparseattn.engines import _entmax_kernels as kern  # noqa: E402
 from sparseattn.engines import triton_entmax  # noqa: E402
 from sparseattn.engines.triton_entmax import LONGEST_FIRST, MAX_IT, SKIP_TILES, TOPK  # noqa: E402
 
+try:
+    from sparseattn.engines import _entmax_tiles as tile_fns  # noqa: E402
+except ImportError:  # older commits: the tile functions in the kernels' module
+    tile_fns = kern
+
 TYPES = {
     **dict.fromkeys(("n_q", "n_k", "H", "HKV", "nbq", "nbk", "n_pairs"), "i32"),
     **dict.fromkeys(("mul", "scale", "AM1", "R", "m_cap", "m_scale", "m_am1"), "fp32"),
@@ -138,11 +143,12 @@ def main() -> None:
         (False, True, "the dense layout, whole tiles only (inside the sequence, no padding)"),
         (False, False, "the dense layout, no whole tile (the sequence's last tiles, padding)"),
     ]  # fmt: skip
-    whole = kern._whole
+    whole = tile_fns._whole
     for partial, forced, title in variants:
         lines.append(title)
-        # the tile loops branch on _whole: forcing it counts one path
-        kern._whole = whole if forced is None else (_ALWAYS if forced else _NEVER)
+        # the tile loops branch on _whole (the tiles' and the dK/dV kernel's): forcing it
+        # counts one path
+        tile_fns._whole = kern._whole = whole if forced is None else (_ALWAYS if forced else _NEVER)
         for name, (fn, extra) in kernels.items():
             ins = sass(fn, {**base, **extra, "PARTIAL": partial}, warps)
             lines.append(f"{name}: {len(ins)} instructions")
@@ -156,7 +162,7 @@ def main() -> None:
             names = TILE_LOOPS.get(name, [name])
             for label, (first, last) in zip(names, tiles, strict=False):
                 per_tile.setdefault(label, []).append(last - first + 1)
-    kern._whole = whole
+    tile_fns._whole = kern._whole = whole
     lines += [
         "",
         "| loop (one tile) | partial pair (static) | full pair (static) | whole tile | not whole |",

@@ -143,8 +143,8 @@ class DeviceGuard(TorchFunctionMode):
             raise AssertionError(f"{what} copied {len(new)} tensor(s) host → device: {new[:8]}")
 
     def _patch_cuda_apis(self) -> None:
-        import sparseattn.bench.gpu as bench_gpu
         import sparseattn.engines.flex as flex
+        import sparseattn.lab.bench.gpu as bench_gpu
         from sparseattn.engines import SPECS
 
         stack = self._patches

@@ -507,7 +507,7 @@ def test_sparsebert_map_is_permutation_equivariant_and_breaks_without_global_shi
 
 # --------------------------------------------------------------------------- CLI
 def test_cli_analyze_table_and_json():
-    from sparseattn.cli import app
+    from sparseattn.lab.cli import app
 
     runner = CliRunner()
     threads = str(torch.get_num_threads())  # leave the process's thread count as it is

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import sparseattn as sa
-from sparseattn import cli
 from sparseattn.attention import choose_engine, resolve_graph
 from sparseattn.engines import costs
 from sparseattn.engines.costs import DENSE_LIMIT
+from sparseattn.lab import cli
 from sparseattn.maps import entmax, softmax
 
 

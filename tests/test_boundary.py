@@ -510,7 +510,7 @@ def test_hf_capture_and_encode_refuse_bad_arguments():
 # ----------------------------------------------------------------------------- dmin theory
 def test_dmin_causal_theory_uses_k_plus_one():
     from sparseattn.analysis.expressivity import theorem_d, theorem_slope
-    from sparseattn.experiments.dmin import DminConfig, summarise
+    from sparseattn.lab.experiments.dmin import DminConfig, summarise
 
     cells = {"c": {"q": 1.0, "n": 16, "d_min": 8}}
     for causal, k_eff in ((False, 2), (True, 3)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparseattn.cli import main
+from sparseattn.lab.cli import main
 
 BAD = {
     "patterns n=0": ["patterns", "--n", "0"],
@@ -83,7 +83,7 @@ def test_the_console_entry_point_prints_one_line(tmp_path):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "sparseattn.cli", "mca", "--alphas", "-1"],
+        [sys.executable, "-m", "sparseattn.lab.cli", "mca", "--alphas", "-1"],
         capture_output=True,
         text=True,
         cwd=tmp_path,

@@ -11,8 +11,8 @@ import time
 
 import typer
 
-from sparseattn import cli
-from sparseattn.progress import tqdm
+from sparseattn.lab import cli
+from sparseattn.lab.progress import tqdm
 
 CONTROL = re.compile(r"[\r\x1b\x08]")
 
@@ -78,7 +78,7 @@ def test_every_quick_run_says_what_it_can_and_cannot_show():
 def test_mca_run_folders_follow_the_configuration():
     """``mca --quick`` took the full run's folder name ``default``, so a later full run was
     refused; now the name comes from the fields the folder is pinned to."""
-    from sparseattn.experiments.mca import MCAConfig
+    from sparseattn.lab.experiments.mca import MCAConfig
 
     full = MCAConfig()
     quick = MCAConfig((0.0, 0.2, 1.0), 16)  # what `sparseattn mca --quick` builds

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-from sparseattn.experiments import copying
-from sparseattn.experiments.copying import (
+from sparseattn.lab.experiments import copying
+from sparseattn.lab.experiments.copying import (
     COLUMNS,
     CopyConfig,
     CopyModel,

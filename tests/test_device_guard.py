@@ -114,9 +114,9 @@ def test_key_padding_and_the_module_stay_on_the_device(guard):
 
 
 def test_bench_gpu_runs_end_to_end_at_tiny_sizes(guard, tmp_path):
-    """``sparseattn bench gpu`` (sparseattn/bench/gpu.py) on the simulated GPU: every row
+    """``sparseattn bench gpu`` (sparseattn/lab/bench/gpu.py) on the simulated GPU: every row
     measured (none skipped by an error), the report and the figure written."""
-    from sparseattn.bench.gpu import GpuSuite, run_gpu_suite
+    from sparseattn.lab.bench.gpu import GpuSuite, run_gpu_suite
 
     suite = GpuSuite(
         "smoke",

@@ -181,7 +181,7 @@ def test_copying_n64_numbers_come_from_the_kept_cells(
 ) -> None:
     """docs/experiments.md's n = 64 copying tables (the default sweep; the reduced causal run,
     tril): every accuracy is its kept cell JSON's, and the kept cells are the table's."""
-    from sparseattn.experiments.copying import COLUMNS  # the table's order
+    from sparseattn.lab.experiments.copying import COLUMNS  # the table's order
 
     columns = COLUMNS if columns is None else columns
     folder = ROOT / "docs/results/copying" / run
@@ -214,7 +214,7 @@ def test_copying_n256_seed_table_comes_from_the_kept_cells(runs: tuple[str, str]
     """docs/experiments.md's n = 256 Tables 1 and 2 (two seeds each): each cell's "seed 0 /
     seed 1" accuracies are the kept cell JSONs' of the two runs (seeds 0, 1), and the kept cells
     are the table's."""
-    from sparseattn.experiments.copying import COLUMNS
+    from sparseattn.lab.experiments.copying import COLUMNS
 
     folders = [ROOT / "docs/results/copying" / run for run in runs]
     configs = [json.loads((f / "config.json").read_text()) for f in folders]

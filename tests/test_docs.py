@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from sparseattn.cli import app
+from sparseattn.lab.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -434,7 +434,7 @@ def test_bad_inputs_name_the_argument():
 
 # ---------------------------------------------------------------- the d_min experiment
 def test_dmin_experiment_writes_and_resumes(tmp_path):
-    from sparseattn.experiments.dmin import DminConfig, run
+    from sparseattn.lab.experiments.dmin import DminConfig, run
 
     config = DminConfig(ns=(8, 16), draws=2, d_step=4, out_dir=str(tmp_path), progress=False)
     first = run(config)
@@ -494,7 +494,7 @@ def test_least_construct_d_device_argument():
         least_construct_d(A, 0.25, 2.0, device="nonsense")
     with pytest.raises(ValueError, match="coarse"):
         least_construct_d(A, 0.25, 2.0, coarse=0)
-    from sparseattn.experiments.dmin import DminConfig
+    from sparseattn.lab.experiments.dmin import DminConfig
 
     with pytest.raises(ValueError, match="device"):
         DminConfig(device="nonsense").validate()
@@ -508,7 +508,7 @@ def test_dmin_summary_bound_fits_and_causal_k():
     slope, intercept and R² against numpy least squares."""
     import numpy as np
 
-    from sparseattn.experiments.dmin import DminConfig, summarise
+    from sparseattn.lab.experiments.dmin import DminConfig, summarise
 
     cells = {}
     for i, (n, d) in enumerate([(512, 160), (1024, 190), (2048, 226), (3072, 250), (1024, 196)]):
@@ -537,7 +537,7 @@ def test_dmin_summary_bound_fits_and_causal_k():
 def test_cli_bound_and_dmin(tmp_path):
     from typer.testing import CliRunner
 
-    from sparseattn.cli import app
+    from sparseattn.lab.cli import app
 
     runner = CliRunner()
     out = runner.invoke(

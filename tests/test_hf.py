@@ -26,8 +26,8 @@ from sparseattn import (
     split_heads,
     window,
 )
-from sparseattn import fidelity as fid
-from sparseattn.corpus import SPLITS, load_corpus
+from sparseattn.lab import fidelity as fid
+from sparseattn.lab.corpus import SPLITS, load_corpus
 
 TOL = 1e-5
 

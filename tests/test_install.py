@@ -86,9 +86,9 @@ y = layer(torch.randn(2, 16, 16), key_padding_mask=torch.arange(16).expand(2, 16
 errors = {}
 for name, entry in [
     ("hf", "from sparseattn import hf"),
-    ("cli", "import sparseattn.cli"),
-    ("experiments", "import sparseattn.experiments.copying"),
-    ("bench", "import sparseattn.bench"),
+    ("cli", "import sparseattn.lab.cli"),
+    ("experiments", "import sparseattn.lab.experiments.copying"),
+    ("bench", "import sparseattn.lab.bench"),
 ]:
     try:
         exec(entry)
@@ -174,8 +174,8 @@ def test_bare_install_runs_the_core_and_names_the_extras(tmp_path):
     ("entry", "blocked", "extra"),
     [
         ("sparseattn.hf", "transformers", "hf"),
-        ("sparseattn.cli", "typer", "cli"),
-        ("sparseattn.experiments", "tqdm", "experiments"),
+        ("sparseattn.lab.cli", "typer", "cli"),
+        ("sparseattn.lab.experiments", "tqdm", "experiments"),
     ],
 )
 def test_entry_points_name_their_extra(entry, blocked, extra):

@@ -14,7 +14,7 @@ import re
 import torch
 
 import sparseattn as sa
-from sparseattn.models.encoder import Encoder, EncoderConfig
+from sparseattn.lab.models.encoder import Encoder, EncoderConfig
 from sparseattn.montecarlo import mca_attention
 from sparseattn.predict.pattern import PredictedPattern
 

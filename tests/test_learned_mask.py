@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import sparseattn as sa
+from sparseattn.lab.models import Encoder, EncoderConfig
 from sparseattn.learned_mask import (
     DifferentiableAttentionMask,
     LearnedMaskPattern,
@@ -18,7 +19,6 @@ from sparseattn.learned_mask import (
     no_diagonal,
 )
 from sparseattn.maps import resolve_prob_map
-from sparseattn.models import Encoder, EncoderConfig
 from sparseattn.patterns import PatternCycle
 
 MAPS = ["softmax", "sparsemax", "entmax15"]
@@ -375,7 +375,7 @@ def test_dense_no_diagonal_attention_against_hand_masked_scores(rho):
 
 # --------------------------------------------------------------------------- experiment
 def test_tiny_run_writes_json_and_resumes(tmp_path):
-    from sparseattn.experiments.dam import DamConfig, run
+    from sparseattn.lab.experiments.dam import DamConfig, run
 
     config = DamConfig(
         seq_len=16,

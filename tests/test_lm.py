@@ -12,9 +12,9 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-from sparseattn.cli import main
-from sparseattn.experiments import lm, runner
-from sparseattn.experiments.lm import COLUMNS, LMConfig, column_pattern, layer_patterns
+from sparseattn.lab.cli import main
+from sparseattn.lab.experiments import lm, runner
+from sparseattn.lab.experiments.lm import COLUMNS, LMConfig, column_pattern, layer_patterns
 from sparseattn.patterns import HeadSplit
 
 FORMS = ("child", "tril")

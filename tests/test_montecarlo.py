@@ -256,9 +256,9 @@ def test_mca_hook_inside_a_hugging_face_bert(tiny_bert):
 
 
 def test_mca_sweep_refuses_a_run_folder_with_another_configuration(tmp_path):
-    from sparseattn.experiments.mca import MCAConfig
-    from sparseattn.experiments.mca import run as run_mca
-    from sparseattn.results import write_json
+    from sparseattn.lab.experiments.mca import MCAConfig
+    from sparseattn.lab.experiments.mca import run as run_mca
+    from sparseattn.lab.results import write_json
 
     saved = MCAConfig(max_passages=48, run="r", out=str(tmp_path))
     write_json(tmp_path / "r" / "config.json", dataclasses.asdict(saved))

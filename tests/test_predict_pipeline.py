@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from sparseattn.experiments.sparsefinder import SparsefinderConfig
-from sparseattn.experiments.sparsefinder_pipeline import (
+from sparseattn.lab.experiments.sparsefinder import SparsefinderConfig
+from sparseattn.lab.experiments.sparsefinder_pipeline import (
     METHODS,
     FittedPredictors,
     fit_layers,

@@ -1,11 +1,11 @@
-"""The run-folder helpers every experiment writes through (sparseattn/results.py)."""
+"""The run-folder helpers every experiment writes through (sparseattn/lab/results.py)."""
 
 import json
 
 import pytest
 import torch
 
-from sparseattn.results import (
+from sparseattn.lab.results import (
     StepClock,
     cpu_name,
     machine_facts,

@@ -14,15 +14,15 @@ import entmax as entmax_pkg
 import pytest
 import torch
 
-from sparseattn.experiments import lm
-from sparseattn.experiments.sparsefinder_lm import (
+from sparseattn.graph import AttentionGraph
+from sparseattn.lab.experiments import lm
+from sparseattn.lab.experiments.sparsefinder_lm import (
     DECODER_METHODS,
     check_causal,
     extract_decoder_graphs,
     quick_config,
     run,
 )
-from sparseattn.graph import AttentionGraph
 from sparseattn.maps import resolve_prob_map
 from sparseattn.predict.baselines import (
     BigBirdBaseline,

@@ -21,8 +21,8 @@ import pytest
 import typer
 from test_docs import check
 
-from sparseattn import tour
-from sparseattn.cli import app
+from sparseattn.lab import tour
+from sparseattn.lab.cli import app
 
 SECTIONS = list(tour.SECTIONS)
 
@@ -78,7 +78,7 @@ def report(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tour")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "sparseattn.cli", "tour", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "sparseattn.lab.cli", "tour", "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
         env=env,

@@ -771,8 +771,8 @@ def test_bench_gpu_entmax_dry_run_reaches_the_kernels(tmp_path, monkeypatch):
 
     from device_guard import DeviceGuard
 
-    from sparseattn.bench.gpu import GpuSuite, run_gpu_suite
     from sparseattn.engines import SPECS
+    from sparseattn.lab.bench.gpu import GpuSuite, run_gpu_suite
 
     suite = GpuSuite(
         "dry-run",

@@ -266,7 +266,7 @@ def test_bench_help_works_outside_the_checkout(tmp_path):
 
 
 def test_user_suite_runs_and_reports(tmp_path):
-    from sparseattn.bench.userpath import USER_SUITES, run_user_suite
+    from sparseattn.lab.bench.userpath import USER_SUITES, run_user_suite
 
     suite = dataclasses.replace(
         USER_SUITES["user-quick"],

@@ -61,7 +61,7 @@ BUDGET = {"cpu": 1 << 18, "cuda": 1 << 24}
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 #: From this block size on, the full blocks' backward goes through torch's flash backward
-#: kernel; below it, the closed form here (`python -m sparseattn.bench.calibrate --blocks 4096`
+#: kernel; below it, the closed form here (`python -m sparseattn.lab.bench.calibrate --blocks 4096`
 #: on both: flash 7–30% faster per entry at b ≥ 64, as fast at b = 32, slower at b = 16).
 FLASH_BACKWARD_BLOCK = 64
 

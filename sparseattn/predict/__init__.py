@@ -11,11 +11,11 @@
 
 The package imports only the core. Around it: :func:`sparseattn.hf.graphs.extract_graphs` fills
 the containers from a Hugging Face model (hooks); the lab holds the 1.5-entmax MiniLM teacher
-(:mod:`sparseattn.experiments.sparsefinder_teacher`), the downstream effect inside it
-(:mod:`sparseattn.experiments.sparsefinder_downstream`) and the pipeline shared by the encoder
-and decoder experiments (:mod:`sparseattn.experiments.sparsefinder_pipeline`). The experiments
-are :mod:`sparseattn.experiments.sparsefinder` (``sparseattn sparsefinder``) and
-:mod:`sparseattn.experiments.sparsefinder_lm` (``sparseattn sparsefinder-decoder``).
+(:mod:`sparseattn.lab.experiments.sparsefinder_teacher`), the downstream effect inside it
+(:mod:`sparseattn.lab.experiments.sparsefinder_downstream`) and the pipeline shared by the encoder
+and decoder experiments (:mod:`sparseattn.lab.experiments.sparsefinder_pipeline`). The experiments
+are :mod:`sparseattn.lab.experiments.sparsefinder` (``sparseattn sparsefinder``) and
+:mod:`sparseattn.lab.experiments.sparsefinder_lm` (``sparseattn sparsefinder-decoder``).
 """
 
 from .baselines import (

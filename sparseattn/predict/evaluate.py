@@ -10,8 +10,8 @@ Counts are pooled per (layer, head) over all sequences, then recall and sparsity
 over heads and layers (the paper's "averaged across all layers and heads").
 
 The downstream effect inside a model (the teacher run on predicted graphs, with
-:mod:`sparseattn.fidelity`'s metrics) is the lab's:
-:mod:`sparseattn.experiments.sparsefinder_downstream`.
+:mod:`sparseattn.lab.fidelity`'s metrics) is the lab's:
+:mod:`sparseattn.lab.experiments.sparsefinder_downstream`.
 """
 
 from __future__ import annotations

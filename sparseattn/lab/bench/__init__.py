@@ -3,6 +3,6 @@
 developer tools behind the engine constants (``calibrate``, ``profile``).
 Needs the ``cli`` extra (figures): ``pip install 'sparseattn[cli]'``."""
 
-from .._extras import require
+from ..._extras import require
 
-require("matplotlib", "cli", "sparseattn.bench")
+require("matplotlib", "cli", "sparseattn.lab.bench")

@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import hf
-from ._extras import require
+from .. import hf
+from .._extras import require
+from ..engines import ENGINES
+from ..graph import AttentionGraph
+from ..maps import ProbabilityMap, resolve_prob_map
+from ..patterns import Pattern, PatternCycle
 from .corpus import Passage
-from .engines import ENGINES
-from .graph import AttentionGraph
-from .maps import ProbabilityMap, resolve_prob_map
-from .patterns import Pattern, PatternCycle
 from .results import machine_facts, read_json, save_figure, write_json
 
 __all__ = [
@@ -313,7 +313,7 @@ class FidelityConfig:
         return f"minilm-{self.split}-{digest[:8]}"
 
     def methods(self) -> list[AttentionConfig]:
-        from .patterns import bigbird, dense, longformer, window
+        from ..patterns import bigbird, dense, longformer, window
 
         e = self.engine
         out = [AttentionConfig(f"window({w})", window(w), engine=e) for w in self.windows]

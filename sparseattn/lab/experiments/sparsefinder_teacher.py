@@ -1,6 +1,6 @@
 """Sparsefinder's α-entmax teacher: all-MiniLM-L6-v2 with 1.5-entmax in every head, adapted.
 
-Part of the lab: the encoder experiment :mod:`sparseattn.experiments.sparsefinder` and the tour
+Part of the lab: the encoder experiment :mod:`sparseattn.lab.experiments.sparsefinder` and the tour
 load it; the method itself is :mod:`sparseattn.predict`. Sparsefinder (Treviso et al. 2022, §5–6
 and appendix D.1) needs an encoder whose heads use α-entmax, so that each head's attention graph
 G_h = {(i, j) : p_ij > 0} is sparse (§4.1). The paper fine-tunes RoBERTa with 1.5-entmax for 3000
@@ -11,8 +11,8 @@ layer l of the entmax student, H_l* that of the unmodified model), Adam with lin
 the corpus train split. Dropout stays off (eval mode), so the run is deterministic given the seed.
 
 The adapted weights are cached as ``state_dict.pt`` + ``config.json`` + ``metrics.json``
-(fidelity to the original model before and after adaptation, with :mod:`sparseattn.fidelity`) and
-reused when the folder holds the same config.
+(fidelity to the original model before and after adaptation, with
+:mod:`sparseattn.lab.fidelity`) and reused when the folder holds the same config.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import fidelity, hf
+from ... import hf
+from ...maps import entmax
+from ...patterns import dense
+from .. import fidelity
 from ..corpus import load_corpus
-from ..maps import entmax
-from ..patterns import dense
 from ..results import atomic_write, machine_facts, write_json
 
 __all__ = ["TeacherConfig", "load_teacher", "teacher_folder"]

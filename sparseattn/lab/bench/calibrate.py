@@ -4,10 +4,10 @@ Runs each engine forward (softmax, fp32, B = 1, H = 8, d = 64) on graphs from de
 to scattered, in *one thread* and timed by process CPU time, so that the ratios hold on a
 loaded, shared machine, and prints a markdown table: the block fill (edges / scored entries at
 the block size the engine picks), per-entry and per-edge costs, the fastest engine, and what
-``choose_engine`` picks. ``python -m sparseattn.bench.calibrate [n ...]``.
+``choose_engine`` picks. ``python -m sparseattn.lab.bench.calibrate [n ...]``.
 
-``python -m sparseattn.bench.calibrate --blocks [n ...]`` instead times the block engine at every
-block size, forward and forward+backward, in ns per scored entry: the evidence for
+``python -m sparseattn.lab.bench.calibrate --blocks [n ...]`` instead times the block engine at
+every block size, forward and forward+backward, in ns per scored entry: the evidence for
 ``ENTRY_COST`` and ``ENTRY_COST_TRAIN`` (relative to b = 64).
 """
 

@@ -57,15 +57,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..corpus import load_corpus
-from ..learned_mask import (
+from ...learned_mask import (
     DifferentiableAttentionMask,
     dense_no_diagonal,
     kept_by_offset,
     offset_means,
 )
+from ...patterns import Pattern, bigbird, dense, fixed, longformer, star, strided
+from ..corpus import load_corpus
 from ..models.encoder import Encoder, EncoderConfig
-from ..patterns import Pattern, bigbird, dense, fixed, longformer, star, strided
 from ..progress import tqdm
 from ..results import (
     atomic_write,

@@ -1,12 +1,12 @@
 """Dense-pattern sparse maps: ``sparse_attention(q, k, v, dense(), map)`` against SDPA and the
 ``entmax`` package on the full score matrix, in one process.
 
-    python -m sparseattn.bench.fullrows [--n 4096] [--heads 8] [--threads 2] [--repeats 3]
+    python -m sparseattn.lab.bench.fullrows [--n 4096] [--heads 8] [--threads 2] [--repeats 3]
 
 SDPA and the dense-pattern calls are timed interleaved (round robin, ``repeats`` rounds after
 a warm-up call that also records the peak C-heap increase), so that a change of machine load
 hits every contender alike. The ``entmax`` package is timed on the ready score matrix (its map
-alone, without the two matrix products) with ``sparseattn.measure.measure`` (median of
+alone, without the two matrix products) with ``sparseattn.lab.measure.measure`` (median of
 ``repeats`` after a warm-up). Prints one JSON object: machine facts, times (s), peaks (MiB),
 ratios.
 """
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import sparseattn as sa
-from sparseattn.measure import measure, peak_memory
+from sparseattn.lab.measure import measure, peak_memory
 
 
 def _cpu() -> str:

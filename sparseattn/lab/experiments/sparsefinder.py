@@ -38,18 +38,19 @@ from pathlib import Path
 
 import torch
 
-from .. import fidelity, hf
-from ..corpus import load_corpus
-from ..fastmaps import entmax15_rows
-from ..hf.graphs import extract_graphs
-from ..maps import entmax
-from ..patterns import dense
-from ..predict.evaluate import pareto_frontier
-from ..predict.extract import LayerGraphs, token_batches
-from ..predict.pattern import PredictedPattern
-from ..predict.predictors import (
+from ... import hf
+from ...fastmaps import entmax15_rows
+from ...hf.graphs import extract_graphs
+from ...maps import entmax
+from ...patterns import dense
+from ...predict.evaluate import pareto_frontier
+from ...predict.extract import LayerGraphs, token_batches
+from ...predict.pattern import PredictedPattern
+from ...predict.predictors import (
     FixedParts,
 )
+from .. import fidelity
+from ..corpus import load_corpus
 from ..progress import tqdm
 from ..results import (
     atomic_write,
@@ -310,7 +311,7 @@ def _timing(
     gold_sparsity: float,
     bar,
 ) -> dict:
-    from ..attention import sparse_attention
+    from ...attention import sparse_attention
 
     load_before = os.getloadavg()
     layer = data.test[min(config.timing_layer, len(data.test) - 1)]

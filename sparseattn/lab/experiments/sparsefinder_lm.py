@@ -4,7 +4,7 @@ The paper fine-tunes a 6-layer, 16-head translation Transformer with 1.5-entmax 
 extracts the gold graphs of the *decoder self-attention* (causal: keys j ≤ i), fits the
 projections (eq. 7) and predictors on 10K training sentences, and plots recall (eq. 4) against
 sparsity (eq. 5, denominator n(n + 1)/2, footnote 2) and BLEU against sparsity (Fig. 2). Here the
-same pipeline runs on the byte-level language model of :mod:`sparseattn.experiments.lm` trained
+same pipeline runs on the byte-level language model of :mod:`sparseattn.lab.experiments.lm` trained
 with 1.5-entmax attention (``LMConfig(prob_map="entmax15")``, dense causal), the teacher:
 
 1. ``teacher.json`` — the teacher is a cell of ``sparseattn lm`` (``dense-s<seed>`` of its run
@@ -40,12 +40,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..attention import attention_weights
-from ..patterns import cycle, dense
-from ..predict.evaluate import frontier_value
-from ..predict.extract import GraphBatch, LayerGraphs
-from ..predict.pattern import PredictedPattern
-from ..predict.predictors import FixedParts
+from ...attention import attention_weights
+from ...patterns import cycle, dense
+from ...predict.evaluate import frontier_value
+from ...predict.extract import GraphBatch, LayerGraphs
+from ...predict.pattern import PredictedPattern
+from ...predict.predictors import FixedParts
 from ..progress import tqdm
 from ..results import (
     atomic_write,
@@ -258,7 +258,7 @@ def _teacher(config: DecoderSparsefinderConfig) -> tuple[nn.Module, dict]:
 
 @torch.no_grad()
 def extract_decoder_graphs(model: nn.Module, ids: Tensor, batch_size: int = 8) -> list[LayerGraphs]:
-    """Gold causal graphs of every layer and head of an :class:`~sparseattn.models.Encoder`
+    """Gold causal graphs of every layer and head of an :class:`~sparseattn.lab.models.Encoder`
     run with ``dense().causal()`` (Sparsefinder §4.1).
 
     Args:

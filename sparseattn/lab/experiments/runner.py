@@ -2,7 +2,7 @@
 
 Each experiment stays one file (``copying.py``, ``lm.py``, ``sparsefinder.py``, …) with its
 config dataclass, its ``train``/``run`` and its tables; what more than one of them needs lives
-here, so that experiments import this module and :mod:`sparseattn.results`, never each other.
+here, so that experiments import this module and :mod:`sparseattn.lab.results`, never each other.
 
 - Run folders: :func:`run_name_digest` names a run by the hash of its result-defining fields;
   :func:`load_cells` reads a sweep's finished ``cells/*.json``.
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from ..patterns import (
+from ...patterns import (
     HeadSplit,
     Pattern,
     PatternCycle,

@@ -2,7 +2,7 @@
 
 The paper trains 12-block Transformers (d = 256, 8 heads, n = 256) on the One Billion Word
 benchmark for 240K steps and plots validation perplexity against the sparsity level. Here:
-byte-level language models on the embedded corpus (:mod:`sparseattn.corpus`, the prose of
+byte-level language models on the embedded corpus (:mod:`sparseattn.lab.corpus`, the prose of
 Python's reference manual; 117 KB of training text, 13 KB of validation text), 800 steps of
 batch 4 per cell by default (the whole default sweep: about 25 CPU-minutes; docs/causal.md).
 Each passage split is joined with newlines into one byte stream; training draws
@@ -23,16 +23,16 @@ Columns (§5.1), each at the segment lengths ``widths`` (one sparsity level per 
 - dense: full causal attention (the reference, sparsity 0).
 
 Sparsity is measured with ``graph(n).sparsity`` (causal denominator n(n + 1)/2); MULTIHEAD and
-SEQUENTIAL give the mean over their two parts. The model is :class:`~sparseattn.models.Encoder`
+SEQUENTIAL give the mean over their two parts. The model is :class:`~sparseattn.lab.models.Encoder`
 (pre-LN blocks, tied read-out) run with causal patterns: every layer's graph keeps keys j ≤ i
 only, so position i predicts byte i + 1 from bytes ≤ i. AdamW, linear warm-up, cosine decay.
 
-Scale-out as in every sweep (:mod:`sparseattn.experiments.runner`): under ``torchrun``
+Scale-out as in every sweep (:mod:`sparseattn.lab.experiments.runner`): under ``torchrun``
 the pending cells are spread over the workers (``parallel="cells"``) or every cell is trained
 by all workers with DistributedDataParallel (``parallel="data"``). Writes
 ``<out_dir>/<run>/config.json``, ``cells/<column>-w<w>-s<seed>.json`` (atomically; a re-run
 skips finished cells), ``table.md``, ``metrics.json`` and ``lm.png``. Run: ``sparseattn lm``
-(``--help``), ``torchrun --nproc_per_node 2 -m sparseattn.cli lm``, or ``run(LMConfig())``.
+(``--help``), ``torchrun --nproc_per_node 2 -m sparseattn.lab.cli lm``, or ``run(LMConfig())``.
 """
 
 from __future__ import annotations
@@ -51,9 +51,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..corpus import load_corpus
-from ..models import Encoder, EncoderConfig
-from ..patterns import (
+from ...patterns import (
     Pattern,
     PatternCycle,
     block_local,
@@ -64,6 +62,8 @@ from ..patterns import (
     star,
     union,
 )
+from ..corpus import load_corpus
+from ..models import Encoder, EncoderConfig
 from ..progress import tqdm
 from ..results import (
     atomic_write,

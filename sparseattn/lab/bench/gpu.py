@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attention import choose_engine
+from ...attention import choose_engine
 from ..results import ResumableRows, machine_facts, save_figure, write_json
 
 __all__ = ["GPU_SUITES", "GpuSuite", "run_gpu_suite", "with_locality"]
@@ -253,7 +253,7 @@ def run_gpu_suite(
 
 def _fresh_compiles() -> None:
     """Drop every compiled kernel (dynamo's caches and the flex engine's record of them)."""
-    from ..engines.flex import forget_shapes
+    from ...engines.flex import forget_shapes
 
     torch._dynamo.reset()
     forget_shapes()
@@ -544,7 +544,7 @@ def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     token decoded against the n keys (causal)."""
     import sparseattn as sa
 
-    from ..engines import triton_entmax as te
+    from ...engines import triton_entmax as te
 
     (q, k, v), g = _inputs(suite, n, torch.bfloat16, grad=True)
     ql, kl = (x.detach().requires_grad_(True) for x in with_locality(q, k, suite.locality))

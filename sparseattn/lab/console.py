@@ -1,12 +1,12 @@
 """The ``sparseattn`` console script (``[project.scripts]``): the command line of the lab
-(:mod:`sparseattn.cli`), or, without the ``cli`` extra, one line on stderr naming it (exit
+(:mod:`sparseattn.lab.cli`), or, without the ``cli`` extra, one line on stderr naming it (exit
 status 1) instead of a traceback. It sits above the lab, which nothing in the library imports."""
 
 from __future__ import annotations
 
 import sys
 
-from ._extras import MissingExtraError
+from .._extras import MissingExtraError
 
 __all__ = ["console_script"]
 

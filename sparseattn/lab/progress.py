@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Any, TextIO
 
-from ._extras import require
+from .._extras import require
 
 _tqdm = require("tqdm", "experiments", "progress bars").tqdm
 

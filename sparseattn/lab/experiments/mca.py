@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
+from ...validate import check_finite_float, check_int, check_positive
 from ..progress import tqdm
 from ..results import machine_facts, read_json, save_figure, write_json
-from ..validate import check_finite_float, check_int, check_positive
 from .registry import Experiment, SummaryTable, figures_in
 
 __all__ = ["EXPERIMENT", "MCAConfig", "quick_config", "run", "summary_tables"]
@@ -94,7 +94,7 @@ def quick_config(**overrides) -> MCAConfig:
 def run(config: MCAConfig = MCAConfig()) -> dict:
     """Run (or resume) the sweep (unless ``sweep`` is False) and the accounting comparison;
     returns the metrics written to ``metrics.json`` (``accounting`` holds the comparison)."""
-    from .. import hf
+    from ... import hf
 
     config.validate()
     folder = Path(config.out) / config.run_name()
@@ -118,9 +118,9 @@ def run(config: MCAConfig = MCAConfig()) -> dict:
 
 def _sweep(config: MCAConfig, folder: Path, model, tokenizer) -> dict:
     """The α sweep on the test passages (one cell per α, reused when present)."""
+    from ...montecarlo import MCAMethod
     from ..corpus import load_corpus
     from ..fidelity import AttentionConfig, evaluate, num_batches, reference
-    from ..montecarlo import MCAMethod
 
     passages = load_corpus().test[: config.max_passages]
     steps = num_batches(passages, config.batch_size)
@@ -216,9 +216,9 @@ def _accounting(config: MCAConfig, model, tokenizer) -> dict:
     — ours on each passage alone (no padding at all); ``reference_unpadded`` — the reference
     formula there (n = the passage's own length).
     """
-    from .. import hf
+    from ... import hf
+    from ...montecarlo import MCAMethod
     from ..corpus import load_corpus
-    from ..montecarlo import MCAMethod
 
     texts = [p.text for p in load_corpus(config.accounting_words).test[: config.max_passages]]
     size, length = config.batch_size, config.accounting_length

@@ -34,7 +34,7 @@ gloo on CPU, nccl on GPU).
 Writes ``<out_dir>/<run>/config.json``, ``cells/<column>-L<depth>.json`` (one per finished cell,
 atomically; a re-run skips finished cells), ``table.md``, ``metrics.json`` and ``copying.png``
 (:func:`seeds_figure` of the run: accuracy against depth per column, beside the paper's).
-Run: ``sparseattn copying`` (see ``--help``), ``torchrun --nproc_per_node 2 -m sparseattn.cli
+Run: ``sparseattn copying`` (see ``--help``), ``torchrun --nproc_per_node 2 -m sparseattn.lab.cli
 copying``, or ``run(CopyConfig())``.
 """
 
@@ -54,8 +54,8 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import SparseAttention
-from ..patterns import (
+from ...attention import SparseAttention
+from ...patterns import (
     HeadSplit,
     Pattern,
     PatternCycle,

@@ -1,8 +1,8 @@
 """The Sparsefinder (Treviso et al. 2022) pipeline shared by the encoder and decoder experiments.
 
 Part of the lab, over the method's package :mod:`sparseattn.predict`:
-``sparseattn.experiments.sparsefinder`` (MiniLM, an encoder) and
-``sparseattn.experiments.sparsefinder_lm`` (a byte-level decoder) run the same steps on their
+``sparseattn.lab.experiments.sparsefinder`` (MiniLM, an encoder) and
+``sparseattn.lab.experiments.sparsefinder_lm`` (a byte-level decoder) run the same steps on their
 own gold graphs: :func:`fit_layers` fits each layer's projections (eq. 7) and centroids,
 :class:`FittedPredictors` turns the fitted state into predictors per method and knob,
 :func:`sweep_method` measures recall (eq. 4) and sparsity (eq. 5) over a method's knob grid ×
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ..predict import baselines as bl
-from ..predict import predictors as pr
-from ..predict.evaluate import (
+from ...predict import baselines as bl
+from ...predict import predictors as pr
+from ...predict.evaluate import (
     best_at_least,
     dominance,
     frontier_value,
@@ -32,8 +32,8 @@ from ..predict.evaluate import (
     pareto_frontier,
     sweep,
 )
-from ..predict.extract import LayerGraphs
-from ..predict.projection import QKProjection
+from ...predict.extract import LayerGraphs
+from ...predict.projection import QKProjection
 from ..results import (
     StepClock,
     atomic_write,

@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparseattn.measure import HEAP, matmul_gflops, measure, peak_memory
-from sparseattn.results import machine_facts
+from sparseattn.lab.measure import HEAP, matmul_gflops, measure, peak_memory
+from sparseattn.lab.results import machine_facts
 
 __all__ = ["SUITES", "Suite", "run_suite"]
 

@@ -1,6 +1,6 @@
 """Measuring a call: median time, peak heap memory, and the machine's dense matmul rate.
 
-Shared by ``sparseattn bench`` (sparseattn/bench/) and ``sparseattn tour``. Peak memory is the
+Shared by ``sparseattn bench`` (sparseattn/lab/bench/) and ``sparseattn tour``. Peak memory is the
 largest increase of the C heap in use (glibc ``mallinfo2``, resident set size elsewhere),
 sampled every 0.5 ms by a thread while the call runs, the call's output included; a kernel that
 holds the GIL is seen only before and after it runs.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ._extras import require
+from .._extras import require
 
 __all__ = [
     "atomic_write",

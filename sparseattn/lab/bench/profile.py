@@ -1,8 +1,8 @@
 """Where the block engine's time goes: ``torch.profiler`` over one forward (or forward+backward)
 call of a suite pattern, and the flash kernel's share and rate.
 
-``python -m sparseattn.bench.profile [pattern] [n] [--backward] [--block B] [--threads T]``
-(pattern: longformer, bigbird, strided or random as in ``sparseattn.bench.kernels``; default
+``python -m sparseattn.lab.bench.profile [pattern] [n] [--backward] [--block B] [--threads T]``
+(pattern: longformer, bigbird, strided or random as in ``sparseattn.lab.bench.kernels``; default
 longformer 8192, B = 1, H = 8, d = 64, fp32, torch's default threads).
 """
 
@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from sparseattn.bench.kernels import make_pattern
 from sparseattn.engines import block_attention
 from sparseattn.engines.layout import block_plan, choose_block
+from sparseattn.lab.bench.kernels import make_pattern
 from sparseattn.maps import softmax
 
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
