@@ -15,10 +15,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from dmin_paper_grid import SETS  # noqa: E402
-
-from sparseattn.lab.experiments.dmin import DminConfig, run  # noqa: E402
+from sparseattn.lab.experiments.dmin import DminConfig, run
+from sparseattn.lab.experiments.dmin_grid import SETS
 
 
 def main(argv: list[str] | None = None) -> int:

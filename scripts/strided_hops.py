@@ -2,8 +2,9 @@
 
 Runs the library's reachability recursion (:func:`sparseattn.analysis.hops`) for the SEQUENTIAL
 cycle A¹ → A² (the paper's order, the default of ``sparseattn analyze strided``), the reversed
-cycle A² → A¹, and the UNION, for every w in 1..W and n in 2..N, and compares each s with
-:func:`rule` below. Prints one row per w and a summary; exits 1 on any mismatch.
+cycle A² → A¹, and the UNION, for every w in 1..W and n in 2..N, and compares each s with the
+closed rule :func:`sparseattn.analysis.strided_hops`. Prints one row per w and a summary;
+exits 1 on any mismatch.
 
     .venv/bin/python scripts/strided_hops.py --max-w 32 --max-n 256
 """
@@ -17,30 +18,7 @@ import time
 import torch
 
 import sparseattn as sa
-from sparseattn.analysis import hops
-
-
-def rule(w: int, n: int, config: str) -> int:
-    """s for STRIDED(w) at length n (eq. 4: window k − ⌈w/2⌉ … k + ⌊w/2⌋, stride k + ℤw, ∩ [n]).
-
-    config: "window-first" (A¹ → A²), "stride-first" (A² → A¹) or "union".
-    """
-    lo, hi = -(-w // 2), w // 2  # the window reaches ⌈w/2⌉ back and ⌊w/2⌋ forward
-    window_covers = n <= hi + 1  # every window already holds [n]
-    if config == "window-first":
-        return 1 if window_covers else (2 if w <= 2 else 3)
-    if config == "stride-first":
-        if w == 1:
-            return 1
-        if window_covers or w == 2:
-            return 2
-        return 4 if n <= w + lo - 2 else 3
-    if config == "union":
-        if w == 1 or window_covers or (w, n) == (2, 3):  # (2, 3): the stride adds the far end
-            return 1
-        middle = lo - 1 <= n % w <= hi + 1
-        return 3 if n >= w + hi + 2 and not middle else 2
-    raise ValueError(f"config must be window-first, stride-first or union, got {config!r}")
+from sparseattn.analysis import hops, strided_hops
 
 
 def main() -> int:
@@ -66,8 +44,8 @@ def main() -> int:
                 s = hops(pattern, n).hops
                 cells += 1
                 seen[name].setdefault(s, []).append(n)
-                if s != rule(w, n, name):
-                    mismatches.append((w, n, name, s, rule(w, n, name)))
+                if s != strided_hops(w, n, name):
+                    mismatches.append((w, n, name, s, strided_hops(w, n, name)))
 
         def ranges(values: dict[int, list[int]]) -> str:
             return ", ".join(f"s={s}: {min(v)}–{max(v)}" for s, v in sorted(values.items()))

@@ -9,14 +9,12 @@ selective-shift stage of Lemma 7 from the paper's formula for the unique id z̃_
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 import json
 import math
 import random
 from collections import deque
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +29,7 @@ from sparseattn.analysis import (
     hops,
     named_pattern,
     sparsebert_contextual_mapping,
+    strided_hops,
     verify_contextual_mapping,
     yun_contextual_mapping,
 )
@@ -162,22 +161,12 @@ def test_strided_cycle_needs_three_hops_at_the_sequence_ends(n, w):
     assert report.hops_by_start == (3, hops_reference(layers[::-1]))
 
 
-def _strided_rule():
-    """The closed rule for STRIDED's s that docs/analysis.md states (scripts/strided_hops.py)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "strided_hops.py"
-    spec = importlib.util.spec_from_file_location("strided_hops", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.rule
-
-
 def test_strided_hops_follow_the_stated_rule_in_both_orders_and_for_the_union():
     """Issue 16 item 3: the rule of docs/analysis.md against the brute-force recursion on the
     pattern predicates (eq. 4) and against the library's bitsets, w ≤ 8, n ≤ 32. It is not
     "s = 3 from w = 3 on": the cycle started with the stride needs 4 layers for
     ⌊w/2⌋ + 1 < n ≤ w + ⌈w/2⌉ − 2, and the union needs only 2 when n mod w lies in
     [⌈w/2⌉ − 1, ⌊w/2⌋ + 1] (or n < w + ⌊w/2⌋ + 2)."""
-    rule = _strided_rule()
     seen = set()
     for w in range(1, 9):
         a1, a2 = sa.strided(w, 1), sa.strided(w, 2)
@@ -189,7 +178,11 @@ def test_strided_hops_follow_the_stated_rule_in_both_orders_and_for_the_union():
                 ("union", [su], sa.strided(w)),
             ):
                 expected = hops_reference(layers)
-                assert rule(w, n, config) == expected == hops(pattern, n).hops, (w, n, config)
+                assert strided_hops(w, n, config) == expected == hops(pattern, n).hops, (
+                    w,
+                    n,
+                    config,
+                )
                 seen.add((config, expected))
     assert seen == {
         ("window-first", 1), ("window-first", 2), ("window-first", 3),

@@ -1,6 +1,7 @@
 """Pattern and map analysis: Yun et al. Assumptions 1–2 and the contextual mapping, executed.
 
 * :func:`assumption1` — self-loops, chain γ and hops s of a pattern cycle (Yun §3.2);
+  :func:`strided_hops`, the closed rule for STRIDED's s;
 * :func:`assumption2` — a scale t under which a probability map approaches the hardmax;
 * :func:`yun_contextual_mapping`, :func:`sparsebert_contextual_mapping` and
   :func:`verify_contextual_mapping` — the constructions of Yun Lemma 7 and SparseBERT Lemma 4,
@@ -22,6 +23,7 @@ from .connectivity import (
     find_chain,
     hops,
     named_pattern,
+    strided_hops,
 )
 from .construction import (
     ContextualMapping,
@@ -107,6 +109,7 @@ __all__ = [
     "cycle_graphs",
     "find_chain",
     "hops",
+    "strided_hops",
     "margin_inputs",
     "named_pattern",
     "sparsebert_contextual_mapping",

@@ -294,6 +294,31 @@ def hops(
         t += 1
 
 
+def strided_hops(w: int, n: int, config: str) -> int:
+    """The closed rule for STRIDED(w)'s hops s at length n (Assumption 1.3; eq. 4: window
+    k − ⌈w/2⌉ … k + ⌊w/2⌋, stride k + ℤw, ∩ [n]), what :func:`hops` computes (docs/analysis.md;
+    ``scripts/strided_hops.py`` checks it over a grid).
+
+    config: "window-first" (A¹ → A²), "stride-first" (A² → A¹) or "union".
+    """
+    lo, hi = -(-w // 2), w // 2  # the window reaches ⌈w/2⌉ back and ⌊w/2⌋ forward
+    window_covers = n <= hi + 1  # every window already holds [n]
+    if config == "window-first":
+        return 1 if window_covers else (2 if w <= 2 else 3)
+    if config == "stride-first":
+        if w == 1:
+            return 1
+        if window_covers or w == 2:
+            return 2
+        return 4 if n <= w + lo - 2 else 3
+    if config == "union":
+        if w == 1 or window_covers or (w, n) == (2, 3):  # (2, 3): the stride adds the far end
+            return 1
+        middle = lo - 1 <= n % w <= hi + 1
+        return 3 if n >= w + hi + 2 and not middle else 2
+    raise ValueError(f"config must be window-first, stride-first or union, got {config!r}")
+
+
 def _reached(n: int, t: int) -> str:
     return f"every token reaches all {n} tokens after {t} layer{'s' if t > 1 else ''}"
 
