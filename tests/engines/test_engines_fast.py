@@ -30,6 +30,8 @@ from sparseattn.patterns.blocks import (
     from_block_layout,
 )
 
+pytestmark = pytest.mark.device
+
 F64 = torch.float64
 PATTERNS = {
     "window": sa.window(6),
@@ -489,7 +491,7 @@ def test_auto_never_picks_an_engine_that_cannot_compute(n, pattern_name):
 def test_auto_picks_by_structure():
     q, k, _ = qkv(b=1, h=8, n=4096, d=64, dtype=torch.float32)
     if q.device.type != "cpu":
-        pytest.skip("the CPU rule (the GPU rule: tests/test_gpu.py)")
+        pytest.skip("the CPU rule (the GPU rule: tests/core/test_gpu.py)")
     assert choose_engine(sa.window(4).graph(16), q[..., :16, :], k[..., :16, :]) == "dense"
     assert choose_engine(sa.longformer(512, 16).graph(4096), q, k, softmax()) == "block"
     assert choose_engine(sa.random(k=64).graph(4096), q, k, softmax()) == "gather"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 SOURCE = re.compile(r"^(?:<!-- )?[Ss]ource: (?P<text>.*?)(?: -->)?\s*$")
 PATH = re.compile(r"docs/results/[\w./+-]+")

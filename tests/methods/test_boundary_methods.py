@@ -13,9 +13,9 @@ from fractions import Fraction
 
 import pytest
 import torch
+from bad_inputs import BAD_SIZE  # the same bad sizes as the core's boundary tests
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_boundary import BAD_SIZE  # the same bad sizes as the core's boundary tests
 
 import sparseattn as sa
 from sparseattn.analysis import (

@@ -16,6 +16,8 @@ import sparseattn as sa
 from sparseattn import hf
 from sparseattn.attention import choose_engine
 
+pytestmark = [pytest.mark.device, pytest.mark.guard]
+
 HALF = [torch.bfloat16, torch.float16]
 
 

@@ -19,6 +19,8 @@ from sparseattn.montecarlo import (
     sample_sizes,
 )
 
+pytestmark = [pytest.mark.device, pytest.mark.guard]
+
 
 def data(b=2, n=12, d_in=20, heads=2, d_head=6, seed=0):
     gen = torch.Generator().manual_seed(seed)

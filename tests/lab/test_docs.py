@@ -10,7 +10,7 @@ import typer
 
 from sparseattn.lab.cli import app
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: fenced blocks (with their language) and inline code spans
 CODE = re.compile(r"```([^\n]*)\n(.*?)```|`([^`\n]+)`", re.DOTALL)

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from test_persistence import _fresh
+from fresh import fresh
 from tiny_models import tiny_bert, tiny_llama
 
 import sparseattn as sa
@@ -51,7 +51,7 @@ def test_save_pretrained_round_trips_in_a_fresh_process(tmp_path):
     saved = json.loads((tmp_path / "softmax" / "config.json").read_text())
     assert saved["attn_implementation"] == "sparseattn"
     assert saved["sparseattn"]["format"] == FORMAT
-    got = _fresh(
+    got = fresh(
         f"""
         import json, torch, transformers
         import sparseattn.hf as hf
@@ -82,7 +82,7 @@ def test_save_pretrained_round_trips_in_a_fresh_process(tmp_path):
 
 def test_without_sparseattn_transformers_refuses_the_saved_model(tmp_path):
     hf.sparsify(tiny_bert(), sa.window(4)).save_pretrained(tmp_path)
-    got = _fresh(
+    got = fresh(
         f"""
         import json, transformers
         try:
@@ -100,7 +100,7 @@ def test_a_model_saved_whole_runs_after_import(tmp_path):
     with torch.no_grad():
         torch.save(model(input_ids=IDS).last_hidden_state, tmp_path / "ref.pt")
     torch.save(model, tmp_path / "model.pt")
-    got = _fresh(
+    got = fresh(
         f"""
         import json, torch
         import sparseattn.hf
@@ -175,7 +175,7 @@ def test_longformer_and_led_round_trip_in_a_fresh_process(tmp_path):
     inputs = dict(input_ids=ids, attention_mask=mask, global_attention_mask=glob)
     _save(longformer, tmp_path / "longformer", **inputs)
     _save(led, tmp_path / "led", **inputs, decoder_input_ids=ids[:, :5])
-    got = _fresh(
+    got = fresh(
         f"""
         import json, torch, transformers
         import sparseattn.hf as hf
@@ -228,7 +228,7 @@ def test_learned_masks_and_alpha_round_trip_through_save_pretrained(tmp_path):
     assert f"{names[1]}.sparseattn_alpha" not in held
     assert any(p is alpha for p in model.parameters())  # trainable where it is
     _save(model, tmp_path / "learned", input_ids=IDS, attention_mask=MASK)
-    got = _fresh(
+    got = fresh(
         f"""
         import json, torch
         import sparseattn.hf as hf
@@ -268,7 +268,7 @@ def test_bigbird_round_trips_in_a_fresh_process(tmp_path):
     )
     saved = json.loads((tmp_path / "bigbird" / "config.json").read_text())["sparseattn"]
     assert saved["layers"]["0"]["pattern"] is None  # the model's own layout
-    got = _fresh(
+    got = fresh(
         f"""
         import json, torch, transformers
         import sparseattn.hf as hf

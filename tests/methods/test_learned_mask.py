@@ -21,6 +21,8 @@ from sparseattn.learned_mask import (
 from sparseattn.maps import resolve_prob_map
 from sparseattn.patterns import PatternCycle
 
+pytestmark = [pytest.mark.device, pytest.mark.guard]
+
 MAPS = ["softmax", "sparsemax", "entmax15"]
 
 

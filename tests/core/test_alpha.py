@@ -16,6 +16,8 @@ from grad_checks import assert_close_with_grads
 import sparseattn as sa
 from sparseattn import fastmaps
 
+pytestmark = pytest.mark.device
+
 
 def _gen(seed=0):
     return torch.Generator().manual_seed(seed)

@@ -29,6 +29,8 @@ from sparseattn import (
     window,
 )
 
+pytestmark = pytest.mark.device
+
 TOL = 1e-5
 IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 LLAMA_LIKE = {**LLAMA, **IDS}  # grouped-query attention: 2 query heads per key/value head
@@ -198,6 +200,7 @@ def test_dense_softmax_equals_original_modernbert_with_local_layers():
     assert float((got - expected)[real].abs().max()) > 1e-2  # the window changed the model
 
 
+@pytest.mark.guard
 # --------------------------------------------------------------------------- generation
 @pytest.mark.parametrize(
     ("kind", "pattern", "rule"),
@@ -224,6 +227,7 @@ def test_sparse_generation_equals_full_recompute_at_every_step(kind, pattern, ru
         assert float((step_logits[:, t] - full).abs().max()) < TOL, f"step {t}"
 
 
+@pytest.mark.guard
 def test_head_split_with_grouped_query_heads_equals_full_recompute():
     model = _decoder("llama")  # 4 query heads, 2 key/value heads: heads 0, 1 share one
     ids, mask = _prompt()

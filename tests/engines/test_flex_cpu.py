@@ -27,10 +27,13 @@ from torch._inductor.cpu_vec_isa import pick_vec_isa
 import sparseattn as sa
 from sparseattn.engines import unsupported
 
-pytestmark = pytest.mark.skipif(
-    unsupported("flex", *(torch.zeros(1, 1, 1, 16),) * 3, sa.softmax(), 0.0, False) is not None,
-    reason="FlexAttention cannot be compiled here",
-)
+pytestmark = [
+    pytest.mark.avx2,
+    pytest.mark.skipif(
+        unsupported("flex", *(torch.zeros(1, 1, 1, 16),) * 3, sa.softmax(), 0.0, False) is not None,
+        reason="FlexAttention cannot be compiled here",
+    ),
+]
 
 VECTOR_FLOATS = pick_vec_isa().nelements(torch.float) if pick_vec_isa() else 8
 

@@ -17,6 +17,8 @@ import sparseattn as sa
 from sparseattn.engines.flex import graph_block_mask
 from sparseattn.patterns.causal import CausalRandomBlocks
 
+pytestmark = [pytest.mark.device, pytest.mark.guard]
+
 
 # ------------------------------------------------------------------ brute-force definitions
 def child_strided_1(i, j, w):  # Child et al.: the previous w tokens, including i

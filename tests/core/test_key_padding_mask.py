@@ -28,8 +28,8 @@ TAKES_IT = {
     ("attention.py", "_key_validity"),  # the check and conversion every entry point uses
     ("attention.py", "forward"),  # SparseAttention
     ("attention.py", "_sharded"),  # hands it to parallel's (test_parallel checks it)
-    ("models/encoder.py", "attend"),
-    ("models/encoder.py", "forward"),
+    ("lab/models/encoder.py", "attend"),
+    ("lab/models/encoder.py", "forward"),
     ("montecarlo.py", "mca_attention"),
     ("montecarlo.py", "__call__"),  # MCAMethod: hands it to mca_attention
     ("parallel/attention.py", "sparse_attention"),

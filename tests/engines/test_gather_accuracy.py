@@ -5,12 +5,15 @@ References: v = 1 (every output is exactly 1) and the dense engine in float64.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import sparseattn as sa
 from sparseattn.engines import dense_attention, gather_attention
 from sparseattn.engines.gather import PIECE
 from sparseattn.maps import softmax
+
+pytestmark = pytest.mark.device
 
 
 def long_rows(n: int = 8000, d: int = 32):

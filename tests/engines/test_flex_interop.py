@@ -19,6 +19,8 @@ import sparseattn as sa
 from sparseattn.patterns import NAMED
 from sparseattn.patterns.base import MEMO_SIZES
 
+pytestmark = [pytest.mark.device, pytest.mark.avx2]
+
 N = 200
 STATIC = {name: (f, kw) for name, (f, kw) in NAMED.items() if name != "topk"}
 

@@ -19,6 +19,8 @@ from transformers.masking_utils import sdpa_mask
 import sparseattn as sa
 from sparseattn import hf
 
+pytestmark = [pytest.mark.device, pytest.mark.guard]
+
 TOL = 2e-5
 
 

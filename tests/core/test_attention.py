@@ -15,6 +15,8 @@ import torch
 import sparseattn as sa
 from sparseattn.maps import entmax, hardmax, softmax, sparselin_gen, sparsemax
 
+pytestmark = [pytest.mark.device, pytest.mark.guard]
+
 ENGINES = ["dense", "gather"]
 PATTERNS = {
     "dense": sa.dense(),

@@ -29,6 +29,8 @@ from sparseattn import (
 from sparseattn.lab import fidelity as fid
 from sparseattn.lab.corpus import SPLITS, load_corpus
 
+pytestmark = [pytest.mark.device, pytest.mark.guard]
+
 TOL = 1e-5
 
 

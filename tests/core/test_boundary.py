@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from bad_inputs import BAD_REAL, BAD_SIZE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,23 +28,9 @@ from sparseattn.validate import (
     check_tensor,
 )
 
-FAST = settings(max_examples=15, deadline=None)
+pytestmark = pytest.mark.device
 
-#: Values that are not a valid size: wrong kinds and non-positive ints.
-BAD_SIZE = st.one_of(
-    st.text(max_size=3),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.booleans(),
-    st.integers(max_value=0),
-    st.lists(st.integers(), max_size=2),
-)
-#: Values that are not a finite real number.
-BAD_REAL = st.one_of(
-    st.text(max_size=3),
-    st.booleans(),
-    st.sampled_from([math.nan, math.inf, -math.inf]),
-    st.lists(st.floats(), max_size=2),
-)
+FAST = settings(max_examples=15, deadline=None)
 
 
 def raises_naming(name: str, fn, *args, **kwargs) -> None:
@@ -232,10 +219,10 @@ def test_other_sparse_attention_arguments_are_named():
 def test_nan_or_inf_the_call_reads_is_named(pattern, prob_map):
     """On CPU a result that is not finite names the input holding NaN or inf, on every engine
     and map; q is checked before the call (some kernels turn a NaN row into a finite one), and
-    the flex engine reads k before its call (torch's CPU kernel gives the rows that read a NaN
-    key zeros, on AVX2 and AVX-512: tests/test_flex_cpu.py). An inf in k is left out: where it
-    makes a score −inf, that key gets weight 0 and the result stays finite (docs/engines.md,
-    "Checks that read values")."""
+    the flex engine reads k before its call (torch's CPU kernel gives the rows that read a
+    NaN key zeros, on AVX2 and AVX-512: tests/engines/test_flex_cpu.py). An inf in k is left
+    out: where it makes a score −inf, that key gets weight 0 and the result stays finite
+    (docs/engines.md, "Checks that read values")."""
     _host_checks_only(torch.zeros(1))
     gen = torch.Generator().manual_seed(0)
     for engine, name, bad in itertools.product(

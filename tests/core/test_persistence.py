@@ -11,13 +11,10 @@ from __future__ import annotations
 import copy
 import io
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
+from fresh import fresh
 
 import sparseattn as sa
 from sparseattn import serialize
@@ -32,22 +29,6 @@ MAPS = {
     "sparselin": sa.sparselin_gen(0.3),
     "hardmax": "hardmax",
 }
-
-
-def _fresh(code: str, timeout: float = 300) -> dict:
-    """Run ``code`` in a new Python process with this one's torch thread count (another count
-    reduces in another order: equal outputs are then close, not equal; a test earlier in the
-    run may have set one thread); it prints one JSON line, returned."""
-    threads = f"import torch\ntorch.set_num_threads({torch.get_num_threads()})\n"
-    run = subprocess.run(
-        [sys.executable, "-c", threads + textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def _layers() -> dict[str, sa.SparseAttention]:
@@ -76,7 +57,7 @@ def test_layers_round_trip_through_torch_save_in_a_fresh_process(tmp_path):
         with torch.no_grad():
             torch.save(layer(x), tmp_path / f"{name}.out.pt")
         torch.save(layer, tmp_path / f"{name}.pt")
-    got = _fresh(
+    got = fresh(
         f"""
         import json, torch
         d = {str(tmp_path)!r}
