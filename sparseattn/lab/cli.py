@@ -585,7 +585,12 @@ def lm(
     steps: int | None = typer.Option(None, help="optimiser steps per cell (default 800)"),
     batch_size: int | None = typer.Option(None, help="global batch size (default 4)"),
     lr: float | None = typer.Option(None, help="peak learning rate"),
-    parallel: str = typer.Option("cells", help="under torchrun: 'cells' or 'data' (DDP)"),
+    dtype: str | None = typer.Option(None, help="float32 (default) or float64"),
+    parallel: str = typer.Option(
+        "cells",
+        help="under torchrun: 'cells', 'data' (DDP) or 'context' (each window's sequence "
+        "sharded over the workers)",
+    ),
     threads: int = typer.Option(1, help="torch threads per process"),
     run: str | None = typer.Option(None, help="run folder name (default: from the config)"),
     out_dir: str = typer.Option("results/lm", help="results root"),
@@ -593,7 +598,9 @@ def lm(
     """Language modelling (Yun et al. §5, Fig. 1a): validation perplexity against sparsity.
 
     Byte-level causal LMs on the embedded corpus. Resumable (finished cells are skipped);
-    runs unchanged under `torchrun`; writes table.md, metrics.json, lm.png, cells/*.json."""
+    runs unchanged under `torchrun`; writes table.md, metrics.json, lm.png, cells/*.json.
+    `torchrun --nproc-per-node P -m sparseattn.lab.cli lm --parallel context` trains each
+    cell with its sequence sharded over P processes (docs/parallel.md)."""
     from .experiments.lm import COLUMNS
 
     columns = None if pattern_list == "all" else tuple(x.strip() for x in pattern_list.split(","))
@@ -614,6 +621,7 @@ def lm(
         steps=steps,
         batch_size=batch_size,
         lr=lr,
+        dtype=dtype,
         parallel=parallel,
         threads=threads,
         run=run,

@@ -29,7 +29,12 @@ only, so position i predicts byte i + 1 from bytes ≤ i. AdamW, linear warm-up,
 
 Scale-out as in every sweep (:mod:`sparseattn.lab.experiments.runner`): under ``torchrun``
 the pending cells are spread over the workers (``parallel="cells"``) or every cell is trained
-by all workers with DistributedDataParallel (``parallel="data"``). Writes
+by all workers with DistributedDataParallel (``parallel="data"``). ``parallel="context"``
+(context parallelism, docs/parallel.md): every worker trains every cell on the whole batch
+but holds only its contiguous part of each window's positions; the attention layers exchange
+the keys their queries read (:func:`sparseattn.sparse_attention` with ``group=``), the loss is
+the mean over every position of every worker and the parameter gradients are summed over the
+workers, so each step is the single-process step (to rounding; dropout must be 0). Writes
 ``<out_dir>/<run>/config.json``, ``cells/<column>-w<w>-s<seed>.json`` (atomically; a re-run
 skips finished cells), ``table.md``, ``metrics.json`` and ``lm.png``. Run: ``sparseattn lm``
 (``--help``), ``torchrun --nproc_per_node 2 -m sparseattn.lab.cli lm``, or ``run(LMConfig())``.
@@ -51,6 +56,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...parallel import even_boundaries, shard
 from ...patterns import (
     Pattern,
     PatternCycle,
@@ -90,6 +96,10 @@ PROB_MAPS = ("softmax", "entmax15", "sparsemax")
 #: Bytes are the tokens: no tokenizer, no unknown symbols.
 VOCAB = 256
 
+#: How the workers under torchrun share the work (``LMConfig.parallel``): a cell each, the
+#: batch of every cell (DDP), or the positions of every window (context parallelism).
+PARALLEL = ("cells", "data", "context")
+
 
 @dataclass(frozen=True)
 class LMConfig:
@@ -116,7 +126,7 @@ class LMConfig:
     seeds: tuple[int, ...] = (0, 1)  # model init, batch order and RANDOM's draws
     columns: tuple[str, ...] = COLUMNS
     engine: str = "dense"  # attention engine; at n = 256 on this CPU "block" is no faster
-    parallel: str = "cells"  # under torchrun: "cells" (one cell per worker) or "data" (DDP)
+    parallel: str = "cells"  # under torchrun: "cells" (one per worker), "data" (DDP), "context"
     device: str = "auto"  # "auto": cuda:<LOCAL_RANK> when CUDA is available, else cpu
     eval_batch: int = 32
     run: str | None = None  # run folder name; default derived from the result-defining fields
@@ -167,7 +177,12 @@ class LMConfig:
             raise ValueError(f"widths must be a non-empty list of w in [1, n), got {self.widths}")
         if not self.seeds or min(self.seeds) < 0:
             raise ValueError(f"seeds must be a non-empty list of integers >= 0, got {self.seeds}")
-        runner.check_sweep_fields(self)
+        runner.check_sweep_fields(self, PARALLEL)
+        if self.parallel == "context" and self.dropout:
+            raise ValueError(
+                f"dropout must be 0 with parallel='context', got {self.dropout}: each worker "
+                "would draw its own masks, and the run would no longer be one process's"
+            )
         return self
 
 
@@ -305,12 +320,59 @@ def make_model(config: LMConfig) -> Encoder:
     )
 
 
-def next_byte_logits(net: nn.Module, windows: Tensor, pattern: Pattern | PatternCycle) -> Tensor:
+def context_group(config: LMConfig, dist: Dist) -> object:
+    """The process group the sequence is sharded over: the default group with
+    ``parallel="context"`` and several workers, else None (each worker holds whole windows)."""
+    return tdist.group.WORLD if config.parallel == "context" and dist.world > 1 else None
+
+
+def local_part(windows: Tensor, group: object = None) -> tuple[Tensor, Tensor, int]:
+    """(ids, targets, start) of ``windows`` (LongTensor[B, n + 1]): the input bytes
+    ``windows[:, :n]``, the bytes they predict ``windows[:, 1:]`` and the global position of
+    the first; with ``group``, this rank's contiguous part of both (near-equal parts,
+    :func:`sparseattn.parallel.shard`) and where it begins."""
+    ids, targets = windows[:, :-1], windows[:, 1:]
+    if group is None:
+        return ids, targets, 0
+    start = even_boundaries(ids.shape[1], tdist.get_world_size(group))[tdist.get_rank(group)]
+    return shard(ids, group, dim=-1), shard(targets, group, dim=-1), start
+
+
+def next_byte_logits(
+    net: nn.Module, windows: Tensor, pattern: Pattern | PatternCycle, group: object = None
+) -> Tensor:
     """FloatTensor[B, n, 256]: the scores of byte i + 1 at every position i of
-    ``windows[:, :n]`` (LongTensor[B, n + 1]). ``net`` is the Encoder or its DDP wrapper."""
-    hidden = net(windows[:, :-1], pattern)
+    ``windows[:, :n]`` (LongTensor[B, n + 1]). ``net`` is the Encoder or its DDP wrapper.
+    With ``group`` (context parallelism): the scores at this rank's positions only,
+    FloatTensor[B, n_r, 256] (:func:`local_part`)."""
+    ids, _, start = local_part(windows, group)
     model = net.module if isinstance(net, nn.parallel.DistributedDataParallel) else net
-    return model.mlm_logits(hidden)
+    return model.mlm_logits(net(ids, pattern, start=start, group=group))
+
+
+def summed_loss(
+    net: nn.Module, windows: Tensor, pattern: Pattern | PatternCycle, group: object = None
+) -> tuple[Tensor, int]:
+    """(Σ next-byte cross-entropy, count) over the predicted bytes of ``windows``; with
+    ``group``, over this rank's positions (the sums over the ranks are the whole's)."""
+    _, targets, _ = local_part(windows, group)
+    logits = next_byte_logits(net, windows, pattern, group)
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
+    return loss, targets.numel()
+
+
+def sum_gradients(model: nn.Module, group: object) -> None:
+    """Sum every parameter's gradient over ``group`` in one all-reduce. With the sequence
+    sharded, rank r's gradient is what flows through its positions (the attention's backward
+    has sent the gradients of the keys other ranks read back to r), so the sum is the
+    gradient of the whole loss, the same on every rank."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.cat(
+        [(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]
+    )
+    tdist.all_reduce(flat, group=group)
+    for p, grad in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        p.grad = grad.view_as(p)
 
 
 @torch.no_grad()
@@ -322,17 +384,18 @@ def evaluate(
     dist: Dist | None = None,
 ) -> dict[str, float]:
     """Mean next-byte cross-entropy (nats), perplexity and bits per byte on ``windows``
-    (LongTensor[m, n + 1]); workers split the windows and sum their losses."""
+    (LongTensor[m, n + 1]); workers split the windows (with ``parallel="context"``: the
+    positions of every window) and sum their losses and byte counts."""
     dist = dist or Dist()
+    group = context_group(config, dist)
     model.eval()
     device = next(model.parameters()).device
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, bytes)
-    mine = windows[dist.rank :: dist.world]
+    mine = windows if group is not None else windows[dist.rank :: dist.world]
     for start in range(0, mine.shape[0], config.eval_batch):
         batch = mine[start : start + config.eval_batch].to(device)
-        logits = next_byte_logits(model, batch, pattern)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1), reduction="sum")
-        total += torch.stack([loss.double(), torch.tensor(float(batch[:, 1:].numel()))])
+        loss, count = summed_loss(model, batch, pattern, group)
+        total += torch.stack([loss.double(), torch.tensor(float(count), device=device)])
     if dist.world > 1:
         tdist.all_reduce(total)
     model.train()
@@ -356,23 +419,37 @@ def train(
     """Train one cell (column × w × seed) and evaluate it on the validation windows.
 
     ``w`` is None for dense. With ``dist.world > 1`` (an initialised process group) every worker
-    draws the same global batch, keeps its slice ``rank::world`` and DistributedDataParallel
-    averages the gradients — the update of one process on the whole batch. Returns the
-    (unwrapped) model and the cell's metrics.
+    draws the same global batch, and then
+
+    - by default (``parallel`` "cells" or "data") keeps its slice ``rank::world`` and
+      DistributedDataParallel averages the gradients;
+    - with ``parallel="context"`` keeps every window but only its contiguous part of the
+      positions (:func:`local_part`): position embeddings at the global positions, every
+      attention layer with ``group=`` (exact: each rank receives the keys its queries read
+      and sends their gradients back), the loss Σ over its positions / (batch · n) — whose
+      all-reduce is the mean over all positions, what is recorded — and the parameter
+      gradients summed over the workers (:func:`sum_gradients`).
+
+    Either way each step is the update of one process on the whole batch (to rounding).
+    The metrics hold ``train_losses``, the loss of every step (under DDP: this worker's
+    slice's). Returns the (unwrapped) model and the cell's metrics.
     """
     config.validate()
     dist = dist or Dist()
-    if config.batch_size % dist.world:
+    group = context_group(config, dist)
+    if group is None and config.batch_size % dist.world:
         raise ValueError(
             f"batch_size ({config.batch_size}) must be divisible by the workers ({dist.world})"
         )
+    if group is not None and config.n < dist.world:
+        raise ValueError(f"n ({config.n}) must be >= the workers ({dist.world}) to shard it")
     device = runner.pick_device(config.device)
     train_stream, val_windows = data if data is not None else datasets(config)
     pattern = column_pattern(column, w or 1, config, seed)
     torch.manual_seed(seed)
     model = make_model(config).to(device=device, dtype=getattr(torch, config.dtype))
     net: nn.Module = model
-    if dist.world > 1:
+    if dist.world > 1 and group is None:
         ids = [device.index] if device.type == "cuda" else None
         net = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     opt = runner.adamw(model, config.lr, config.weight_decay)
@@ -381,6 +458,7 @@ def train(
     )
     batches = torch.Generator().manual_seed(seed + 1)
     curve: list[dict[str, float]] = []
+    losses = torch.zeros(config.steps, dtype=torch.float64, device=device)
     every = max(1, config.steps // 20)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     bar = tqdm(
@@ -391,18 +469,28 @@ def train(
     )
     for step in bar:
         windows = train_windows(train_stream, config.n, config.batch_size, batches)
-        batch = windows[dist.rank :: dist.world].to(device)
-        logits = next_byte_logits(net, batch, pattern)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        if group is None:
+            batch = windows[dist.rank :: dist.world].to(device)
+            logits = next_byte_logits(net, batch, pattern)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+            shown = loss.detach()
+        else:
+            summed, _ = summed_loss(model, windows.to(device), pattern, group)
+            loss = summed / (config.batch_size * config.n)
+            shown = loss.detach().clone()
+            tdist.all_reduce(shown, group=group)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if group is not None:
+            sum_gradients(model, group)
         if config.clip:
             nn.utils.clip_grad_norm_(model.parameters(), config.clip)
         opt.step()
         sched.step()
+        losses[step] = shown
         if step % every == 0 or step == config.steps - 1:
-            curve.append({"step": step, "loss": loss.item()})
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            curve.append({"step": step, "loss": shown.item()})
+            bar.set_postfix(loss=f"{shown.item():.3f}")
     metrics: dict[str, Any] = {
         "column": column,
         "w": w,
@@ -415,10 +503,12 @@ def train(
         "parameters": sum(p.numel() for p in model.parameters()),
         "final_train_loss": curve[-1]["loss"],
         "curve": curve,
+        "train_losses": losses.tolist(),
         "train_seconds": time.perf_counter() - wall0,
         "train_cpu_seconds": time.process_time() - cpu0,
         "steps": config.steps,
         "workers": dist.world,
+        "parallel": config.parallel if dist.world > 1 else None,
     }
     if column == "random":
         metrics["random_keys_per_query"] = random_keys(w, config)

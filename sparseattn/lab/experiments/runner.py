@@ -8,8 +8,9 @@ here, so that experiments import this module and :mod:`sparseattn.lab.results`, 
   :func:`load_cells` reads a sweep's finished ``cells/*.json``.
 - Sweeps under ``torchrun``: :class:`Dist`, :func:`init_distributed`, :func:`start_sweep`
   (rank 0 pins the run folder and lists the pending cells; ``parallel="cells"`` gives pending
-  cell j to worker j mod world, ``parallel="data"`` trains every cell with all workers; the
-  returned :class:`Sweep` gives the progress bar and the final barrier),
+  cell j to worker j mod world, ``parallel="data"`` trains every cell with all workers, as
+  does ``parallel="context"`` where an experiment offers it (the LM: the sequence sharded);
+  the returned :class:`Sweep` gives the progress bar and the final barrier),
   :func:`check_sweep_fields` (dtype, columns, parallel), :func:`pick_device`.
 - Training: :func:`warmup_cosine` (linear warm-up, cosine decay to 0) and :func:`adamw` (weight
   decay on matrices only).
@@ -148,7 +149,8 @@ def start_sweep(
     folder (refusing one with another identity) and lists the keys of ``todo`` for which
     ``done(folder, key)`` is False; the list is broadcast so every worker agrees.
     ``parallel="cells"``: pending cell j goes to worker j mod world, trained alone;
-    ``"data"``: every worker takes every cell (DistributedDataParallel).
+    ``"data"``: every worker takes every cell (DistributedDataParallel); ``"context"``: every
+    worker takes every cell, each holding its part of every sequence (the experiment shards).
     """
     owns_group = dist is None and not (tdist.is_available() and tdist.is_initialized())
     dist = init_distributed() if dist is None else dist
@@ -165,17 +167,19 @@ def start_sweep(
     return Sweep(folder, dist, owns_group, pending[0], dist)
 
 
-def check_sweep_fields(config: Any) -> None:
+def check_sweep_fields(config: Any, parallel: tuple[str, ...] = ("cells", "data")) -> None:
     """The fields every sweep config shares: ``dtype`` float32 or float64, ``columns`` a
-    non-empty subset of :data:`COLUMNS`, ``parallel`` "cells" or "data"; ValueError naming the
-    field otherwise."""
+    non-empty subset of :data:`COLUMNS`, ``parallel`` one of ``parallel`` (the modes the
+    experiment implements: "cells" and "data" by default); ValueError naming the field
+    otherwise."""
     if config.dtype not in ("float32", "float64"):
         raise ValueError(f"dtype must be 'float32' or 'float64', got {config.dtype!r}")
     unknown = [c for c in config.columns if c not in COLUMNS]
     if unknown or not config.columns:
         raise ValueError(f"columns must be a non-empty subset of {COLUMNS}, got {unknown}")
-    if config.parallel not in ("cells", "data"):
-        raise ValueError(f"parallel must be 'cells' or 'data', got {config.parallel!r}")
+    if config.parallel not in parallel:
+        modes = ", ".join(repr(m) for m in parallel[:-1]) + f" or {parallel[-1]!r}"
+        raise ValueError(f"parallel must be {modes}, got {config.parallel!r}")
 
 
 # ---------------------------------------------------------------------------- training

@@ -9,6 +9,12 @@ Attention in every block is either
 
 Block l (pre-LN, Xiong et al. 2020): x ← x + Drop(Attn(LN(x))), x ← x + Drop(FFN(LN(x))), with
 FFN = Linear → GELU → Linear. The MLM head is LN → Linear → GELU → LN → (tied embedding)ᵀ + b.
+
+Context parallelism (docs/parallel.md): ``forward(ids, pattern, start=s, group=g)`` takes this
+rank's contiguous part of the sequence, positions s … s + n_r − 1; the position embeddings are
+those of the global positions and every block's attention runs with ``group=g`` (each rank
+receives the keys its queries read). Everything else in a block acts per position, so the
+hidden states are this rank's rows of the single-process ones.
 """
 
 from __future__ import annotations
@@ -89,6 +95,7 @@ class _Block(nn.Module):
         pattern: Pattern | AttentionGraph | None,
         bias: Tensor | None,
         key_padding_mask: Tensor | None,
+        group: object = None,
     ) -> Tensor:
         bsz, n, dim = x.shape
         q, k, v = self.qkv(x).view(bsz, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
@@ -105,11 +112,12 @@ class _Block(nn.Module):
                 prob_map=self.rho,
                 engine=self.engine,
                 key_padding_mask=key_padding_mask,
+                group=group,
             )
         return self.proj(out.transpose(1, 2).reshape(bsz, n, dim))
 
-    def forward(self, x, pattern, bias, key_padding_mask):
-        x = x + self.drop(self.attend(self.ln1(x), pattern, bias, key_padding_mask))
+    def forward(self, x, pattern, bias, key_padding_mask, group=None):
+        x = x + self.drop(self.attend(self.ln1(x), pattern, bias, key_padding_mask, group))
         return x + self.drop(self.ffn(self.ln2(x)))
 
 
@@ -150,6 +158,9 @@ class Encoder(nn.Module):
         pattern: Pattern | PatternCycle | AttentionGraph | None = None,
         attn_bias: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
+        *,
+        start: int = 0,
+        group: object = None,
     ) -> Tensor:
         """Hidden states (B, n, dim) for token ids (B, n).
 
@@ -159,23 +170,35 @@ class Encoder(nn.Module):
             attn_bias: FloatTensor (L, H, n, n); block l adds ``attn_bias[l mod L]`` to its
                 scores and applies ρ on dense scores (the DAM training path).
             key_padding_mask: BoolTensor (B, n), True for padding tokens (ignored as keys),
-                as in ``nn.MultiheadAttention``.
+                as in ``nn.MultiheadAttention`` (with ``group``: this rank's part).
+            start: the global position of ``ids[:, 0]`` (its position embedding is
+                ``pos[start]``); with ``group``, where this rank's part begins.
+            group: a ``torch.distributed`` process group over which the sequence is sharded:
+                ``ids`` is this rank's contiguous part, every block attends with ``group=``
+                and the result is this rank's rows of the single-process hidden states
+                (:func:`sparseattn.sparse_attention`; not with ``attn_bias``, and dropout
+                masks are drawn per rank, so they are not the single-process ones).
         """
         if ids.dim() != 2:
             raise ValueError(f"ids must have shape (batch, n), got {tuple(ids.shape)}")
         n = ids.shape[1]
-        if n > self.cfg.max_len:
-            raise ValueError(f"sequence length {n} exceeds max_len={self.cfg.max_len}")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start must be an int >= 0, got {start!r}")
+        if start + n > self.cfg.max_len:
+            at = f" from position {start}" if start else ""
+            raise ValueError(f"sequence length {n}{at} exceeds max_len={self.cfg.max_len}")
+        if group is not None and attn_bias is not None:
+            raise ValueError("attn_bias (dense scores) cannot be used with a sharded sequence")
         if attn_bias is not None and (attn_bias.dim() != 4 or attn_bias.shape[-2:] != (n, n)):
             raise ValueError(f"attn_bias must be (L, H, {n}, {n}), got {tuple(attn_bias.shape)}")
-        x = self.drop(self.tok(ids) * self.emb_scale + self.pos[:n])
+        x = self.drop(self.tok(ids) * self.emb_scale + self.pos[start : start + n])
         cyc = None if pattern is None or isinstance(pattern, AttentionGraph) else as_cycle(pattern)
         for layer, block in enumerate(self.blocks):
             bias = None if attn_bias is None else attn_bias[layer % attn_bias.shape[0]]
             layer_pattern = pattern if cyc is None else cyc[layer]
             if layer_pattern is None and bias is None:
                 layer_pattern = dense()
-            x = block(x, layer_pattern, bias, key_padding_mask)
+            x = block(x, layer_pattern, bias, key_padding_mask, group)
         return self.ln(x)
 
     def mlm_logits(self, hidden: Tensor) -> Tensor:
