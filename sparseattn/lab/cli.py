@@ -1,4 +1,10 @@
-"""The ``sparseattn`` command line. Each feature adds its subcommand here, importing lazily."""
+"""The ``sparseattn`` command line. Each feature adds its subcommand here, importing lazily.
+
+One file: the command tree, one typer declaration per command (its options and help,
+then the registered experiment's config → run → summary); each command imports its
+experiment lazily, so the file is long but flat, and splitting it would only scatter the
+command line's single source of options.
+"""
 
 from __future__ import annotations
 

@@ -19,6 +19,10 @@ Every section names the command that produces its full-size version and says wha
 reduced. A section that fails becomes an error box in the report; the others still run. The
 experiments write their usual run folders under ``<out>/work/`` (cleared at the start, so each
 tour measures afresh). Run: ``sparseattn tour`` (``--quick`` for the one-minute test version).
+
+One file: one report, section after section in the order the HTML shows them, each a short
+function (the experiments' sections run their registered EXPERIMENT); the sections share the
+report's writer, timings and figure helpers, and are read top to bottom like the report.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ Timing: CUDA events around ``inner`` back-to-back calls (so that host work overl
 work, as in a training loop), median over ``samples``, after a warm-up call that compiles;
 peak memory is ``torch.cuda.max_memory_allocated`` above the inputs. Results: results.json
 (after every row; a re-run resumes), results.md and gpu.png.
+
+One file: one suite for one device call (its cases, the CUDA timing, the JSON and the
+table), read top to bottom; the CPU suite is kernels.py.
 """
 
 from __future__ import annotations

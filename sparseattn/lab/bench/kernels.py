@@ -21,6 +21,9 @@ Baselines that would exceed the memory cap (estimated before running) or whose p
 exceeded the time cap are reported as skipped with the reason, not dropped. Results go to
 ``results/bench/<run>/``: ``results.json`` (written after every measurement; a re-run with the
 same run name and suite resumes), ``results.md`` and ``bench.png``.
+
+One file: one suite (its cases, the timing of each engine and baseline, the JSON and the
+table), read top to bottom; the timing primitives live in lab/measure.py.
 """
 
 from __future__ import annotations

@@ -36,6 +36,9 @@ atomically; a re-run skips finished cells), ``table.md``, ``metrics.json`` and `
 (:func:`seeds_figure` of the run: accuracy against depth per column, beside the paper's).
 Run: ``sparseattn copying`` (see ``--help``), ``torchrun --nproc_per_node 2 -m sparseattn.lab.cli
 copying``, or ``run(CopyConfig())``.
+
+One file per experiment (nanoGPT's rule): the task's data, the config, training and scoring,
+the tables and the figure, read top to bottom; what it shares with lm lives in runner.py.
 """
 
 from __future__ import annotations

@@ -36,6 +36,10 @@ per finished cell, atomically: a re-run with the same config skips finished cell
 ``metrics.json`` (summary table, machine, corpus fingerprint) and three figures
 (``sparsity_quality.png``, ``masks.png``, ``offsets.png``).
 Run: ``sparseattn dam`` (``--quick`` for a 1–2 minute version) or ``run(DamConfig())``.
+
+One file per experiment (nanoGPT's rule): config, data, model set-up, the training loop of
+each cell, the table and the figure, read top to bottom; what other experiments share lives
+in runner.py and models/.
 """
 
 from __future__ import annotations

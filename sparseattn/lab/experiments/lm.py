@@ -38,6 +38,10 @@ workers, so each step is the single-process step (to rounding; dropout must be 0
 ``<out_dir>/<run>/config.json``, ``cells/<column>-w<w>-s<seed>.json`` (atomically; a re-run
 skips finished cells), ``table.md``, ``metrics.json`` and ``lm.png``. Run: ``sparseattn lm``
 (``--help``), ``torchrun --nproc_per_node 2 -m sparseattn.lab.cli lm``, or ``run(LMConfig())``.
+
+One file per experiment (nanoGPT's rule): data, columns, model, training (single process,
+data parallel or with the sequence sharded), scoring, tables and figure, read top to bottom;
+what it shares with copying lives in runner.py, the model in models/encoder.py.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ when the run is repeated with the same config):
 8. ``summary.json``, ``table.md``, ``sparsity_recall.png``, ``sparsity_downstream.png``.
 
 Run: ``sparseattn sparsefinder`` (``--quick`` for a ~2 minute smoke version).
+
+One file per experiment (nanoGPT's rule): the pipeline's steps in order; the teacher, the
+downstream run and the fits shared with the decoder run live in the sparsefinder_* modules.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ with 1.5-entmax attention (``LMConfig(prob_map="entmax15")``, dense causal), the
 Run: ``sparseattn sparsefinder-decoder`` (``--quick`` for a smoke run) or
 ``run(DecoderSparsefinderConfig())``. Resumable like the encoder pipeline: finished steps, sweep
 methods and downstream points are skipped when the same config runs again.
+
+One file per experiment (nanoGPT's rule): the decoder run's steps in order; what it shares
+with the encoder run lives in sparsefinder_pipeline.py, the teacher in lm.py.
 """
 
 from __future__ import annotations
