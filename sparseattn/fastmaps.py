@@ -1,28 +1,12 @@
-"""Fast thresholds for sparse probability maps on rows: sparsemax, 1.5-entmax and α-entmax.
+"""Fast thresholds for sparse probability maps on rows: sparsemax, 1.5-entmax and α-entmax
+(docs/engines.md, "Fast row maps").
 
 All three maps have the form p = [x − τ]₊^{1/(α−1)} with x = (α − 1)·z and τ the unique
-threshold with Σ p = 1 (Peters et al. 2019; Yun et al. appendix B.3). The `entmax` package
-(and the exact kernels of :mod:`sparseattn.maps`) find τ by sorting whole rows, O(K log K) per
-row with a slow sort kernel. Here τ is found by Newton's method on f(τ) = Σ [x − τ]₊^r − 1,
-r = 1/(α − 1), started left of the root at τ₀ = max x − 1 (where f ≥ 0):
-
-* **sparsemax** (α = 2, r = 1): f is convex and piecewise linear, so a Newton step from the
-  left lands on τ_S = (Σ_S x − 1)/|S| for the current support S = {x > τ} — Michelot's
-  algorithm. τ increases and the support shrinks until it is stable, after finitely many
-  steps; the result is exact.
-* **1.5-entmax** (r = 2): Newton from the left on G(τ) = ‖[x − τ]₊‖₂ − 1, which has the same
-  root, is convex (a norm of a convex, non-negative vector) and nearly linear, so it is
-  monotone and fast (3–4 steps find the support of random rows). From the third step on, τ is
-  *finished exactly* with the closed form on S = {x > τ},
-  τ_S = mean_S − sqrt((1 − |S|·var_S)/|S|) (the sort-based formula at k = |S|), which is
-  exact iff {x > τ_S} = S; rows that fail the check take another step.
-* **α-entmax, any α > 1**: safeguarded Newton (on ‖[x − τ]₊‖_r − 1 when r > 1, on f when
-  r < 1; a bracket [lo, hi] with f(lo) ≥ 0 ≥ f(hi) replaces a step that leaves it by
-  bisection) to float precision, then the row is renormalised, as bisection does. For α > 2
-  and float32 input, τ is found in float64: p = d^r with r < 1 is steep at d = 0.
-
-Each step is a few vectorised passes over the K entries of a row: no sort. Rows are processed
-in pieces of ``PIECE`` entries so that temporaries stay in cache.
+threshold with Σ p = 1 (Peters et al. 2019; Yun et al. appendix B.3). Instead of sorting whole
+rows, τ is found by Newton's method from the left of the root, started at a lower bound
+(:func:`_start`): Michelot's algorithm for sparsemax and Newton with the exact closed form on
+the support for 1.5-entmax (both exact), safeguarded Newton to float precision (then the row
+renormalised) for any other α. Rows are processed in pieces of ``PIECE`` entries.
 Inputs follow :mod:`sparseattn.maps`: scores (..., K) with a bool ``valid`` mask; padding is
 never read and gets exactly 0; a row without valid entries gives zeros. Forward only: the
 maps of :mod:`sparseattn.maps` add the closed-form backward.
@@ -47,12 +31,11 @@ _TILED_FROM = 512
 _START_STEPS = 3
 #: Most Newton steps before a row is taken as converged (only float ties at τ get there).
 _MAX_STEPS = 60
-#: Entries per piece of rows: small pieces keep every temporary in cache and re-use freed
-#: memory (fresh multi-MB allocations cost ~10x a re-used buffer on the reference machine).
+#: Entries per piece of rows: small pieces keep every temporary in cache and re-use memory.
 PIECE = 1 << 19
 
-# Comparisons and bool reductions are several times slower than float passes in torch on
-# this CPU, so supports are counted as Σ sign([x − τ]₊) and masks are applied as −inf.
+# Bool ops are several times slower than float passes in torch on CPU: supports are counted
+# as Σ sign([x − τ]₊) and masks applied as −inf.
 
 
 def _rows(
@@ -128,17 +111,10 @@ def _piece(
 
 
 def _start(x: Tensor, alpha: float | Tensor, tiles: Tensor | None) -> Tensor:
-    """A lower bound τ₀ ≤ τ (R, 1) for rows x = (α−1)·z (R, K) with max 0.
-
-    Any subset of a row has a threshold no larger than the row's (dropping entries lowers
-    Σ[x − τ]₊^r at every τ), so the threshold of the tile maxima ``tiles`` (R, K/TILE) (the
-    max of each of TILE strided groups of entries, clamped at −1; found in the pass that
-    finds the row max) bounds τ from below, and closely: the few large entries that form the
-    support are mostly tile maxima. ``_START_STEPS`` Newton steps from the left on the tile
-    maxima give it (every Newton iterate from the left is still left of the root); never
-    below the exact bound max − 1 = −1. On attention rows (K = 4096) the full rows then need
-    1–2 Newton steps instead of 5–6. Without tiles (short rows): −1.
-    """
+    """A lower bound τ₀ ≤ τ (R, 1) for rows x = (α−1)·z (R, K) with max 0: the threshold of
+    the tile maxima ``tiles`` (R, K/TILE) (a subset of the row: dropping entries only lowers
+    the threshold), by ``_START_STEPS`` Newton steps from the left; never below the exact
+    bound max − 1 = −1. Without tiles (short rows): −1."""
     t = torch.full((x.shape[0], 1), -1.0, dtype=x.dtype, device=x.device)
     if tiles is None:
         return t
@@ -188,12 +164,8 @@ def _sparsemax_tau(x: Tensor, tiles: Tensor | None = None) -> Tensor:
 
 
 def _entmax15_tau(x: Tensor, tiles: Tensor | None = None) -> Tensor:
-    """Exact 1.5-entmax threshold (R, 1) for rows x (R, K) already halved, with max 0.
-
-    The first ``_FIRST_STEPS`` Newton steps run on all rows in one reused buffer (a row at its
-    root stays there); only rows whose closed-form finish fails the support check are
-    compacted and stepped on.
-    """
+    """Exact 1.5-entmax threshold (R, 1) for rows x (R, K) already halved, with max 0; only
+    rows whose closed-form finish fails the support check are compacted and stepped on."""
     tau = _start(x, 1.5, tiles)
     todo: Tensor | None = None  # None: all rows, in order
     xs, t = x, tau.clone()
@@ -270,21 +242,14 @@ def _entmax_tau(x: Tensor, alpha: float | Tensor, tiles: Tensor | None = None) -
 
 
 def sparsemax_rows(scores: Tensor, valid: Tensor | None = None) -> Tensor:
-    """Sparsemax (Martins & Astudillo 2016) along the last dim: p = [z − τ]₊, Σ p = 1.
-
-    Args:
-        scores: (..., K) floating point; valid: bool mask broadcastable to scores, or None.
-    Returns:
-        (..., K) weights, exact zeros off the support and on padding (forward only).
-    """
+    """Sparsemax (Martins & Astudillo 2016) along the last dim of scores (..., K), ``valid`` a
+    bool mask broadcastable to them or None: p = [z − τ]₊, Σ p = 1 (forward only)."""
     return _rows(scores, valid, 2.0)
 
 
 def entmax15_rows(scores: Tensor, valid: Tensor | None = None) -> Tensor:
-    """1.5-entmax (Peters et al. 2019) along the last dim: p = [z/2 − τ]₊², Σ p = 1.
-
-    Same arguments and result as the sort-based map (exact threshold), forward only.
-    """
+    """1.5-entmax (Peters et al. 2019) along the last dim: p = [z/2 − τ]₊², Σ p = 1; as
+    :func:`sparsemax_rows`."""
     return _rows(scores, valid, 1.5)
 
 
@@ -296,10 +261,8 @@ def entmax_rows(
 ) -> Tensor:
     """α-entmax (α > 1) along the last dim: p = [(α−1) z − τ]₊^{1/(α−1)}, Σ p = 1.
 
-    α = 1.5 and α = 2 use the exact algorithms above; any other α safeguarded Newton to float
-    precision, then the row is renormalised (as bisection does). ``alpha`` may be a tensor
-    broadcastable to ``scores.shape[:-1] + (1,)`` (one α per row, e.g. (H, 1, 1) per head
-    against (B, H, n, K)); it then takes the general path. Forward only. ``out``: a
+    α = 1.5 and 2 exact, any other α to float precision; ``alpha`` may be a tensor
+    broadcastable to ``scores.shape[:-1] + (1,)`` (one α per row). Forward only. ``out``: a
     contiguous tensor of scores' shape and dtype for the weights (``scores`` itself works).
     """
     if isinstance(alpha, Tensor):

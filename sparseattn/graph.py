@@ -1,16 +1,13 @@
 """AttentionGraph: who may attend to whom (Yun et al. §3.1, the sets A_k).
 
-Storage is compressed sparse rows (CSR) over the *flattened* rows of the graph: a graph with
-leading shape ``batch_shape`` (for example ``()`` for a static pattern, ``(heads,)`` or
-``(batch, heads)`` for a data-dependent one) and ``n_q`` queries has
-``R = prod(batch_shape) * n_q`` rows; row ``r`` holds the sorted, unique key indices
-``col[crow[r]:crow[r + 1]]``.
+Storage is compressed sparse rows (CSR) over the *flattened* rows: a graph with leading shape
+``batch_shape`` (``()`` for a static pattern, ``(heads,)`` or ``(batch, heads)``) and ``n_q``
+queries has ``R = prod(batch_shape) * n_q`` rows; row ``r`` holds the sorted, unique key indices
+``col[crow[r]:crow[r + 1]]``. Not one padded ``(n_q, K)`` table: a global token's row holds all
+n keys, and padding every row to it would make Longformer, BigBird and STAR cost O(n²); the
+engines' padded views (:meth:`AttentionGraph.neighbours`) are padded per group of rows.
 
-Why CSR and not one padded ``(n_q, K)`` table: rows of very different length are common
-(a global token attends to all ``n`` keys while the others attend to ``2w + 1``), and padding every
-row to the longest one would make Longformer, BigBird and STAR cost O(n^2). The padded
-neighbour-list view that engines compute on is produced per group of rows by
-:meth:`AttentionGraph.neighbours`, padded only to the longest row of that group.
+One piece: the class and its constructors, views and algebra share one representation.
 """
 
 from __future__ import annotations
@@ -40,10 +37,6 @@ T = TypeVar("T")
 #: (glibc maps blocks over 32 MiB anew): whole-graph passes ran ~7x slower than their
 #: arithmetic at n = 8192 (docs/engines.md, "The user path").
 PIECE_EDGES = 1 << 20
-
-
-def _prod(shape: Sequence[int]) -> int:
-    return math.prod(shape) if shape else 1
 
 
 def _check_index_tensor(name: str, t: object) -> None:
@@ -86,14 +79,13 @@ class AttentionGraph:
     Args:
         crow: LongTensor[R + 1], row pointers over the ``R = prod(batch_shape) * n_q`` rows.
         col: LongTensor[E], key indices, sorted and unique within each row.
-        n_q: number of queries.
-        n_k: number of keys.
+        n_q, n_k: numbers of queries and keys.
         batch_shape: leading (batch, heads)-like dims; ``()`` means one graph shared by all.
-        causal: whether the graph is meant as causal (then ``density`` divides by n(n+1)/2,
-            Sparsefinder eq. 5). Edges above the diagonal are not allowed in a causal graph.
+        causal: whether the graph is causal (no edge above the diagonal; ``density`` divides
+            by n(n+1)/2, Sparsefinder eq. 5).
 
-    Use the constructors :meth:`from_neighbours`, :meth:`from_dense` and :meth:`from_edges`;
-    the raw constructor trusts its inputs.
+    The raw constructor trusts its inputs: use :meth:`from_neighbours`, :meth:`from_dense`,
+    :meth:`from_edges`.
     """
 
     def __init__(
@@ -130,13 +122,9 @@ class AttentionGraph:
         return self.col.device
 
     def cached(self, key: Hashable, make: Callable[[], T]) -> T:
-        """``make()``, computed once per ``key`` and kept on this graph.
-
-        What engines derive from a graph (block plans, gather chunks, FlexAttention block
-        masks, device copies) lives and dies with it; since patterns cache their graphs, a
-        call at a seen length reuses all of it. Keys are tuples whose first item names the
-        owner, e.g. ``("block_plan", 64)``; anything device-specific has the device in its key.
-        """
+        """``make()``, computed once per ``key`` and kept on this graph: what engines derive
+        from a graph lives and dies with it. Keys are tuples whose first item names the owner,
+        e.g. ``("block_plan", 64)``; anything device-specific has the device in its key."""
         return self.memo.get(key, make)
 
     def uncache(self, owner: str | None = None) -> None:
@@ -178,16 +166,13 @@ class AttentionGraph:
         batch_shape: Sequence[int] = (),
         causal: bool = False,
     ) -> AttentionGraph:
-        """Graph from flat edge lists (duplicates allowed, any order).
-
-        ``rows`` index the flattened rows ``[0, prod(batch_shape) * n_q)``; ``cols`` the keys.
-        Cost O(E log E).
-        """
+        """Graph from flat edge lists (duplicates allowed, any order), O(E log E): ``rows``
+        index the flattened rows ``[0, prod(batch_shape) * n_q)``, ``cols`` the keys."""
         _check_index_tensor("rows", rows)
         _check_index_tensor("cols", cols)
         n_q, n_k = check_int("n_q", n_q, 0), check_int("n_k", n_k, 0)
         batch_shape = tuple(check_int("batch_shape[i]", b, 0) for b in batch_shape)
-        n_rows = _prod(batch_shape) * n_q
+        n_rows = math.prod(batch_shape) * n_q
         if rows.numel() != cols.numel():
             raise ValueError(
                 f"rows and cols must hold one entry per edge, got {rows.numel()} and {cols.numel()}"
@@ -215,11 +200,8 @@ class AttentionGraph:
     def from_ranges(
         cls, start: Tensor, stop: Tensor, n_k: int, causal: bool = False
     ) -> AttentionGraph:
-        """Graph whose query i attends to the keys start[i] … stop[i] − 1 (windows, blocks).
-
-        ``start``, ``stop``: LongTensor[n_q], clamped to [0, n_k]. O(n_q + E), written piece by
-        piece (``row_pieces``) into the edge array, without a (n_q, K) table.
-        """
+        """Graph whose query i attends to the keys start[i] … stop[i] − 1 (windows, blocks);
+        ``start``, ``stop``: LongTensor[n_q], clamped to [0, n_k]. O(n_q + E), no (n_q, K) table."""
         start = start.clamp(0, n_k)
         degrees = (stop.clamp(max=n_k) - start).clamp_min(0)
         dev = start.device
@@ -238,13 +220,8 @@ class AttentionGraph:
     def from_neighbours(
         cls, index: Tensor, valid: Tensor | None, n_k: int, causal: bool = False
     ) -> AttentionGraph:
-        """Graph from a padded neighbour-list table.
-
-        Args:
-            index: LongTensor[..., n_q, K], key indices (entries where ``valid`` is False are
-                ignored and may hold anything).
-            valid: BoolTensor broadcastable to ``index`` or None (all valid).
-        """
+        """Graph from a padded neighbour-list table ``index`` LongTensor[..., n_q, K] of key
+        indices, ``valid`` a BoolTensor broadcastable to it or None (all valid)."""
         _check_index_tensor("index", index)
         n_k = check_int("n_k", n_k, 0)
         if index.dim() < 2:
@@ -269,10 +246,12 @@ class AttentionGraph:
                 raise ValueError(
                     f"key indices must lie in [0, {n_k}), got [{cols.min()}, {cols.max()}]"
                 )
-            crow = torch.zeros(_prod(batch_shape) * n_q + 1, dtype=torch.long, device=index.device)
+            crow = torch.zeros(
+                math.prod(batch_shape) * n_q + 1, dtype=torch.long, device=index.device
+            )
             torch.cumsum(valid.sum(-1).reshape(-1), 0, out=crow[1:])
             return cls(crow, cols, n_q, n_k, batch_shape, causal)
-        rows = torch.arange(_prod(batch_shape) * n_q, device=index.device)
+        rows = torch.arange(math.prod(batch_shape) * n_q, device=index.device)
         rows = rows.view(*batch_shape, n_q, 1).expand_as(index)
         return cls.from_edges(rows[valid], index[valid], n_q, n_k, batch_shape, causal)
 
@@ -321,8 +300,8 @@ class AttentionGraph:
 
     @property
     def possible_edges(self) -> int:
-        """Denominator of density: n_q * n_k, or n(n + 1)/2 when causal (Sparsefinder eq. 5);
-        causal with n_q < n_k (the last n_q queries of n_k positions): the keys j <= i."""
+        """Denominator of density: n_q * n_k, or when causal the pairs j <= i (n(n + 1)/2,
+        Sparsefinder eq. 5; the last n_q queries of n_k positions when n_q < n_k)."""
         if self.causal:
             return self.n_q * (self.n_k - self.n_q) + self.n_q * (self.n_q + 1) // 2
         return self.n_q * self.n_k
@@ -366,15 +345,9 @@ class AttentionGraph:
 
     # ------------------------------------------------------------------ views
     def neighbours(self, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Padded neighbour lists for some flattened rows.
-
-        Args:
-            rows: LongTensor[m] of flattened row ids (default: all rows).
-        Returns:
-            index: LongTensor[m, K] with K the largest degree among ``rows``; padded slots hold 0
-                (a valid key, so gathers are safe).
-            valid: BoolTensor[m, K].
-        """
+        """Padded neighbour lists (index LongTensor[m, K], valid BoolTensor[m, K]) of the
+        flattened rows ``rows`` (LongTensor[m], default all), K their largest degree; padded
+        slots hold 0 (a valid key, so gathers are safe)."""
         if rows is None:
             rows = torch.arange(self.num_rows, device=self.device)
         start = self.crow[rows]
@@ -393,10 +366,8 @@ class AttentionGraph:
         return index.view(shape), valid.view(shape)
 
     def allows(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        """Vectorised edge test for an unbatched graph: BoolTensor of the broadcast shape.
-
-        O(log E) per pair by binary search over the sorted edge keys; no n_q x n_k table.
-        """
+        """Vectorised edge test for an unbatched graph: BoolTensor of the broadcast shape, by
+        binary search over the sorted edge keys (no n_q x n_k table)."""
         if self.batch_shape:
             raise ValueError(f"allows needs an unbatched graph, got batch_shape {self.batch_shape}")
         q_idx, kv_idx = torch.broadcast_tensors(torch.as_tensor(q_idx), torch.as_tensor(kv_idx))
@@ -434,7 +405,7 @@ class AttentionGraph:
         rows = self.row_indices()
         brow = (rows // self.n_q) * nb_q + (rows % self.n_q) // block
         layout = torch.zeros(
-            _prod(self.batch_shape) * nb_q, nb_k, dtype=torch.bool, device=self.device
+            math.prod(self.batch_shape) * nb_q, nb_k, dtype=torch.bool, device=self.device
         )
         layout[brow, self.col // block] = True
         return layout.view(*self.batch_shape, nb_q, nb_k)
@@ -450,7 +421,7 @@ class AttentionGraph:
                 raise IndexError(f"index {i} out of range for size {size}")
             flat = flat * size + (i % size)
         rest = self.batch_shape[len(idx) :]
-        span = _prod(rest) * self.n_q
+        span = math.prod(rest) * self.n_q
         first = flat * span
         crow = self.crow[first : first + span + 1]
         col = self.col[crow[0] : crow[-1]]
@@ -465,7 +436,7 @@ class AttentionGraph:
         if broadcast_or_none(self.batch_shape, batch_shape) != batch_shape:
             raise ValueError(f"cannot expand batch_shape {self.batch_shape} to {batch_shape}")
         dev = self.device
-        ids = torch.arange(_prod(self.batch_shape), device=dev).view(self.batch_shape)
+        ids = torch.arange(math.prod(self.batch_shape), device=dev).view(self.batch_shape)
         ids = ids.expand(batch_shape).reshape(-1)
         src = (ids[:, None] * self.n_q + torch.arange(self.n_q, device=dev)).reshape(-1)
         counts = self.crow[src + 1] - self.crow[src]
@@ -495,11 +466,8 @@ class AttentionGraph:
         return self.expand(shape), other.expand(shape)
 
     def union(self, other: AttentionGraph) -> AttentionGraph:
-        """G ∪ G' (Yun §5.1 UNION), broadcasting leading dims.
-
-        A merge, not a sort, piece by piece (``row_pieces``): in each piece the smaller side's
-        sorted edge keys are located in the larger side's by binary search,
-        O(E_small · log E_large + E).
+        """G ∪ G' (Yun §5.1 UNION), broadcasting leading dims: a merge piece by piece, the
+        smaller side's keys located in the larger's by binary search, O(E_small · log E_large + E).
         """
         a, b = self._aligned(other)
         both = AttentionGraph(a.crow + b.crow, a.col, a.n_q, a.n_k, a.batch_shape)

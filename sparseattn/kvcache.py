@@ -1,10 +1,8 @@
 """An evicting KV cache: a decoder whose pattern lets keys be forgotten for good keeps
 O(window + sinks) keys per layer (issue 15 item 4; docs/causal.md "Memory-bounded generation").
 
-:func:`evictable_extent` says which causal patterns allow it — rows inside {first ``front``
-keys} ∪ {the previous ``window`` tokens}, as ``sliding_window(w, sinks)`` — and
-:func:`window_cache` builds the transformers ``DynamicCache`` (``hf.window_cache(model)`` reads
-a sparsified model's patterns and calls it). transformers is imported on first use only.
+:func:`evictable_extent` says which causal patterns allow it, :func:`window_cache` builds the
+transformers ``DynamicCache`` (``hf.window_cache(model)`` calls it; imported on first use).
 """
 
 from __future__ import annotations
@@ -54,16 +52,13 @@ def evictable_extent(pattern: Pattern | AttentionGraph) -> tuple[int, int] | Non
 @functools.cache
 def _window_layer_class() -> type:
     """transformers' DynamicLayer that keeps the first ``front`` keys and the last
-    ``window − 1`` (made on first use, so that importing sparseattn does not import
-    transformers)."""
+    ``window − 1`` (made on first use: importing sparseattn does not import transformers)."""
     DynamicLayer = require("transformers.cache_utils", "hf", "the evicting KV cache").DynamicLayer
 
     class WindowLayer(DynamicLayer):
         """One layer of :func:`window_cache`: keys (batch, kv_heads, n, d) beyond the first
-        ``front`` and the last ``window − 1`` are dropped after each update. ``update`` still
-        returns every key the current queries need (the kept ones and the new ones), so the
-        current call sees front + window − 1 + n_q keys at most; ``get_seq_length`` counts every
-        token seen (positions), ``get_mask_sizes`` the keys a call sees."""
+        ``front`` and the last ``window − 1`` are dropped after each update (which returns the
+        kept and the new ones); ``get_seq_length`` counts every token seen."""
 
         is_croppable = False
 
@@ -118,19 +113,11 @@ def window_cache(
 ):
     """A KV cache for ``model.generate(cache=...)`` that forgets keys for good.
 
-    For a model sparsified with a pattern whose rows lie in {first ``front`` keys} ∪ {the
-    previous ``window`` tokens} (:func:`evictable_extent`: ``sliding_window(w, sinks)``, a
-    plain causal window), each layer keeps the first front keys (the sinks, plus the left
-    padding of ``attention_mask`` (batch, n) so that every item keeps its own first real
-    tokens) and the last window − 1: generating T tokens holds O(window + sinks) keys per
-    layer instead of T. The dropped keys are ones no later query may attend to, and the kept
-    ones stay in order, so the pattern applied to the kept keys (queries at the end, as for
-    any KV cache) gives the same rows as on the full cache — the same tokens (docs/causal.md).
-
-    ``patterns``: each layer's causal pattern (None: exact attention). Returns a
-    ``transformers.DynamicCache`` whose layers are such windows. Raises ValueError when a
-    layer's pattern does not allow eviction, or layers differ in (front, window)
-    (transformers builds one mask for all layers).
+    ``patterns``: each layer's causal pattern, whose rows lie in {first ``front`` keys} ∪ {the
+    previous ``window`` tokens} (:func:`evictable_extent`). Each layer keeps the first front
+    keys (plus the left padding of ``attention_mask`` (batch, n)) and the last window − 1: the
+    same tokens as the full cache (docs/causal.md). A ValueError for a layer whose pattern
+    does not allow eviction (None: exact attention), or layers that differ in (front, window).
     """
     DynamicCache = require("transformers.cache_utils", "hf", "window_cache").DynamicCache
 

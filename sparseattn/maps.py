@@ -1,21 +1,10 @@
 """Probability maps ρ: padded ragged rows of attention scores → attention weights.
 
-Yun et al. 2020 (§3.1, appendix B) write attention as ``ρ(scores) · V`` for a general probability
-map ρ that replaces the softmax σ_S. Every map here acts along the last dim of ``scores``
-(shape ``(..., K)``) and takes an optional boolean ``valid`` mask, broadcastable to ``scores``
-(``None`` = all valid), that marks the real entries of a padded ragged row.
-
-Rules shared by all maps:
-
-* padding (``valid == False``) receives exactly 0.0 weight and 0.0 gradient; padded score values
-  are never read, so they may be anything (``±inf``, NaN, garbage);
-* valid scores must be finite; each row with at least one valid entry sums to 1;
-* **a row with no valid entry maps to an all-zero row** with zero gradient, never NaN (the
-  engines reject empty pattern rows at their public boundary; here the case is defined);
-* all maps are shift invariant, so the (detached) max of the valid entries is subtracted first;
-* float64, float32, and bfloat16/float16 — computed in float32 (shift, exponentials,
-  denominators, thresholds) and returned in the scores' dtype; any number of leading dims.
-  Sparse maps output exact zeros.
+Yun et al. 2020 (§3.1, appendix B) write attention as ``ρ(scores) · V``. Every map here acts
+along the last dim of ``scores`` (..., K), with an optional bool ``valid`` mask (``None`` = all
+valid) marking the real entries of a padded row: padding gets exactly 0 weight and gradient and
+is never read; a row sums to 1, one with no valid entry maps to zeros (never NaN). Half-precision
+scores are computed in float32. Sparse maps output exact zeros.
 """
 
 from __future__ import annotations
@@ -60,9 +49,8 @@ class ProbabilityMap:
         name: short name, e.g. ``"entmax"``.
         sparse: whether the map can give exact zeros to valid entries.
         params: hyper-parameters shown by ``repr``, e.g. ``{"alpha": 1.5}``.
-        alpha: the α tensor of ``entmax(tensor)`` (one α per row, broadcastable to
-            ``scores.shape[:-1] + (1,)``), else None; engines lay it out with
-            :meth:`row_alpha` and :meth:`with_alpha`.
+        alpha: the α tensor of ``entmax(tensor)`` (one α per row), else None; engines lay it
+            out with :meth:`row_alpha` and :meth:`with_alpha`.
     """
 
     def __init__(
@@ -103,10 +91,9 @@ class ProbabilityMap:
         )
 
     def forward_only(self, scores: Tensor, valid: Tensor | None = None) -> Tensor:
-        """ρ(scores) without autograd, for engines that recompute weights in backward: the
-        sort-free thresholds of :mod:`sparseattn.fastmaps` for entmax maps (no shift pass, no
-        mask when ``valid`` is None; the weights overwrite ``scores``, which must be
-        contiguous and are consumed), else this map under ``no_grad``. Inputs are trusted."""
+        """ρ(scores) without autograd, for engines that recompute weights in backward: for
+        entmax maps :mod:`sparseattn.fastmaps`' thresholds, the weights overwriting ``scores``
+        (contiguous, consumed), else this map under ``no_grad``. Inputs are trusted."""
         if self._fast is not None:
             return self._fast(scores, valid)
         with torch.no_grad():
@@ -188,10 +175,8 @@ def _hardmax(z: Tensor, valid: Tensor) -> Tensor:
 
 
 def _sorted_rows(x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Rows sorted descending, padding last and set to 0 (no -inf in a cumsum).
-
-    Returns the sorted rows (..., K), the ranks k = 1..K (K,) and ``in_row`` (..., K): k ≤ count.
-    """
+    """Rows sorted descending, padding last and set to 0 (no -inf in a cumsum): the sorted rows
+    (..., K), the ranks k = 1..K (K,) and ``in_row`` (..., K): k ≤ count."""
     xs = x.masked_fill(~valid, -math.inf).sort(dim=-1, descending=True).values
     k = torch.arange(1, x.shape[-1] + 1, dtype=x.dtype, device=x.device)
     in_row = k <= valid.sum(-1, keepdim=True)
@@ -341,11 +326,8 @@ def softmax() -> ProbabilityMap:
 
 
 def hardmax() -> ProbabilityMap:
-    """Hardmax: one-hot on the argmax of the valid entries (the limit in Yun et al. Assumption 2).
-
-    Ties: the weight is split uniformly, 1/m to each of the m tied maxima, so ``[1, 3, 3, 0]`` →
-    ``[0, 0.5, 0.5, 0]``. The map is piecewise constant: its gradient is exactly zero.
-    """
+    """Hardmax: one-hot on the argmax of the valid entries (the limit in Yun et al. Assumption 2);
+    m tied maxima get 1/m each. Piecewise constant: its gradient is exactly zero."""
     return _made_by(ProbabilityMap("hardmax", _hardmax, sparse=True), hardmax)
 
 
@@ -357,10 +339,8 @@ def sparsemax() -> ProbabilityMap:
 
 
 def sparselin_gen(lam: float) -> ProbabilityMap:
-    """Sparselin-gen (Yun et al. appendix B.2): ρ(v)_j = max(0, (v_j − τ)/(1 − λ)), Σ ρ = 1.
-
-    Solves argmin_{p ∈ Δ} ‖p − v‖² − λ‖p‖²; it equals sparsemax(v / (1 − λ)). ``lam`` ∈ [0, 1).
-    """
+    """Sparselin-gen (Yun et al. appendix B.2): ρ(v)_j = max(0, (v_j − τ)/(1 − λ)), Σ ρ = 1,
+    i.e. sparsemax(v / (1 − λ)); ``lam`` ∈ [0, 1)."""
     lam = _check_real("lam", lam)
     if not 0.0 <= lam < 1.0:
         raise ValueError(f"lam must lie in [0, 1), got {lam}")
@@ -377,16 +357,13 @@ def sparselin_gen(lam: float) -> ProbabilityMap:
 def entmax(alpha: float | Tensor) -> ProbabilityMap:
     """α-entmax (Yun et al. appendix B.3): p_j = [(α−1) v_j − τ]₊^{1/(α−1)} with Σ p = 1.
 
-    α = 1 is softmax; α = 1.5 and α = 2 (sparsemax) are exact (sort-based on short inputs, Newton
-    on τ with an exact finish on long ones, :mod:`sparseattn.fastmaps`); any other α > 1 uses
-    safeguarded Newton on τ to float precision. Backward is closed-form (no autograd through the
-    threshold search). A number ``alpha`` must be finite and ≥ 1.
+    α = 1 is softmax; α = 1.5 and α = 2 (sparsemax) are exact (sort-based on short inputs,
+    :mod:`sparseattn.fastmaps` on long ones); any other α > 1 uses safeguarded Newton on τ to
+    float precision. Backward is closed-form. A number ``alpha`` must be finite and ≥ 1.
 
     ``alpha`` may also be a floating tensor, every entry finite and > 1, one α per row:
-    broadcastable to ``scores.shape[:-1] + (1,)``, e.g. (H, 1, 1) per head against scores
-    (B, H, n, K), as in the Adaptively Sparse Transformer (Correia et al. 2019). With
-    ``requires_grad`` the map gives ∂L/∂α (Correia et al. 2019; the ``entmax`` package's
-    ``entmax_bisect`` gradient). Threshold by safeguarded Newton with per-row α.
+    broadcastable to ``scores.shape[:-1] + (1,)``, e.g. (H, 1, 1) per head (the Adaptively
+    Sparse Transformer, Correia et al. 2019); with ``requires_grad`` the map gives ∂L/∂α.
     """
     if isinstance(alpha, Tensor):
         if not alpha.is_floating_point():
@@ -440,9 +417,8 @@ class _Support(ProbabilityMap):
 
 
 def support(rho: ProbabilityMap) -> ProbabilityMap:
-    """The indicator of ρ's support, 1[ρ(scores)_j > 0], as a map of the same shape (forward
-    only). Through an engine with values of ones, (B, H, n_k, 1), it gives each query's number
-    of non-zero weights without an n_q × n_k tensor (``hf.attention_sparsity``)."""
+    """The indicator of ρ's support, 1[ρ(scores)_j > 0], as a map (forward only): through an
+    engine with values of ones it counts each query's non-zero weights (``attention_sparsity``)."""
     return _Support(rho)
 
 

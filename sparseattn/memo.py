@@ -1,19 +1,12 @@
 """Memo: the package's one cache mechanism.
 
-An object keeps what it derives from itself in a :class:`Memo` that it owns: a pattern its
-graphs per length, its drawn tables and their device copies; a graph the engines' plans and
-block masks; a block plan its chunks and device copies. A memo is
-
-* **bounded** — least recently used first out, so a stream of varying lengths holds at most
-  ``maxsize`` entries per owner;
-* **safe under threads** — reads and writes hold a lock; ``make()`` runs outside it (it may be
-  slow, and may consult the same memo, e.g. a pattern's rows built from its full graph), so two
-  threads missing the same key may both make it: the first stored wins and both get that one;
-* **never pickled or copied** — a pickle or ``copy.deepcopy`` of its owner gets an empty memo
-  of the same size, so saved patterns, graphs and models carry no caches.
-
+An object keeps what it derives from itself in a :class:`Memo` that it owns (a pattern its
+graphs and drawn tables, a graph the engines' plans, a block plan its chunks). A memo is
+**bounded** (least recently used first out); **safe under threads** (reads and writes hold a
+lock, ``make()`` runs outside it, so two threads missing one key may both make it: the first
+stored wins); **never pickled or copied** (its owner's pickle or deep copy gets an empty memo).
 :meth:`Memo.peek` reads without locking or reordering: what a traced function (a compiled
-FlexAttention ``mask_mod``) may call, since tracing refuses mutations of outside state.
+FlexAttention ``mask_mod``) may call.
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
-"""Score modifiers: a function of each scaled score and its position, applied before ρ.
+"""Score modifiers: a function of each scaled score and its position, applied before ρ
+(docs/engines.md, "Score modifiers").
 
-FlexAttention's ``score_mod`` convention: ``score_mod(score, b, h, q_idx, kv_idx)`` gets the
-scaled scores s_ij = scale · q_i·k_j of some entries and integer tensors that broadcast
-against them (the batch item, the *query* head, the query's index in q and the key's index
-in k) and returns the modified scores, same shape. ``sparse_attention(…, score_mod=)``
-computes
+FlexAttention's convention: ``score_mod(score, b, h, q_idx, kv_idx)`` gets scaled scores
+s_ij = scale · q_i·k_j and integer tensors broadcasting against them (the batch item, the
+*query* head, the indices in q and in k) and returns the modified scores, element-wise:
+out_i = Σ_{j ∈ A_i} ρ(score_mod(s_i·))_j · v_j, Yun et al. eq. (3) on the pattern's edges.
 
-    out_i = Σ_{j ∈ A_i} ρ(score_mod(s_i·))_j · v_j,
-
-that is Yun et al. eq. (3) with the scores modified on the pattern's edges only (no n × n
-tensor: each engine calls the modifier on the entries it scores). The modifier must be
-element-wise: an entry's result may depend on its score and its four indices only.
-
-The models' modifiers:
-
-* :func:`bias`: an additive bias tensor (T5's relative position bias, an attention bias);
-* :func:`alibi`: ALiBi's linear distance penalty −m_h·|i − j| (Press et al., 2022);
-* :func:`softcap`: logit soft-capping c·tanh(s / c) (Gemma 2);
-* :func:`chain`: several, in order (Gemma 2 with a bias, …).
-
-Gradients: autograd reaches the tensors a modifier reads (a bias that is learned, T5's
-relative-attention embedding) when they are a :class:`ScoreMod`'s ``tensors``, an
-``nn.Module`` modifier's parameters, or tensors held directly in a plain function's closure
-(:func:`lifted_tensors`); the engines that recompute scores in backward return their
-gradients. A tensor reached otherwise (an attribute of some other object) gets none there.
+The models' modifiers: :func:`bias` (T5), :func:`alibi` (−m_h·|i − j|, Press et al. 2022),
+:func:`softcap` (c·tanh(s / c), Gemma 2) and :func:`chain`. The engines that recompute scores
+in backward return gradients to a :class:`ScoreMod`'s ``tensors``, an ``nn.Module`` modifier's
+parameters and tensors in a plain function's closure (:func:`lifted_tensors`).
 """
 
 from __future__ import annotations
@@ -50,10 +36,8 @@ __all__ = [
 class ScoreMod:
     """A named score modifier: callable as ``(score, b, h, q_idx, kv_idx) → score``.
 
-    Attributes:
-        tensors: the tensors it reads (their gradients are returned by every engine).
-        kind: "bias", "alibi" or "softcap" for the library's elementary modifiers (what
-            :func:`steps` lists), None for any other.
+    ``tensors``: the tensors it reads (every engine returns their gradients); ``kind``: "bias",
+    "alibi" or "softcap" for the library's elementary modifiers (:func:`steps`), else None.
     """
 
     tensors: tuple[Tensor, ...] = ()
@@ -96,11 +80,9 @@ class _Bias(ScoreMod):
 def bias(t: Tensor) -> ScoreMod:
     """An additive bias: s_ij + t[b, h, i, j].
 
-    Args:
-        t: FloatTensor broadcasting to (batch, heads, n_q, n_k) (fewer dims are taken as
-            trailing ones; size-1 dims broadcast), e.g. T5's position bias (1, heads, n_q,
-            n_k). Only the entries on the pattern's edges are read; a learned ``t`` gets its
-            gradient (zero off the edges).
+    ``t``: FloatTensor broadcasting to (batch, heads, n_q, n_k) (fewer dims are trailing
+    ones), e.g. T5's position bias (1, heads, n_q, n_k); a learned ``t`` gets its gradient
+    (zero off the pattern's edges).
     """
     return _Bias(t)
 
@@ -116,9 +98,8 @@ class _ALiBi(ScoreMod):
         self.tensors = () if slopes is None else (slopes,)
 
     def computed_slopes(self, heads: int, device: torch.device | str = "cpu") -> Tensor:
-        """m_h for h = 0 … ``heads`` − 1 as :meth:`__call__` computes them without a slopes
-        tensor, float32 (heads,): the paper's for this modifier's head count, continued past
-        it by the same formula."""
+        """m_h for h = 0 … ``heads`` − 1, float32 (heads,), as :meth:`__call__` computes them
+        without a slopes tensor (the paper's, continued past its head count)."""
         h = torch.arange(heads, device=device, dtype=torch.float64)
         low = 2 ** math.floor(math.log2(self.heads))
         exponent = torch.where(h < low, 8.0 * (h + 1.0), 4.0 * (2.0 * (h - low) + 1.0))
@@ -155,13 +136,10 @@ def alibi_slopes(heads: int) -> Tensor:
 
 
 def alibi(slopes: Tensor | int) -> ScoreMod:
-    """ALiBi: s_ij − m_h·|i − j| (causal patterns: the paper's −m_h·(i − j)).
-
-    Args:
-        slopes: (heads,) per-head slopes m_h on the inputs' device, or the number of heads:
-            the paper's slopes (:func:`alibi_slopes`), computed from h on any device.
-    Positions are indices in q and k: for queries at an offset (a KV cache), pass a bias.
-    """
+    """ALiBi: s_ij − m_h·|i − j| (causal patterns: the paper's −m_h·(i − j)). ``slopes``:
+    (heads,) per-head slopes m_h on the inputs' device, or the number of heads (the paper's
+    slopes, :func:`alibi_slopes`, computed from h). i, j index q and k: for queries at an
+    offset (a KV cache), pass a bias."""
     if isinstance(slopes, int) and not isinstance(slopes, bool):
         alibi_slopes(slopes)  # checks the count
         return _ALiBi(None, slopes)
@@ -222,8 +200,8 @@ _ELEMENTARY = (_Bias, _ALiBi, _SoftCap)
 def steps(score_mod: Callable) -> tuple[ScoreMod, ...] | None:
     """The library's elementary modifiers that ``score_mod`` applies, in order — :func:`bias`,
     :func:`alibi` and :func:`softcap` (``kind`` "bias", "alibi", "softcap"), chains flattened —
-    or None when any part of it is another callable. A kernel that cannot call Python takes a
-    modifier as this description (kinds and parameters) instead of calling it."""
+    or None when any part of it is another callable: what a kernel that cannot call Python
+    takes instead."""
     if type(score_mod) in _ELEMENTARY:
         return (score_mod,)
     if type(score_mod) is _Chain:

@@ -1,18 +1,12 @@
 """Patterns and probability maps as plain data: the versioned form a saved model carries.
 
-A pattern is a frozen dataclass of ints, floats, bools, strings and other patterns, so it is
-written as ``{"pattern": "<module>.<class>", "fields": {...}}`` (nested patterns likewise,
-tuples as lists); a probability map as the factory that made it and its arguments,
-``{"prob_map": "entmax", "args": [1.5]}``. Both are JSON, so they fit a Hugging Face
-``config.json`` (docs/persistence.md). What holds a tensor (a learned mask's logits, a learned
-α) is not configuration: it belongs in a state dict. Given a ``store(key, tensor) -> ref``
-callback, a tensor is handed to it (``key`` its path in the pattern, e.g. ``"logits"`` or
-``"parts.1.logits"``, or ``"alpha"``) and written as ``{"tensor": ref}``; reading takes the
-matching ``load(ref) -> tensor``. Without ``store`` a tensor is refused with a TypeError that
-says so.
-
-Reading is restricted to the classes and factories of this package: a config names no code
-outside ``sparseattn``.
+A pattern (a frozen dataclass of ints, floats, bools, strings and patterns) is written as
+``{"pattern": "<module>.<class>", "fields": {...}}``, a probability map as the factory that made
+it, ``{"prob_map": "entmax", "args": [1.5]}``: JSON, as a Hugging Face ``config.json`` holds
+(docs/persistence.md). A tensor (a learned mask's logits, a learned α) is state: it goes to a
+``store(key, tensor) -> ref`` callback (``key`` its path, e.g. ``"parts.1.logits"``) and is
+written as ``{"tensor": ref}``, read back by ``load(ref)``; without ``store`` it is refused.
+Reading names no code outside ``sparseattn``.
 """
 
 from __future__ import annotations
@@ -69,12 +63,8 @@ def _value(name: str, value: Any, store: Store | None) -> Any:
 def pattern_config(
     pattern: Pattern | PatternCycle, store: Store | None = None, prefix: str = ""
 ) -> dict:
-    """``pattern`` as JSON-able data (see the module docstring); its tensors go to ``store``.
-
-    Raises:
-        TypeError: for a pattern that holds a tensor (learned, predicted) without ``store``,
-            or other state.
-    """
+    """``pattern`` as JSON-able data (the module docstring), its tensors to ``store``; a
+    TypeError for a tensor without ``store``, or other state."""
     if not isinstance(pattern, (Pattern, PatternCycle)) or not dataclasses.is_dataclass(pattern):
         raise TypeError(f"pattern must be a sparseattn Pattern, got {type(pattern).__name__}")
     cls = type(pattern)
@@ -99,11 +89,8 @@ def _read(value: Any, load: Load | None) -> Any:
 
 
 def pattern_from_config(config: dict, load: Load | None = None) -> Pattern | PatternCycle:
-    """The pattern :func:`pattern_config` wrote (its tensors from ``load``).
-
-    Raises:
-        ValueError: for a config that is not one, or names a class outside sparseattn.
-    """
+    """The pattern :func:`pattern_config` wrote (its tensors from ``load``); a ValueError for a
+    config that is not one, or names a class outside sparseattn."""
     if not isinstance(config, dict) or not isinstance(config.get("pattern"), str):
         raise ValueError(f"a pattern config is a dict with a 'pattern' class name, got {config!r}")
     module, _, name = config["pattern"].rpartition(".")
@@ -123,12 +110,8 @@ def pattern_from_config(config: dict, load: Load | None = None) -> Pattern | Pat
 
 def prob_map_config(rho: maps.ProbabilityMap, store: Store | None = None) -> dict:
     """``rho`` as its factory's name and arguments, e.g. ``{"prob_map": "entmax", "args":
-    [1.5]}``; a tensor α goes to ``store`` (key ``"alpha"``).
-
-    Raises:
-        TypeError: for a map with a tensor α without ``store`` (learned: state, not
-            configuration) or one not made by a factory of :mod:`sparseattn.maps`.
-    """
+    [1.5]}``, a tensor α to ``store`` (key ``"alpha"``); a TypeError without ``store`` then,
+    or for a map not made by a factory of :mod:`sparseattn.maps`."""
     recipe = getattr(rho, "recipe", None)
     if recipe is None or recipe[0].__name__ not in _MAPS:
         raise TypeError(f"{rho!r} was not made by a factory of sparseattn.maps")

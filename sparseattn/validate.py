@@ -1,10 +1,9 @@
 """Validation helpers for the public boundary (docs/architecture.md, "Errors"): one home for
 every argument check.
 
-Each helper returns the value (converted where that is safe: an int stays an int, a real
-becomes a float) or raises a ``TypeError`` (wrong kind) / ``ValueError`` (wrong value) whose
-message names the argument and the expectation, e.g. ``w must be an int >= 1, got 2.5``.
-All checks are O(1) except :func:`check_finite_tensor`, which is one reduction.
+Each helper returns the value (an int stays an int, a real becomes a float) or raises a
+``TypeError`` (wrong kind) / ``ValueError`` (wrong value) naming the argument and the
+expectation, e.g. ``w must be an int >= 1, got 2.5``.
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ __all__ = [
     "check_finite_float",
     "check_finite_tensor",
     "check_generator",
-    "check_index",
-    "check_indices",
     "check_int",
     "check_model",
     "check_positive",
@@ -124,28 +121,6 @@ def check_generator(name: str, value: object) -> torch.Generator | None:
     """None or a ``torch.Generator`` (an int seed is refused: pass ``seed=`` where offered)."""
     if value is not None and not isinstance(value, torch.Generator):
         raise TypeError(f"{name} must be a torch.Generator or None, got {_kind(value)}")
-    return value
-
-
-def check_index(name: str, value: object, size: int) -> int:
-    """An int index in [0, size)."""
-    value = check_int(name, value, 0)
-    if value >= size:
-        raise ValueError(f"{name} must be < {size}, got {value}")
-    return value
-
-
-def check_indices(name: str, value: Tensor, size: int) -> Tensor:
-    """An integer tensor with every entry in [0, size); returned as a LongTensor."""
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{name} must be an integer tensor, got {_kind(value)}")
-    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
-    value = value.long()
-    if value.numel() and (int(value.min()) < 0 or int(value.max()) >= size):
-        raise ValueError(
-            f"{name} must lie in [0, {size}), got [{int(value.min())}, {int(value.max())}]"
-        )
     return value
 
 

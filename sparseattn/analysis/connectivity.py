@@ -11,6 +11,9 @@ For patterns {A_k^1}, …, {A_k^p} at length n (0-based tokens here; the paper c
 The sets S_k^t are kept as packed bitsets, one row of ⌈n/64⌉ int64 words per token; a step ORs
 the rows of each token's neighbours (a gather plus an in-place halving fold), so one step costs
 O(|edges| · n/64) word operations and memory stays O(n²/8) bytes — 2 MiB at n = 4096.
+
+One piece: the three conditions are checked on one packed cycle of graphs (``_Cycle``), and
+the report runs them together.
 """
 
 from __future__ import annotations

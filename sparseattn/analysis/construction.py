@@ -26,6 +26,9 @@ A_k = [n] \\ {k}, no positional embedding: δ^{−d} selective shifts (one per v
 global shifts Z ↦ Z + (Δ_h/δ) ψ(Z; 0), Δ_h = δ(δ^{−d} − 1)(δ^{−nd} + δ^{−d} + 1). Its inputs
 must have pairwise distinct columns (a permutation-equivariant map cannot separate equal
 tokens), the set on which the proof's ordering l_1 < … < l_n is taken.
+
+One piece: the layer types, their exact interpreter, the two constructions (Yun, SparseBERT)
+and the verifier all work on one exact-arithmetic representation of the network.
 """
 
 from __future__ import annotations

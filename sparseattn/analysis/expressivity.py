@@ -19,6 +19,9 @@ The paper's objects, made computable:
   those experiments.
 
 Matrices are n × n; ``X`` is (n, d_hid); ``W_q``, ``W_k`` are (d_hid, d). Analysis runs in float64.
+
+One piece: one paper's objects, whose deciders, witness search and construction share the
+input checks and the ratio errors they are judged by.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ ids of the exact hardmax interpreter (``fractions.Fraction``) are the reference.
 
 Float64 holds the construction only while every id is a multiple of δ below 2^53 δ
 (δ = 1/2 or 1/4; :func:`check_float64_ids` refuses larger cases).
+
+One piece: the relaxed layers, step 3's constants (η, t, the margins) and the error table that
+uses them are one proof step executed; apart, the table would lose its definitions.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Engines: how the work on a graph is done.
 
-``dense`` is the reference, ``gather`` works on neighbour lists (any graph), ``block`` on the
-block-sparse layout with batched matrix products, ``flex`` hands a BlockMask to torch's
-FlexAttention (softmax only; on CPU forward only, compiled), ``rows`` takes full (or wide) rows
-a chunk of queries at a time (sparse maps on the dense pattern), ``triton`` fused α-entmax /
-sparsemax kernels on CUDA. What each supports is declared
-in :mod:`.capabilities` (``SPECS``), the one table ``engine="auto"`` walks.
+``dense`` (the reference), ``gather`` (neighbour lists), ``block`` (block-sparse matrix
+products), ``flex`` (torch's FlexAttention), ``rows`` (full rows) and ``triton`` (fused α-entmax
+kernels); what each supports is declared in :mod:`.capabilities` (``SPECS``), the table
+``engine="auto"`` walks (docs/engines.md).
 """
 
 from .block import block_attention

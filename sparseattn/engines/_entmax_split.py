@@ -2,16 +2,12 @@
 (``SPLIT_LONG``): the same passes as :mod:`sparseattn.engines._entmax_kernels`' ``_forward``
 and ``_backward_dq``, over chunks of a query block's pairs (imported lazily: needs triton).
 
-A query block that visits far more key blocks than the others (the global tokens of a
-Longformer or BigBird visit all of them), or any query block when the main kernel would run
-fewer programs than the device has multiprocessors (decoding), would be one long serial
-program. Its pairs are cut into chunks, one program per (chunk, batch·head), and the passes run
-as one launch each: a chunk kernel writes each row's partial sums of its chunk to PART
-(B·H, chunks, 4, BLOCK), and a merge kernel (one program per split query block and
-batch·head) adds them and updates the row's state in STATE (6, B·H, n_q): m, τ, lo, hi, done,
-has. Chunk c covers pairs CH_START[c] : CH_END[c] of row block CH_RB[c] (= g·nbq + query
-block); split row block r is LONG_RB[r], its chunks LONG_C0[r] : LONG_C1[r]. The kernels that
-score take the score modifier's arguments and ``MOD`` as the main kernels do.
+A long query block (global tokens; any query block when decoding) has its pairs cut into
+chunks (``split_plan``), one program per (chunk, batch·head), each pass one launch: a chunk
+kernel writes each row's partial sums to PART (B·H, chunks, 4, BLOCK), and a merge kernel (one
+program per split query block and batch·head) adds them and updates the row's state in STATE
+(6, B·H, n_q): m, τ, lo, hi, done, has. Chunk c covers pairs CH_START[c] : CH_END[c] of row
+block CH_RB[c]; split row block r is LONG_RB[r], its chunks LONG_C0[r] : LONG_C1[r].
 """
 
 from __future__ import annotations
@@ -23,19 +19,21 @@ from ._entmax_kernels import (
     _dq,
     _finish,
     _floor,
-    _grad_rows,
     _insert,
     _last,
-    _mod_at,
     _pass0,
-    _program,
-    _put,
     _slope_grad,
     _stack,
     _start,
     _sums,
-    _tile,
     _update,
+)
+from ._entmax_tiles import (
+    _grad_rows,
+    _mod_at,
+    _program,
+    _put,
+    _tile,
 )
 
 

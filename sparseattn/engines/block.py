@@ -1,38 +1,22 @@
-"""Block engine: block-sparse attention as batched matrix products over non-empty blocks.
+"""Block engine: block-sparse attention as batched matrix products over non-empty blocks
+(docs/engines.md, "Block engine").
 
-The graph is laid out in square blocks of ``block`` tokens. A *row block* (``block``
-consecutive queries of one graph) attends to the key blocks that hold at least one of its
-edges. Its key blocks are *full* (every (query, key) pair of the block is an edge) or
-*partial* (an element mask is needed). Each query's map ρ sees its whole row of selected
-blocks, with the element mask of the partial blocks as ``valid`` (Yun et al. eq. 3 computed
-on a superset of A_i and masked back to it).
+The graph is laid out in square blocks of ``block`` tokens; a *row block* (``block`` queries of
+one graph) attends to the key blocks holding one of its edges, *full* (every pair an edge) or
+*partial* (an element mask). Each query's map ρ sees its whole row of selected blocks, the
+partial blocks' mask as ``valid`` (Yun et al. eq. 3 on a superset of A_i, masked back to it).
+Row blocks go in chunks of ``budget`` score entries (memory O(n·d + budget)), computed by
 
-Row blocks are grouped by their (number of full, number of partial) key blocks — as the gather
-engine groups rows by degree — so a few dense rows (global tokens) form their own small group
-instead of padding every row block to n keys. Each group is cut into chunks of at most
-``budget`` score entries; peak memory beyond q, k, v and the output is O(budget).
+* **split softmax** (softmax, no key padding, no dropout, d_v = d, CPU): the full blocks (a run
+  of consecutive ones as a strided view, widened by the band's partial blocks under a bias)
+  through torch's fused CPU flash kernel, the other partial blocks here, merged by their
+  log-sum-exps; the backward splits the same way (dS = P ⊙ (dP − rowsum(dO ⊙ O)) decomposes
+  over any split of the keys);
+* **general** (any map, key padding, dropout, a score modifier): ρ on the masked row of all
+  blocks; the backward recomputes each chunk (softmax's closed form, autograd for other maps,
+  dropout replayed from the saved RNG state).
 
-Two ways to compute a chunk:
-
-* **split softmax** (softmax, no key padding, no dropout, d_v = d, CPU): the run of
-  consecutive full blocks — widened by the band's partial edge blocks under one broadcast
-  bias (:func:`_band`) — goes through torch's fused CPU flash-attention kernel as a strided
-  view of K and V, which returns the log-sum-exp of each row; full blocks off the run go
-  through the kernel gathered; the other partial blocks are scored, masked and exponentiated
-  here; the parts are merged by their log-sum-exps. Backward uses the same split: given the
-  *merged* output and log-sum-exp each part adds exactly its share of dQ, dK, dV
-  (dS = P ⊙ (dP − rowsum(dO ⊙ O)) decomposes over any split of the keys) — the full blocks
-  through the flash backward kernel from b = 64, by the closed form below that.
-* **general** (any map, key padding, dropout): scores of all blocks side by side, ρ on the
-  masked row, weights · V. Backward recomputes each chunk; softmax uses its closed form
-  dS = P ⊙ (dP − Σ P⊙dP), any other map autograd on the recomputed chunk; dropout masks are
-  replayed from the saved RNG state.
-
-Both backward passes keep only q, k, v, the output and (split) the row log-sum-exps, and add
-dK, dV into one buffer with ``index_add_``: O(n·d + budget) memory for training too.
-
-The plan (block pairs, groups, element masks of partial blocks) comes from :mod:`.layout`:
-built once per (graph, block) and cached on the graph object.
+The plan (:mod:`.layout`) is built once per (graph, block) and cached on the graph.
 """
 
 from __future__ import annotations
@@ -48,7 +32,7 @@ from torch.autograd.function import FunctionCtx
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from ..score_mods import lifted_tensors
-from .common import masked_exp, mod_grads, replayed_rng, rng_state
+from .common import keep_mask, masked_exp, mod_grads, replayed_rng, rng_state
 from .layout import BlockChunk, block_plan, choose_block
 from .precision import compute_dtype
 
@@ -123,12 +107,6 @@ class _Runner:
             x.storage_offset() + start * b * e,
         )
 
-    def keep(self, p: Tensor) -> Tensor | None:
-        """Dropout keep-mask scaled by 1/(1 − p), drawn from the global RNG (replayed)."""
-        if not self.dropout_p:
-            return None
-        return torch.empty_like(p).bernoulli_(1 - self.dropout_p).div_(1 - self.dropout_p)
-
     # -- general path -------------------------------------------------------------------
     def general_inputs(self, full: Tensor, part: Tensor, keep: Tensor | None):
         """All key blocks of a chunk side by side, the row's edge mask (uint8 (m, b, C·b) or
@@ -192,7 +170,7 @@ class _BlockAttention(torch.autograd.Function):
             a = None if ap is None else ap.index_select(1, rows)
             s = run.modded(torch.matmul(qs, run.gather(kp, keys).transpose(-1, -2)), rows, keys)
             p = run.weights(s, blk, ok, a)
-            keep = run.keep(p)
+            keep = keep_mask(p, run.dropout_p)
             if keep is not None:
                 p = p * keep
             out.index_copy_(1, rows, torch.matmul(p, run.gather(vp, keys)))
@@ -234,7 +212,7 @@ class _BlockAttention(torch.autograd.Function):
                     # the softmax path works in place: on a copy where autograd needs sm
                     sm_in = sm.detach().clone() if modded and run.softmax else sm
                     p = run.weights(sm_in, blk, ok, a)
-                keep = run.keep(p)
+                keep = keep_mask(p, run.dropout_p)
                 pd = p.detach() if keep is None else p.detach() * keep
                 go = gp.index_select(1, rows)
                 dv.index_add_(1, flat, _per_block(torch.matmul(pd.transpose(-1, -2), go), b))
@@ -277,30 +255,16 @@ def _per_block(x: Tensor, b: int) -> Tensor:
 
 
 def _split_forward(run, qc, kp, vp, ch):
-    """Split-softmax forward of one chunk: (output (L, m, b, d), row log-sum-exp (L, m, b)).
-
-    Up to three parts, merged by their log-sum-exps: the run (a strided view, with the band's
-    bias), the full blocks off the run (gathered), the partial blocks (gathered, masked here).
-    """
+    """Split-softmax forward of one chunk: (output (L, m, b, d), row log-sum-exp (L, m, b)),
+    from up to three parts merged by their log-sum-exps: the run (a strided view, with the
+    band's bias), the full blocks off the run, the partial blocks (masked here)."""
     halves = []
     if ch.full.shape[1]:
-        halves.append(
-            _flash(
-                qc,
-                run.full_blocks(kp, ch),
-                run.full_blocks(vp, ch),
-                0.0,
-                False,
-                attn_mask=_bias(ch.bias, qc),
-                scale=run.scale,
-            )
-        )
+        kf, vf = run.full_blocks(kp, ch), run.full_blocks(vp, ch)
+        halves.append(_flash(qc, kf, vf, 0.0, False, attn_mask=_bias(ch.bias, qc), scale=run.scale))
     if ch.extra is not None:
-        halves.append(
-            _flash(
-                qc, run.gather(kp, ch.extra), run.gather(vp, ch.extra), 0.0, False, scale=run.scale
-            )
-        )
+        kx, vx = run.gather(kp, ch.extra), run.gather(vp, ch.extra)
+        halves.append(_flash(qc, kx, vx, 0.0, False, scale=run.scale))
     if ch.part.shape[1]:
         part = ch.part[:1] if ch.shared else ch.part
         kc, vc = run.gather(kp, part), run.gather(vp, part)
@@ -379,13 +343,9 @@ def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
 
 def _full_backward(run, qc, go, oc, delta, lse, kf, vf, bias):
     """The full (and band) blocks' share of dQ, dK, dV, given the merged output ``oc`` and
-    log-sum-exp: (dQ (L, m, b, d), dK and dV shaped like ``kf``, ``vf``). K and V (kf, vf)
-    stay strided views for a run; ``bias`` is the band's (b, Cf·b) bias or None.
-
-    From ``FLASH_BACKWARD_BLOCK`` on, torch's flash backward kernel; below it the closed
-    form dS = P ⊙ (dP − δ) with P recomputed, one riding (batch, head) at a time so that P is
-    only (m, b, Cf·b) (the kernel copies and zero-fills its key-side gradients per row block,
-    which costs most on small blocks).
+    log-sum-exp: (dQ (L, m, b, d), dK and dV shaped like ``kf``, ``vf``); ``bias`` is the
+    band's (b, Cf·b) bias or None. From ``FLASH_BACKWARD_BLOCK`` on, torch's flash backward
+    kernel; below it the closed form dS = P ⊙ (dP − δ), one riding (batch, head) at a time.
     """
     if qc.shape[-2] >= FLASH_BACKWARD_BLOCK:
         return _flash_backward(
@@ -405,12 +365,8 @@ def _full_backward(run, qc, go, oc, delta, lse, kf, vf, bias):
 
 def _blocked(x: Tensor, run: _Runner) -> Tensor:
     """(B, H, n, e) → contiguous (L, G·nb, b, e) in ``run.dtype``, zero-padded to a multiple of
-    the block size.
-
-    Inputs of any strides (the transposed views of a fused projection) or of half precision
-    on CPU (computed in float32, :mod:`.precision`) are copied once here, O(n·e), so that
-    every block below is a dense slice and every run a strided view of it.
-    """
+    the block size: inputs of any strides or of half precision on CPU (:mod:`.precision`) are
+    copied once here, O(n·e), so that every block below is a dense slice."""
     b = run.plan.block
     pad = -x.shape[-2] % b
     if pad:
@@ -459,22 +415,9 @@ def block_attention(
     budget: int | None = None,
     score_mod: Callable | None = None,
 ) -> Tensor:
-    """Block-sparse attention, Yun eq. (3) (same contract as ``dense_attention``).
-
-    Args:
-        q: (B, H, n_q, d); k: (B, H, n_k, d); v: (B, H, n_k, d_v).
-        graph: static (batch_shape ()) or batched ((H,), (B, H), ...) AttentionGraph.
-        prob_map: any ProbabilityMap; it sees each query's row of all its selected blocks,
-            with the element mask as ``valid``.
-        scale: score scale.
-        key_valid: (B, n_k) bool, True for real keys.
-        dropout_p: dropout on the attention weights.
-        block: block size (16–128 are sensible); None picks one by :func:`choose_block`.
-        budget: most score entries per chunk (a single row block may exceed it); None:
-            ``BUDGET`` for the inputs' device type.
-        score_mod: a score modifier (``sparse_attention``); the general path applies it.
-    Returns:
-        (B, H, n_q, d_v).
+    """Block-sparse attention, Yun eq. (3) (same contract as ``dense_attention``; any map, a
+    static or batched graph). ``block``: the block size, None: :func:`choose_block`'s;
+    ``budget``: most score entries per chunk, None: ``BUDGET`` for the inputs' device type.
     """
     bsz, heads = q.shape[:2]
     lead, graph = _lead_and_graph(graph, bsz, heads)
@@ -490,16 +433,8 @@ def block_attention(
             key_ok = F.pad(key_ok, (0, pad), value=False)
         key_ok = key_ok[:, None, :].expand(bsz, heads, -1).reshape(lead, -1, plan.block)
     budget = BUDGET.get(q.device.type, BUDGET["cuda"]) if budget is None else budget
-    run = _Runner(
-        plan,
-        prob_map,
-        scale,
-        key_ok,
-        dropout_p,
-        budget,
-        lead,
-        q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and score_mod is None,
-        compute_dtype(q),
-    ).with_score_mod(score_mod, heads, q.shape[2], k.shape[2])
+    fused = q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and score_mod is None
+    run = _Runner(plan, prob_map, scale, key_ok, dropout_p, budget, lead, fused, compute_dtype(q))
+    run = run.with_score_mod(score_mod, heads, q.shape[2], k.shape[2])
     alpha = prob_map.row_alpha(bsz, heads, q.shape[2])
     return _BlockAttention.apply(q, k, v, alpha, run, *run.mod_tensors)

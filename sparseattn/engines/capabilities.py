@@ -1,17 +1,11 @@
 """The engine table: what each engine can compute and what it costs, declared in one place.
 
-Each engine states the devices, dtypes, probability maps, training (backward), dropout,
-per-row α and grouped-query attention it supports, and its cost estimate for a request, as an
-:class:`EngineSpec`; :meth:`EngineSpec.not_supported_reasons` names, one sentence each, why it
-cannot run a :class:`Request`. ``sparse_attention(engine=...)`` refuses an engine with reasons
-(and says them); ``engine="auto"`` is :func:`choose`, one loop over the table: the cheapest
-engine without reasons (the model: xformers' fmha dispatch). The numbers the estimates use live
-in :mod:`sparseattn.engines.costs`.
-
-The dense pattern (every key, or every earlier key) is a request without a graph
-(``Request.full_rows``): only the engines that serve it graph-free have a cost for it — the
-rows engine (full rows a chunk of queries at a time, SDPA's fused kernel for softmax) and, on a
-GPU, the Triton kernels' fused full-row α-entmax — so ``auto`` never builds its n² graph.
+Each engine states what it supports and its cost for a request as an :class:`EngineSpec`, whose
+:meth:`~EngineSpec.not_supported_reasons` say why it cannot run a :class:`Request`.
+``sparse_attention(engine=...)`` refuses an engine with reasons; ``engine="auto"`` is
+:func:`choose`, the cheapest engine without reasons (docs/engines.md, "The `auto` rule"; the
+numbers: :mod:`sparseattn.engines.costs`). The dense pattern is a request without a graph
+(``Request.full_rows``): only the engines that serve it graph-free have a cost for it.
 """
 
 from __future__ import annotations
@@ -31,19 +25,14 @@ from ..maps import ProbabilityMap
 from ..memo import Memo
 from ..score_mods import steps
 from . import costs
+from ._entmax_args import triton_map_reason, triton_mod_reason
 from .block import block_attention
 from .dense import dense_attention
 from .flex import FLEX_BLOCK, flex_available, flex_engine, flex_refuses
 from .gather import gather_attention
 from .layout import choose_block, count_pairs
 from .rows import full_rows_attention, rows_attention
-from .triton_entmax import (
-    full_rows_entmax,
-    triton_entmax_attention,
-    triton_entmax_unsupported,
-    triton_map_reason,
-    triton_mod_reason,
-)
+from .triton_entmax import full_rows_entmax, triton_entmax_attention, triton_entmax_unsupported
 
 __all__ = [
     "ENGINES",
@@ -66,10 +55,6 @@ _HALF_AND_FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32})
 _ANY = frozenset({"cpu", "cuda"})
 
 
-def _any_map(prob_map: ProbabilityMap | None) -> str | None:
-    return None
-
-
 def _softmax_only(prob_map: ProbabilityMap | None) -> str | None:
     if prob_map is not None and prob_map.is_softmax:
         return None
@@ -86,18 +71,13 @@ class Request:
     """What one call asks of an engine.
 
     Attributes:
-        device: the inputs' device type ("cpu", "cuda", ...).
-        dtype: the inputs' dtype.
+        device, dtype: the inputs' device type ("cpu", "cuda", ...) and dtype.
         prob_map: ρ, or None when not known (then only engines that take any map qualify).
         train: autograd will ask for a backward (grad enabled and an input requires grad).
-        dropout: dropout on the attention weights (p > 0).
-        row_alpha: ρ is α-entmax with a tensor α (one per head or row).
-        gqa: k and v have fewer heads than q (grouped-query attention).
-        score_mod: a score modifier (``sparseattn.score_mods``) applies to the scores.
+        dropout, row_alpha: dropout on the weights (p > 0); ρ is α-entmax with a tensor α.
+        gqa, score_mod: k and v have fewer heads than q; a score modifier applies.
         mod_kinds: the kinds of the library's elementary modifiers it is made of, in order
-            (``score_mods.steps``: "bias", "alibi", "softcap"), or None for any other
-            callable (or when not known): what engines that take the library's modifiers
-            only, as a description, read.
+            (``score_mods.steps``), or None for any other callable (or when not known).
         key_padding: a key padding mask applies.
         shape: (batch, heads, n_q, n_k) of the scores.
         full_rows: for the dense pattern, whether it is causal (then no graph is built);
@@ -163,28 +143,21 @@ class EngineSpec:
     """One engine and what it supports (the model: xformers' fmha operators).
 
     Attributes:
-        name: the ``engine=`` name.
-        run: the engine, ``run(q, k, v, graph, prob_map, scale, key_valid, dropout_p)``,
-            called on requests this spec accepts (it need not check them again).
-        why: one sentence on what the engine is for.
-        devices: device types it runs on.
-        dtypes: input dtypes it takes.
+        name, why: the ``engine=`` name; one sentence on what the engine is for.
+        run: the engine, ``run(q, k, v, graph, prob_map, scale, key_valid, dropout_p)``.
+        devices, dtypes: device types it runs on and input dtypes it takes.
         maps: why it cannot compute a map (None when it can; the map may be None: unknown).
         backward_devices: device types on which it has a backward.
-        dropout: it applies dropout to the attention weights.
-        row_alpha: it takes α-entmax with a tensor α.
+        dropout, row_alpha: it applies dropout; it takes α-entmax with a tensor α.
         gqa: it takes k, v with fewer heads than q itself (else they are repeated first).
         score_mod: it applies a score modifier (keyword ``score_mod`` of ``run``).
-        mod_kinds: for an engine that takes only some modifiers (the library's, as a
-            description): why it cannot apply one of these kinds (``Request.mod_kinds``;
-            None: unknown), or None when it can. None here: any modifier.
+        mod_kinds: for an engine that takes only some modifiers: why it cannot apply one of
+            these kinds (``Request.mod_kinds``), or None when it can. None here: any.
         available: None when what it needs is here (a compiler, a package), else why not.
-        refuses: a finer check on the tensors themselves (head dims, shapes),
-            ``refuses(q, k, v, prob_map, dropout_p, score_mod=None)``, consulted once the
-            declared capabilities allow the call: None, or why not.
-        cost: ``cost(request, graph, memo)``, its estimated cost for a request it can
-            compute (:data:`Cost`), or None where ``auto`` should not pick it (``graph`` is
-            None for the dense pattern, ``memo`` a dict kept on the graph for per-graph work).
+        refuses: a finer check on the tensors, ``refuses(q, k, v, prob_map, dropout_p,
+            score_mod=None)``, once the declared capabilities allow the call: None, or why not.
+        cost: ``cost(request, graph, memo)`` (:data:`Cost`), or None where ``auto`` should not
+            pick it (``graph`` None for the dense pattern, ``memo`` a dict kept on the graph).
         full_rows: ``full_rows(q, k, v, prob_map, scale, key_valid, dropout_p, causal,
             score_mod)`` serving the dense pattern without a graph, or None.
     """
@@ -194,7 +167,7 @@ class EngineSpec:
     why: str
     devices: frozenset[str] = _ANY
     dtypes: frozenset[torch.dtype] = _FLOATS
-    maps: Callable[[ProbabilityMap | None], str | None] = _any_map
+    maps: Callable[[ProbabilityMap | None], str | None] = lambda _: None
     backward_devices: frozenset[str] = _ANY
     dropout: bool = True
     row_alpha: bool = False
@@ -384,9 +357,8 @@ ENGINES: dict[str, Callable[..., Tensor]] = {name: spec.run for name, spec in SP
 
 
 def reasons(engine: str, *call: Any) -> list[str]:
-    """Why ``engine`` cannot compute this call — (q, k, v, prob_map[, dropout_p[, score_mod]]),
-    as :meth:`Request.of` takes them (``score_mod`` the modifier, or whether there is one) —:
-    its declared reasons, then (if none) its finer check on the tensors; empty when it can."""
+    """Why ``engine`` cannot compute this call, (q, k, v, prob_map[, dropout_p[, score_mod]])
+    as :meth:`Request.of` takes it: its declared reasons, else its finer check; empty if none."""
     return request_reasons(engine, Request.of(*call), call)
 
 
@@ -397,9 +369,8 @@ def unsupported(engine: str, *call: Any) -> str | None:
 
 
 def request_reasons(name: str, req: Request, call: tuple) -> list[str]:
-    """Why engine ``name`` cannot compute ``req`` (the call's tensors: ``call`` = (q, k, v,
-    prob_map, dropout_p[, score_mod]), for its finer check; a ``score_mod`` that is not
-    callable, a bool, is left out); empty when it can."""
+    """Why engine ``name`` cannot compute ``req``; ``call`` = (q, k, v, prob_map, dropout_p[,
+    score_mod]) for its finer check (a ``score_mod`` that is a bool is left out)."""
     spec = SPECS[name]
     found = spec.not_supported_reasons(req)
     if not found and spec.refuses is not None:
@@ -410,14 +381,10 @@ def request_reasons(name: str, req: Request, call: tuple) -> list[str]:
 
 
 def choose(req: Request, graph: AttentionGraph | None, call: tuple) -> str:
-    """``engine="auto"``: the cheapest engine of the table without reasons (its ``cost``;
-    ``graph`` None for the dense pattern), for ``call`` = (q, k, v, prob_map, dropout_p[,
-    score_mod]), what the finer checks read. The decision is kept per request: on the graph,
-    or for the dense pattern in a module-wide memo (it depends on the request alone).
-
-    Raises:
-        ValueError: when no engine can compute the request, with every engine's reasons.
-    """
+    """``engine="auto"``: the cheapest engine of the table without reasons (``graph`` None for
+    the dense pattern; ``call`` as :func:`request_reasons` takes it), kept per request on the
+    graph (the dense pattern's in a module-wide memo). A ValueError with every engine's
+    reasons when none can compute the request."""
     key = _decision_key(req)
     if graph is None:
         if key is None:
@@ -466,8 +433,7 @@ def _decision_key(req: Request) -> tuple | None:
 
 def checked(name: str) -> Callable[..., Tensor]:
     """Engine ``name`` as a public function: a call the table says it cannot compute raises a
-    ValueError with the reasons, anything else runs the engine (``sparse_attention`` calls
-    the table's entry directly: it has checked the request already)."""
+    ValueError with the reasons (``sparse_attention`` calls the table's entry directly)."""
     spec = SPECS[name]
 
     @functools.wraps(spec.run)

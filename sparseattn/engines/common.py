@@ -1,11 +1,8 @@
 """Helpers shared by the engines: dropout RNG replay and the masked exponential.
 
-* :func:`rng_state` and :func:`replayed_rng`: backward passes that recompute dropout masks
-  draw them again from the RNG state saved before the forward's draws (block, gather, rows).
-* :func:`masked_exp`: exp(scores − shift) under 0/1 masks without evaluating −inf or an
-  underflowing exp (block, gather).
-* :func:`grid_indices` and :func:`mod_grads`: a score modifier's indices for a grid of scores,
-  and its backward in the engines that recompute scores (dense, rows, block, gather).
+:func:`keep_mask`, :func:`rng_state`, :func:`replayed_rng` (dropout masks, drawn again in
+backward), :func:`masked_exp`, :func:`grid_indices` and :func:`mod_grads` (a score modifier's
+indices and backward in the engines that recompute scores).
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-__all__ = ["grid_indices", "masked_exp", "mod_grads", "replayed_rng", "rng_state"]
+__all__ = ["grid_indices", "keep_mask", "masked_exp", "mod_grads", "replayed_rng", "rng_state"]
 
 
 def rng_state(device: torch.device) -> Tensor:
@@ -32,16 +29,19 @@ def replayed_rng(device: torch.device, state: Tensor | None):
     after; ``state`` None (no dropout) does nothing."""
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda, enabled=state is not None):
-        if state is not None:
-            _set_rng_state(device, state)
+        if state is not None and cuda:
+            torch.cuda.set_rng_state(state, device)
+        elif state is not None:
+            torch.set_rng_state(state)
         yield
 
 
-def _set_rng_state(device: torch.device, state: Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
+def keep_mask(p: Tensor, dropout_p: float) -> Tensor | None:
+    """Dropout's keep-mask like ``p``, scaled by 1/(1 − dropout_p), drawn from the global RNG
+    (backward replays it, :func:`replayed_rng`); None without dropout."""
+    if not dropout_p:
+        return None
+    return torch.empty_like(p).bernoulli_(1 - dropout_p).div_(1 - dropout_p)
 
 
 #: exp(x) for x below this is replaced by exp(_FLOOR) (< 1e-34 of the row max's weight):
@@ -50,14 +50,10 @@ _FLOOR = -80.0
 
 
 def masked_exp(s: Tensor, masks: list[Tensor], lse: Tensor | None):
-    """exp(s − shift) ⊙ masks (0/1 floats broadcasting to s), in place on s.
-
-    Masked entries are pushed far down by an additive bias (so that the row max ignores them)
-    and zeroed by the product; no −inf and no underflowing exp is ever evaluated, and bool
-    ops (several times slower than float ops in torch on CPU) are avoided. With ``lse`` the
-    shift is ``lse``; else the row max, returned with the row sum (a row without any entry
-    gets max −big and sum 0).
-    """
+    """exp(s − shift) ⊙ masks (0/1 floats broadcasting to s), in place on s: masked entries
+    pushed far down by an additive bias and zeroed by the product (no −inf, no underflowing
+    exp, no bool ops). With ``lse`` the shift is ``lse``; else the row max, returned with the
+    row sum (a row without any entry gets max −big and sum 0)."""
     big = torch.finfo(s.dtype).max / 4
     for m in masks:
         s.add_(m.sub(1.0).mul_(big))

@@ -36,7 +36,7 @@ def dense_attention(
     # the mask, 4-D on q's device, cached on the graph (auto picks dense for small score
     # matrices, where building it costs as much as the attention); SDPA on CPU runs a 3-D
     # (H, n_q, n_k) mask ~3x slower than (1, H, n_q, n_k)
-    mask = graph.cached(("dense_mask", q.device), lambda: _mask4d(graph.to(q.device)))
+    mask = graph.cached(("dense_mask", q.device), lambda: _mask4d(graph.to(q.device).to_dense()))
     if key_valid is None and prob_map.is_softmax and score_mod is None:
         # every row has a key (checked by the API), so SDPA's fused kernel is exact here
         return F.scaled_dot_product_attention(
@@ -56,7 +56,6 @@ def dense_attention(
     return (weights @ v.to(dtype)).to(q.dtype)
 
 
-def _mask4d(graph: AttentionGraph) -> Tensor:
-    """The graph's dense mask as (…, n_q, n_k) with 4 dims."""
-    mask = graph.to_dense()
+def _mask4d(mask: Tensor) -> Tensor:
+    """A dense mask (…, n_q, n_k) with 4 dims."""
     return mask.reshape((1,) * (4 - mask.dim()) + mask.shape)

@@ -1,21 +1,10 @@
-"""Flex engine: a graph handed to torch's FlexAttention as a BlockMask.
+"""Flex engine: a graph handed to torch's FlexAttention as a BlockMask (docs/engines.md,
+"Flex engine").
 
-FlexAttention (``torch.nn.attention.flex_attention``) skips empty blocks of a ``BlockMask``,
-runs full blocks without a mask and calls a ``mask_mod(b, h, q_idx, kv_idx)`` predicate inside
-partial blocks. The BlockMask is built here from the graph's block layout in O(E) (no n² scan
-of a predicate, unlike ``create_block_mask``): full and partial block lists per row block, and
-a ``mask_mod`` that looks the element mask of a partial block up in a table. The predicate is
-exactly the graph's edge set (for a Pattern: ``pattern.allows``).
-
-What torch supports, and so what this engine accepts:
-
-* softmax only (FlexAttention normalises with a softmax; other maps raise ``ValueError``);
-* on CPU: float32/bfloat16/float16 only, forward only (inputs must not require grad while
-  grad is enabled), compiled with ``torch.compile`` (a C++ compiler is needed; the first call
-  per shape compiles for seconds, later calls reuse the cached kernel); no dropout.
-
-What it supports is declared in :mod:`sparseattn.engines.capabilities`; ``engine="auto"``
-never picks it where it cannot compute the request.
+The BlockMask is built from the graph's block layout in O(E) (no n² scan, unlike
+``create_block_mask``), its ``mask_mod`` the pattern's element-wise predicate where it has one,
+else a look-up of the partial blocks' masks in a table. Softmax only; on CPU forward only,
+compiled with ``torch.compile`` (a C++ compiler is needed); no dropout.
 """
 
 from __future__ import annotations
@@ -46,15 +35,9 @@ __all__ = [
 
 #: FlexAttention's default (and on CPU, fastest) block size.
 FLEX_BLOCK = 128
-#: Inductor's CPU FlexAttention kernel (torch 2.13, ``cpp_flex_attention_template.py``) scores
-#: a block of keys with a micro-GEMM whose register tile is 1 query × 16 keys
-#: (``GemmBlocking(1, 16, 1)``), and its tail tile (fewer than 16 keys left) has two branches. The
-#: first, taken when the head dim is a multiple of the vector width and below 24 and the tail a
-#: multiple of the vector width, loads and stores a whole tile of 16 keys: it reads up to 15 keys
-#: past the block and writes their scores past the row (``cpp_micro_gemm.py``, the ``tail_n``
-#: branch of ``CppMicroGemmFP32Vec``). With 8 floats a vector (AVX2) a tail of 8 keys takes it;
-#: with 16 (AVX-512) no tail does. The stray scores land in the row maxima of the first queries
-#: when the key block is the whole sequence: wrong rows, different from run to run
+#: Inductor's CPU FlexAttention kernel (torch 2.13) scores keys in micro-GEMM tiles of 16; its
+#: tail tile, where the head dim is a multiple of the vector width below 24 and the tail a
+#: multiple of the vector width, reads and writes a whole tile past the block: wrong rows
 #: (docs/engines.md, "Results that depend on the CPU's vector width").
 _TILE_KEYS, _TILE_HEAD_DIM_LIMIT = 16, 24
 
@@ -88,13 +71,9 @@ def flex_refuses(
 @functools.cache
 def _cpu_vector_bits() -> int | None:
     """The width in bits of the vectors in the code Inductor emits on this CPU: 512 with
-    AVX-512, 256 with AVX2 (also where ``ATEN_CPU_CAPABILITY=avx2`` lowers it); None without
-    a vector ISA.
-
-    The engine compiles with it as ``cpp.simdlen``: the same code, but a key of Inductor's
-    on-disk cache, which torch 2.13 does not key by the CPU. Without it, code generated for
-    AVX2 (loops stepping by 8 floats) is served on an AVX-512 CPU (vectors of 16) and the
-    reverse, and computes wrong results (docs/engines.md)."""
+    AVX-512, 256 with AVX2; None without a vector ISA. The engine compiles with it as
+    ``cpp.simdlen``, a key of Inductor's on-disk cache, which torch 2.13 does not key by the
+    CPU: else code made for one width is served on the other, with wrong results."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     isa = pick_vec_isa()
@@ -132,19 +111,11 @@ def graph_block_mask(
     key_valid: Tensor | None = None,
     device: torch.device | str = "cpu",
 ):
-    """A FlexAttention ``BlockMask`` for ``graph`` (built from its block layout in O(E)).
-
-    Args:
-        graph: AttentionGraph whose batch_shape broadcasts to (batch, heads).
-        batch, heads: the BlockMask's leading sizes; a size of 1 broadcasts over any batch
-            (heads) of q, in the block lists and in the ``mask_mod``.
-        block: the BlockMask's block size.
-        key_valid: optional (batch, n_k) bool, True for real keys; then every block is
-            treated as partial so that the padding is applied everywhere.
-    Returns:
-        ``torch.nn.attention.flex_attention.BlockMask`` of shape (batch, heads, n_q, n_k);
-        its ``mask_mod`` is the pattern's element-wise predicate where the graph has one
-        (``graph.predicate``), else a look-up in a table of the partial blocks' masks.
+    """A FlexAttention ``BlockMask`` (batch, heads, n_q, n_k) for ``graph`` (whose batch_shape
+    broadcasts to (batch, heads); a size of 1 broadcasts over q's), built from its block layout
+    in O(E). ``key_valid``: optional (batch, n_k) bool, True for real keys (then every block is
+    partial). Its ``mask_mod`` is the pattern's element-wise predicate where the graph has one
+    (``graph.predicate``), else a look-up in a table of the partial blocks' masks.
     """
     return _block_mask(graph, batch, heads, block, key_valid, device)[0]
 
@@ -196,14 +167,9 @@ def _block_mask(graph, batch, heads, block, key_valid, device):
     if key_valid is not None:
         key_ok = key_valid.to(dev).expand(batch, n_k)
         mask_mod = _padded(predicate, key_ok)
+    lists_on = (t.to(dev) for t in (kv_num, kv_idx, full_num, full_idx))
     block_mask = BlockMask.from_kv_blocks(
-        kv_num.to(dev),
-        kv_idx.to(dev),
-        full_num.to(dev),
-        full_idx.to(dev),
-        BLOCK_SIZE=block,
-        mask_mod=mask_mod,
-        seq_lengths=(n_q, n_k),
+        *lists_on, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(n_q, n_k)
     )
     return block_mask, element_wise and key_valid is None
 
@@ -245,10 +211,9 @@ def _cached_block_mask(graph: AttentionGraph, block: int, device: torch.device):
 
 
 def _padded_block_mask(graph: AttentionGraph, block_mask, key_ok: Tensor):
-    """The graph's cached BlockMask with every key block partial (full blocks skip mask_mod,
-    and the padding needs it) and a mask_mod that also reads ``key_ok`` (B, n_k), True for
-    real keys. The merged block lists are cached on the graph: a call with key padding only
-    wraps the mask_mod, on the device, without building block lists or syncing the host."""
+    """The graph's cached BlockMask with every key block partial (full blocks skip mask_mod)
+    and a mask_mod that also reads ``key_ok`` (B, n_k), True for real keys; the merged block
+    lists are cached on the graph (no host sync per call)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     def merge() -> tuple[Tensor, Tensor]:
@@ -274,13 +239,9 @@ def _padded_block_mask(graph: AttentionGraph, block_mask, key_ok: Tensor):
 
 
 def _table_mask_mod(tables: tuple[Tensor, Tensor], block: int):
-    """mask_mod(b, h, q, kv): the element mask of the (q, kv) block, looked up in ``table``.
-
-    ``pair_index`` is (B, H, n_q blocks, n_k blocks); a size-1 batch or head dim broadcasts
-    (indexed at 0 whatever b or h FlexAttention passes), as the BlockMask of
-    ``create_block_mask(..., B=None, H=None)`` does. The block size is a 0-d tensor, like
-    the pattern constants of :meth:`Pattern.mask_mod` (no recompile per value).
-    """
+    """mask_mod(b, h, q, kv): the element mask of the (q, kv) block, looked up in ``table``
+    through ``pair_index`` (B, H, n_q blocks, n_k blocks), whose size-1 batch or head dim
+    broadcasts; the block size a 0-d tensor (no recompile per value)."""
     pair_index, table = tables
     one_batch, one_head = pair_index.shape[0] == 1, pair_index.shape[1] == 1
     b_t = torch.full((), block, dtype=torch.int32, device=table.device)
@@ -323,22 +284,19 @@ def _flex_generic(q, k, v, score_mod, block_mask, scale, enable_gqa):
 
 _FLEX: list = []
 
-#: On a GPU, how many distinct input shapes (and strides, dtypes) of element-wise masks get a
-#: kernel specialised to them — no bounds checks, the fastest FlexAttention kernel (the
-#: length-generic one cost 1.41× forward and 1.26× forward + backward at n = 8192 on an
-#: H200) — before one length-generic kernel serves every later shape: a model's few training
-#: lengths run at the kernel's speed, a stream of many lengths compiles at most this + 1 times.
+#: On a GPU, how many distinct input shapes of element-wise masks get a kernel specialised to
+#: them (the fastest; the length-generic one cost 1.26-1.41× at n = 8192 on an H200) before
+#: one length-generic kernel serves every later shape: at most this + 1 compiles.
 STATIC_SHAPES = 8
 _STATIC_SEEN: set = set()
 _STATIC_LOCK = threading.Lock()  # threads serving one model share the budget
 
 
 def _dynamic(q: Tensor, k: Tensor, v: Tensor, generic: bool) -> bool | None:
-    """The ``dynamic`` of the kernel for this call. Per shape (``False``) where the mask_mod
-    looks up a tensor (a table, the key padding: torch 2.13's length-generic CPU kernel then
-    indexes out of bounds in the padding of the last block, or fails to compile). Element-wise
-    masks on a GPU: per shape for the first :data:`STATIC_SHAPES` shapes, then length-generic
-    (``True``). On CPU torch's default (``None``: the first shape, then length-generic)."""
+    """The ``dynamic`` of the kernel for this call: per shape (``False``) where the mask_mod
+    looks up a tensor (torch 2.13's length-generic CPU kernel then indexes out of bounds);
+    element-wise masks on a GPU per shape for the first :data:`STATIC_SHAPES` shapes, then
+    length-generic (``True``); on CPU torch's default (``None``)."""
     if not generic:
         return False
     if q.device.type == "cpu":
@@ -407,23 +365,12 @@ def flex_engine(
     score_mod: Callable | None = None,
 ) -> Tensor:
     """Softmax attention on the graph with compiled FlexAttention (same contract as
-    ``dense_attention``; Yun eq. 3 with ρ = softmax): the engine table's entry, which runs
-    requests the table has checked (host time on every call). The public function,
-    ``sparseattn.engines.flex_attention_engine``, checks them first.
-
-    The BlockMask has the graph's leading shape (size-1 dims broadcast over q's batch and
-    heads); without key padding it is cached on the graph per (block, device). k and v may
-    have fewer heads than q (grouped-query attention, FlexAttention's ``enable_gqa``).
-    ``score_mod`` is FlexAttention's own (the same convention), compiled into the kernel.
-
-    On CPU, k is read whole before the call: torch's CPU kernel gives a row that reads a NaN
-    key zeros, not NaN, so the result could not show it. Head dims that would take the CPU
-    micro-GEMM's faulty tail branch run with one zero column added to q and k
-    (:data:`_TILE_KEYS`).
-    Raises:
-        NonFiniteScoresError: on CPU, when k holds NaN or inf (``sparse_attention`` names k).
+    ``dense_attention``): the engine table's entry (``flex_attention_engine`` checks requests).
+    The BlockMask, of the graph's leading shape, is cached on the graph per (block, device)
+    without key padding; k and v may have fewer heads than q. On CPU, k is read whole first
+    (NonFiniteScoresError for NaN or inf: the CPU kernel would give such rows zeros), and head
+    dims that would take the faulty tail branch (:data:`_TILE_KEYS`) get a zero column.
     """
-    # the BlockMask keeps the graph's own leading shape; its size-1 dims broadcast over q's
     block_mask, generic = _cached_block_mask(graph, block, q.device)
     if key_valid is not None:
         block_mask, generic = _padded_block_mask(graph, block_mask, key_valid), False

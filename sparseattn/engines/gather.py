@@ -1,19 +1,11 @@
-"""Gather engine: attention on neighbour lists, chunked over queries grouped by degree.
+"""Gather engine: attention on neighbour lists, chunked over queries grouped by degree
+(docs/engines.md, "Gather engine").
 
-Rows are sorted by degree and cut into chunks whose padded neighbour tables hold at most
-``budget`` (row, key) pairs, so a few global rows with n keys do not pad the others to n.
-Per chunk: gather K and V at the neighbour indices (into buffers allocated once per call —
-a fresh multi-MB allocation costs ~10x refilling a buffer on CPU), score, apply ρ on the padded
-rows, and reduce. The weighted sums over a row (P·V forward, dS·K backward) are summed in
-pieces of at most ``PIECE`` keys and the pieces then added: float32 rounding grows with the
-length of a sequential sum, so a row of degree 8190 is as accurate as one of degree 128.
-
-Backward is a custom autograd function that recomputes each chunk: it keeps only q, k, v and
-adds dK, dV into one buffer with ``index_add_``, so peak memory beyond the inputs stays
-O(budget · (d + d_v)) for training as well as inference, and the work stays linear in the
-number of chunks. Softmax uses its closed form dS = P ⊙ (dP − Σ P⊙dP); any other map is
-differentiated by autograd on the recomputed chunk. Dropout masks are replayed from the
-saved RNG state.
+Rows sorted by degree are cut into chunks whose padded neighbour tables hold at most ``budget``
+(row, key) pairs (global rows do not pad the others). Per chunk: gather K and V at the
+neighbour indices, score, apply ρ, and reduce in pieces of at most ``PIECE`` keys (float32
+rounding grows with a sequential sum's length). Backward recomputes each chunk: memory
+O(budget · (d + d_v)) beyond the inputs, for training too.
 """
 
 from __future__ import annotations
@@ -27,28 +19,20 @@ from torch.autograd.function import FunctionCtx
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from ..score_mods import lifted_tensors
-from .common import masked_exp, mod_grads, replayed_rng, rng_state
+from .common import keep_mask, masked_exp, mod_grads, replayed_rng, rng_state
 from .precision import compute_dtype
 
 __all__ = ["gather_attention", "chunk_rows", "PIECE"]
 
 #: Longest sequential sum in a row's weighted sum (blocked summation, see the module doc).
 PIECE = 128
-
-
 #: (batch·head, row, key) entries per chunk by device type (None in ``gather_attention``).
 BUDGET = {"cpu": 1 << 15, "cuda": 1 << 22}
 
 
 def chunk_rows(degrees: Tensor, budget: int) -> list[Tensor]:
-    """Split row ids into chunks, in increasing degree, with (rows · max degree) <= budget.
-
-    Args:
-        degrees: LongTensor[R].
-        budget: largest padded table (rows × K) per chunk; a single row may exceed it.
-    Returns:
-        list of LongTensor row ids.
-    """
+    """Row ids (LongTensor, one per chunk) by increasing ``degrees`` (LongTensor[R]), each
+    chunk's padded table (rows · max degree) at most ``budget`` (a single row may exceed it)."""
     deg_sorted, order = degrees.sort(stable=True)
     deg_sorted = deg_sorted.clamp(min=1)
     chunks, start, total = [], 0, order.numel()
@@ -159,11 +143,6 @@ class _Run:
             return p.div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))
         return self.prob_map(s, valid)
 
-    def keep(self, p: Tensor) -> Tensor | None:
-        if not self.dropout_p:
-            return None
-        return torch.empty_like(p).bernoulli_(1 - self.dropout_p).div_(1 - self.dropout_p)
-
 
 class _GatherAttention(torch.autograd.Function):
     @staticmethod
@@ -178,7 +157,7 @@ class _GatherAttention(torch.autograd.Function):
             qc = q_src.index_select(1, rows).mul_(run.scale).unsqueeze(-2)  # (b, m, 1, d)
             s = torch.matmul(qc, run.gather(k_src, idx, kbuf).transpose(-1, -2)).squeeze(-2)
             p = run.weights(run.modded(s, rows, idx), run.mask(idx, valid))
-            keep = run.keep(p)
+            keep = keep_mask(p, run.dropout_p)
             if keep is not None:
                 p = p * keep
             out.index_copy_(1, rows, _weighted_sum(p, run.gather(v_src, idx, vbuf)))
@@ -208,7 +187,7 @@ class _GatherAttention(torch.autograd.Function):
                     # the softmax path works in place: on a copy where autograd needs sm
                     sm_in = sm.detach().clone() if modded and run.softmax else sm
                     p = run.weights(sm_in, run.mask(idx, valid))
-                keep = run.keep(p)
+                keep = keep_mask(p, run.dropout_p)
                 pd = p.detach() if keep is None else p.detach() * keep
                 go = grad_out.index_select(1, rows)  # (b, m, d_v)
                 dv.index_add_(1, flat, (pd.unsqueeze(-1) * go.unsqueeze(-2)).reshape(b, -1, d_v))
@@ -246,9 +225,7 @@ def gather_attention(
     A static graph (``batch_shape == ()``) is shared by all (batch, head) pairs, which ride
     along as a leading axis of size B·H; a batched graph is expanded to (B, H) and every
     flattened row gathers from its own (batch, head) slice of the flattened keys.
-    ``budget`` bounds (B·H or 1) × rows × K per chunk; the default keeps the gathered keys
-    and values of a chunk in cache (2^14–2^16 measured best, ~77 ns per edge at d = 64); on a
-    GPU a chunk must fill the device (``BUDGET``).
+    ``budget`` bounds (B·H or 1) × rows × K per chunk (default ``BUDGET`` for the device).
     """
     bsz, heads, n_q, d = q.shape
     n_k, d_v = k.shape[-2], v.shape[-1]

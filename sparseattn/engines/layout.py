@@ -1,16 +1,9 @@
 """The block layout of an attention graph and the block engine's plan over it.
 
-The graph is laid out in square blocks of ``block`` tokens. A *row block* (``block``
-consecutive queries of one graph) pairs with the key blocks that hold at least one of its
-edges; a pair is *full* (every (query, key) entry is an edge) or *partial* (it needs an
-element mask). :func:`block_pairs` lists the pairs in one pass over the edges;
-:func:`count_pairs` and :func:`choose_block` size the layout (the block engine, the flex
-engine and ``engine="auto"`` use them); :func:`block_plan` groups the row blocks by their
-(full, partial) key-block counts and cuts the groups into chunks (:class:`BlockPlan`) for the
-block engine (:mod:`.block`); the Triton engine builds its own layout from the pairs.
-
-The plan (block pairs, groups, element masks of partial blocks) is built once per
-(graph, block) in O(E + partial pairs · block²) and cached on the graph object.
+A *row block* (``block`` queries of one graph) pairs with the key blocks holding one of its
+edges, *full* or *partial* (an element mask). :func:`block_pairs` lists the pairs in one pass
+over the edges; :func:`count_pairs` and :func:`choose_block` size the layout; :func:`block_plan`
+groups the row blocks into chunks (:class:`BlockPlan`) for :mod:`.block`, cached on the graph.
 """
 
 from __future__ import annotations
@@ -71,12 +64,9 @@ class BlockChunk:
 
 def _segments(full: Tensor, keep: Tensor | None = None):
     """Cut a group's rows into [start, end) segments whose full key blocks form one run of
-    consecutive blocks moving by a fixed step per row (``(first, step)``), or None.
-
-    With ``keep`` (the partial blocks' element masks) a run is also cut where the masks
-    change, so that the band edges of most rows can join it (:func:`_band`); pieces shorter
-    than 4 rows are merged with their neighbours.
-    """
+    consecutive blocks moving by a fixed step per row (``(first, step)``), or None; with
+    ``keep`` (the partial blocks' masks) also where the masks change, so that the band edges
+    can join the run (:func:`_band`), pieces shorter than 4 rows staying with a neighbour."""
     m, cf = full.shape
     if cf == 0 or m == 0:
         return [(0, m, None)]
@@ -113,10 +103,9 @@ def _long_pieces(change: Tensor, least: int = 4) -> Tensor:
 
 
 def _longest_run(full: Tensor) -> tuple[Tensor, Tensor | None]:
-    """Split each row's full key blocks (sorted ids, (m, Cf)) into its longest stretch of
-    consecutive blocks, cut to the group's shortest such stretch (m, R), and the others
-    (m, Cf − R) or None — BigBird's band apart from its random blocks, so the band can still
-    be a strided view."""
+    """Split each row's full key blocks (sorted ids, (m, Cf)) into its longest run of
+    consecutive blocks, cut to the group's shortest (m, R), and the others (m, Cf − R) or None:
+    BigBird's band apart from its random blocks, still a strided view."""
     m, cf = full.shape
     if cf < 2 or m == 0:
         return full, None
@@ -137,12 +126,9 @@ def _longest_run(full: Tensor) -> tuple[Tensor, Tensor | None]:
 
 def _band(full: Tensor, part: Tensor, keep: Tensor, run: tuple[int, int], b: int):
     """Move the partial blocks that extend a run of full blocks (``run = (start, step)``) on
-    either side, with the same element mask in every row, into the run.
-
-    Returns (full, part, keep, bias, run): the widened run and its additive bias (b, Cf·b),
-    0 on edges and −inf elsewhere, shared by all rows (broadcast, no per-row mask), and the
-    partial blocks left over. A window pattern's band becomes one flash call per chunk.
-    """
+    either side, with the same element mask in every row, into the run: (full, part, keep,
+    bias, run), the widened run with its additive bias (b, Cf·b), 0 on edges and −inf
+    elsewhere, shared by all rows, and the partial blocks left over."""
     m, cp = part.shape
     kv = keep.view(m, b, cp, b)
     same = (kv == kv[:1]).permute(2, 0, 1, 3).reshape(cp, -1).all(1)  # per slot
@@ -176,8 +162,7 @@ class BlockPlan:
     """The block layout of a graph with G = prod(batch_shape) graphs, as the engine runs it.
 
     Attributes:
-        block: block size b.
-        graphs: G (1 for a static graph).
+        block, graphs: block size b and G (1 for a static graph).
         nbq, nbk: query and key blocks per graph, ceil(n / b).
         groups: row blocks grouped by (full, partial) key-block counts.
         pairs: non-empty (row block, key block) pairs; ``pairs · b²`` entries are scored.
@@ -204,12 +189,8 @@ class BlockPlan:
     def chunks(self, lead: int, budget: int, split: bool = False) -> list[BlockChunk]:
         """Chunks of at most ``budget`` materialised score entries for L = ``lead`` riding
         (batch, head) pairs, never straddling a run of consecutive full key blocks (cached).
-
-        With ``split`` (the split-softmax path) full blocks are streamed by the flash kernel
-        and only their gathered keys and values are materialised: they count a quarter; partial
-        blocks that extend a run on either side with the same element mask in every row block
-        of the run (the edges of a band) join it, masked by an additive bias (:func:`_band`).
-        """
+        With ``split`` (the split-softmax path) full blocks count a quarter (the flash kernel
+        streams them) and a band's edge blocks join its run (:func:`_band`)."""
         return self.memo.get(
             ("chunks", lead, budget, split), lambda: self._chunks(lead, budget, split)
         )
@@ -285,8 +266,8 @@ class BlockPairs:
         keys: LongTensor[P], sorted pair keys (g·nbq + i)·nbk + j.
         counts: LongTensor[P], edges in each pair.
         full: BoolTensor[P], whether every entry of the pair is an edge.
-        e_pair, e_q, e_k: LongTensor[E_p] for each edge of a partial pair: the pair's index
-            and the edge's query and key offsets inside the block (None unless asked for).
+        e_pair, e_q, e_k: LongTensor[E_p], each partial pair's edges: the pair and the query
+            and key offsets in the block (None unless asked for).
     """
 
     keys: Tensor
@@ -298,11 +279,8 @@ class BlockPairs:
 
 
 def block_pairs(graph: AttentionGraph, block: int, partial: bool = False) -> BlockPairs:
-    """The block pairs of ``graph`` at ``block``, in one pass over the edges, O(E + P).
-
-    The pass goes piece by piece (``graph.row_pieces``) so that its temporaries stay small;
-    with ``partial`` it also lists the edges of the partial pairs (the element masks).
-    """
+    """The block pairs of ``graph`` at ``block``, in one pass over the edges piece by piece,
+    O(E + P); with ``partial`` also the edges of the partial pairs (the element masks)."""
     n_q, n_k = graph.n_q, graph.n_k
     nbq, nbk = -(-n_q // block), -(-n_k // block)
     keys, counts, full, e_pair, e_q, e_k = [], [], [], [], [], []
@@ -348,11 +326,8 @@ def _cat(parts: list[Tensor], device: torch.device, dtype: torch.dtype = torch.l
 
 
 def count_pairs(graph: AttentionGraph, block: int) -> int:
-    """Number of non-empty (row block, key block) pairs of ``graph`` at this block size.
-
-    Block sizes that are multiples of ``BLOCK_SIZES[0]`` are counted from that size's pairs
-    (cached on the graph, one pass over the edges for all of them); others take their own pass.
-    """
+    """Number of non-empty (row block, key block) pairs of ``graph`` at this block size
+    (multiples of ``BLOCK_SIZES[0]`` counted from that size's pairs, cached on the graph)."""
     base = BLOCK_SIZES[0]
     if block % base:
         return int(block_pairs(graph, block).keys.numel())
@@ -365,11 +340,8 @@ def count_pairs(graph: AttentionGraph, block: int) -> int:
 
 
 def choose_block(graph: AttentionGraph, train: bool = False) -> int:
-    """The block size of ``BLOCK_SIZES`` with the least estimated work pairs·b²·ENTRY_COST[b]
-    (``ENTRY_COST_TRAIN`` when gradients will be computed).
-
-    Block sizes above half the sequence length are not considered. Cached on the graph.
-    """
+    """The block size of ``BLOCK_SIZES`` (up to half the sequence length) with the least
+    estimated work pairs·b²·ENTRY_COST[b] (``ENTRY_COST_TRAIN`` with gradients); cached."""
 
     def choose() -> int:
         n = max(graph.n_q, graph.n_k)

@@ -1,23 +1,14 @@
-"""Rows engine: attention over full (or wide) rows, a chunk of queries at a time.
+"""Rows engine: attention over full (or wide) rows, a chunk of queries at a time
+(docs/engines.md, "Full rows").
 
-For the dense pattern — every query sees every key, or every earlier key when causal — and
-for graphs whose rows hold thousands of keys, a sparse map ρ (α-entmax, sparsemax, ...) needs
-each query's whole row of scores at once: its threshold τ depends on all of them. This engine
-never holds more than one chunk of rows: for the queries i0..i1 of every (batch, head),
+For the dense pattern and graphs whose rows hold thousands of keys, a sparse map ρ needs each
+query's whole row at once (its threshold depends on all of it). For queries i0..i1,
 
     s = scale · q[i0:i1] · kᵀ   (B, H, m, n_k),   p = ρ(s) on the allowed keys,   out = p · v,
 
-with ρ's sort-free thresholds (:mod:`sparseattn.fastmaps`: a start at the threshold of the
-tile maxima, then 1–2 Newton steps with an exact finish). Causal rows only score the keys up
-to i1. Backward recomputes each chunk's scores and weights and applies the map's closed-form
-gradient (autograd on the chunk reaches ``_EntmaxFunction``'s closed form), also in a
-per-row α (``entmax(tensor)``). Peak memory beyond q, k, v and the output: O(budget)
-scores, i.e. O(n · chunk) — never an n × n tensor unless n² ≤ budget.
-
-Allowed keys: all (``graph=None``), the lower triangle (``causal``), or a graph's rows
-(turned into a (chunk, n_k) mask per chunk; any batch shape), each and-ed with the key
-padding mask. Softmax works too, but on the dense pattern ``sparse_attention`` sends it to
-torch's fused SDPA instead.
+with ρ's sort-free thresholds (:mod:`sparseattn.fastmaps`). Backward recomputes each chunk.
+Memory beyond q, k, v and the output: O(budget) scores. Allowed keys: all, the lower triangle
+(``causal``) or a graph's rows, and-ed with the key padding mask.
 """
 
 from __future__ import annotations
@@ -32,14 +23,13 @@ from torch.autograd.function import FunctionCtx
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from ..score_mods import lifted_tensors
-from .common import grid_indices, mod_grads, replayed_rng, rng_state
+from .common import grid_indices, keep_mask, mod_grads, replayed_rng, rng_state
 from .precision import compute_dtype
 
 __all__ = ["full_rows_attention", "rows_attention"]
 
-#: Score entries per chunk (B·H·m·n_k) by device type: on CPU 2^21 (8 MB of fp32 scores, in the
-#: L3 cache; at n = 4096, 8 heads that is 64 query rows, where the two matrix products run
-#: fastest there); on a GPU a chunk must fill the device.
+#: Score entries per chunk (B·H·m·n_k) by device type: on CPU 8 MB of fp32 scores (in the L3
+#: cache, where the two matrix products run fastest); on a GPU a chunk must fill the device.
 BUDGET = {"cpu": 1 << 21, "cuda": 1 << 25}
 #: Mask entries per chunk (B·m·n_k) of :func:`_sdpa_causal`, the causal softmax rows that
 #: ``is_causal`` cannot express (at an offset, or with key padding): 16 MiB of bool.
@@ -111,12 +101,6 @@ class _Run:
     def map(self, alpha: Tensor | None, i0: int, i1: int) -> ProbabilityMap:
         return self.prob_map if alpha is None else self.prob_map.with_alpha(alpha[:, :, i0:i1])
 
-    def keep(self, p: Tensor) -> Tensor | None:
-        """Dropout keep-mask scaled by 1/(1 − p), drawn from the global RNG (replayed)."""
-        if not self.dropout_p:
-            return None
-        return torch.empty_like(p).bernoulli_(1 - self.dropout_p).div_(1 - self.dropout_p)
-
 
 class _RowsAttention(torch.autograd.Function):
     @staticmethod
@@ -137,7 +121,7 @@ class _RowsAttention(torch.autograd.Function):
             torch.matmul(q[:, :, i0:i1] * run.scale, k[:, :, :nk].transpose(-1, -2), out=s)
             s = run.modded(s, i0)
             p = run.map(alpha, i0, i1).forward_only(s, run.valid(i0, i1, q.device))
-            keep = run.keep(p)
+            keep = keep_mask(p, run.dropout_p)
             if keep is not None:
                 p = p.mul_(keep)
             out[:, :, i0:i1] = torch.matmul(p, v[:, :, :nk])
@@ -165,7 +149,7 @@ class _RowsAttention(torch.autograd.Function):
                 with torch.enable_grad():
                     sm = run.modded(s, i0)
                     p = rho(sm) if valid is None else rho(sm, valid)
-                keep = run.keep(p)
+                keep = keep_mask(p, run.dropout_p)
                 pd = p.detach() if keep is None else p.detach() * keep
                 go = grad_out[:, :, i0:i1]
                 dv[:, :, :nk] += torch.matmul(pd.transpose(-1, -2), go)
@@ -198,24 +182,10 @@ def rows_attention(
 ) -> Tensor:
     """Full-row attention in chunks of queries, Yun eq. (3) with A_i = all keys (or a graph).
 
-    Args:
-        q: (B, H, n_q, d); k: (B, H, n_k, d); v: (B, H, n_k, d_v); any strides.
-        graph: None for full rows (the dense pattern), or any AttentionGraph (static or
-            batched) whose rows are wide enough that a (chunk, n_k) mask per chunk pays.
-        prob_map: any ProbabilityMap, including ``entmax(tensor)`` with one α per row
-            (its gradient in α is returned).
-        scale: score scale.
-        key_valid: (B, n_k) bool, True for real keys.
-        dropout_p: dropout on the attention weights.
-        causal: rows see keys j ≤ i only (the causal dense pattern). With n_q < n_k the queries
-            sit at positions n_k − n_q … n_k − 1 (prefill in pieces, decoding): row i sees
-            keys j ≤ n_k − n_q + i.
-        budget: most score entries per chunk (at least one query row per chunk); None:
-            ``BUDGET`` for the inputs' device type.
-        score_mod: a score modifier applied to each chunk's scores (``sparse_attention``);
-            q_idx indexes q (queries at an offset included).
-    Returns:
-        (B, H, n_q, d_v).
+    Same contract as ``dense_attention`` (any map, ``entmax(tensor)`` included); ``graph``:
+    None for full rows, or any graph whose rows are wide enough that a (chunk, n_k) mask per
+    chunk pays. ``causal``: rows see keys j ≤ i only, with n_q < n_k the queries at positions
+    n_k − n_q … n_k − 1. ``budget``: most score entries per chunk, None: ``BUDGET``.
     """
     bsz, heads, n_q, _ = q.shape
     if causal and n_q > k.shape[-2]:
@@ -245,12 +215,9 @@ def full_rows_attention(
     """The dense pattern (all keys, or j ≤ i when ``causal``, queries at an offset when
     n_q < n_k) without building its graph.
 
-    Softmax goes to torch's fused ``scaled_dot_product_attention`` (a batch whose keys are all
-    padding gets a zero output, as on every engine): with ``is_causal``, or where that does not
-    fit (causal rows at an offset: ``is_causal`` aligns the triangle top-left; causal rows with
-    key padding) with a boolean mask per chunk of queries (:func:`_sdpa_causal`); calls with a
-    ``score_mod`` and any other map go to :func:`rows_attention`. Shapes as
-    :func:`rows_attention`.
+    Softmax goes to torch's fused ``scaled_dot_product_attention``: with ``is_causal``, or
+    where that does not fit (an offset, key padding) with a boolean mask per chunk of queries
+    (:func:`_sdpa_causal`); a ``score_mod`` and other maps go to :func:`rows_attention`.
     """
     if not prob_map.is_softmax or score_mod is not None:
         return rows_attention(

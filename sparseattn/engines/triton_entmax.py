@@ -1,30 +1,17 @@
 """Triton engine for α-entmax and sparsemax attention on a pattern's block layout (issue 26).
 
-Computes Yun et al. eq. (3), out_i = Σ_{j ∈ A_i} ρ(scale · q_i·k_j)_j v_j, with ρ = α-entmax,
-p = [(α − 1)s − τ]₊^{1/(α−1)} (Peters et al. 2019; α = 2 is sparsemax), by fused Triton kernels
-(:mod:`sparseattn.engines._entmax_kernels`) that visit only the (query block, key block) pairs
-of the graph's block layout: each row's threshold τ is found over the row's own key tiles by a
-few Newton passes (exact for α = 1.5 and 2), then p·V is accumulated; the backward reuses τ,
-skips pairs without non-zero weights and needs no n × n tensor (memory O(n·d + pairs)).
+Yun et al. eq. (3) with ρ = α-entmax, p = [(α − 1)s − τ]₊^{1/(α−1)} (Peters et al. 2019; α = 2
+is sparsemax), by fused Triton kernels (:mod:`sparseattn.engines._entmax_kernels`) that visit
+only the (query block, key block) pairs of the graph's block layout; memory O(n·d + pairs),
+forward and backward (docs/engines.md, "Triton α-entmax kernels").
 
-Entry points:
+Entry points: :func:`triton_entmax_attention` (the engines' signature), :func:`entmax_attention`
+(on a :class:`BlockLayout`, :mod:`._entmax_layout`) and :func:`triton_entmax_unsupported`
+(:mod:`._entmax_args`: what the kernels take). Triton is imported on first use only; the
+kernels run on CUDA, or on CPU under Triton's interpreter (``TRITON_INTERPRET=1``).
 
-* :func:`triton_entmax_attention` — the engines' signature
-  ``(q, k, v, graph, prob_map, scale, key_valid=None, dropout_p=0.0) -> out``;
-* :func:`entmax_attention` — the same on a :class:`BlockLayout` (e.g. :func:`dense_layout` or
-  :func:`causal_layout`, which need no graph: the dense and causal patterns as layouts);
-* :func:`triton_entmax_unsupported` — None if a request can run here, else why not.
-
-Score modifiers: the library's own (:mod:`sparseattn.score_mods`: ``bias``, ``alibi``,
-``softcap`` and chains with at most one of each) reach the kernels as a description
-(:func:`kernel_mod`: which, in which order, the bias tensor, the slopes, the cap), applied to
-the scaled scores before ρ, forward and backward, with the gradients of the bias and of ALiBi
-slopes that require them. Any other callable cannot run inside the kernels:
-:func:`triton_mod_reason` says so, and the engine table routes such calls elsewhere.
-
-Triton is imported on first use only: ``import sparseattn`` works without it. The kernels run
-on CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before
-triton is first imported, and while the kernels run).
+One piece: the knobs below are module state that :func:`tuning` (and tests) rebind and the
+launches read when they launch, and the entries are looked up here at call time.
 """
 
 from __future__ import annotations
@@ -35,7 +22,6 @@ import importlib
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -45,10 +31,35 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
-from ..score_mods import alibi, steps
-from .layout import block_pairs
+from ._entmax_args import (
+    KernelMod,
+    _alpha_of,
+    _mod_args,
+    _mod_grad_code,
+    _mode,
+    _pow2,
+    _request_reason,
+    _sizes,
+    kernel_mod,
+    triton_map_reason,
+    triton_mod_reason,
+)
+from ._entmax_layout import (
+    BLOCKS,
+    BlockLayout,
+    SplitPlan,
+    _full_layout,
+    _graph_index,
+    _rows,
+    causal_layout,
+    dense_layout,
+    graph_layout,
+    pack_rows,
+    split_plan,
+)
 
 __all__ = [
+    "BLOCKS",
     "BlockLayout",
     "KernelMod",
     "causal_layout",
@@ -57,6 +68,7 @@ __all__ = [
     "full_rows_entmax",
     "graph_layout",
     "kernel_mod",
+    "pack_rows",
     "split_plan",
     "triton_entmax_attention",
     "triton_entmax_unsupported",
@@ -65,54 +77,27 @@ __all__ = [
     "tuning",
 ]
 
-#: Block sizes the kernels take (square tiles; ``tl.dot`` needs at least 16).
-BLOCKS = (16, 32, 64, 128)
-#: Default block on a GPU (to be measured: speed on a GPU is not yet known) and under the
-#: interpreter (fewer, larger tiles run faster there).
+#: Default block on a GPU and under the interpreter (docs/engines.md, the knobs).
 DEFAULT_BLOCK = {"cuda": 64, "cpu": 32}
-#: Most threshold passes per query block (rows stop earlier when converged; only float ties
-#: at τ or bisection for α > 2 come near it).
+#: Most threshold passes per query block (rows stop earlier when converged).
 MAX_IT = 40
-#: Per-tile row maxima kept per row in pass 0: the threshold search starts at their subset's
-#: threshold, a lower bound (Gaussian rows, n = 1024 and 4096: 3 passes per 64-row block
-#: instead of 5–6 from max − 1; scripts/triton_entmax_passes.py).
+#: Per-tile row maxima kept per row in pass 0, whose threshold starts the search.
 TOPK = 8
-#: For α − 1 below this the maps compute in float64 (``maps._WIDEN_BELOW``); the kernels
-#: compute in float32, so they refuse such α.
-MIN_ALPHA_GAP = 1e-3
-#: Whether the threshold passes skip the tiles below every open row's threshold (a branch per
-#: tile) or visit every tile (no branch: the loads pipeline). Which is faster on a GPU depends
-#: on how many tiles the rows skip; ``sparseattn bench gpu`` measures both.
+#: Whether the threshold passes skip the tiles below every open row's threshold.
 SKIP_TILES = True
-#: Warps per program for each block size, and software-pipelining stages of the tile loops of
-#: the forward and the backward kernels (None: Triton's default, 3 on an H100). Measured at
-#: block 64 on an H100 (``sparseattn bench gpu``'s tiles section, causal, n = 32768): 4 warps
-#: beat 8 by 1.2-2x; with 2 stages the forward took 13-16% less time than with 3, the
-#: backward 1.3-1.7x more (docs/benchmarks.md, the H100's run 5).
+#: Warps per program for each block size, and software-pipelining stages of the forward's and
+#: the backward's tile loops (None: Triton's default); measured on an H100 (docs/engines.md).
 WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 STAGES: dict[str, int | None] = {"forward": 2, "backward": None}
-#: Largest head dim (registers of one tile).
-MAX_HEAD_DIM = 256
 #: Split the query blocks that visit more than this many times the mean number of key blocks
-#: (the block of a Longformer's or BigBird's global tokens visits all of them) into chunks of
-#: about twice the mean, one program per chunk, the passes one launch each (None: no split).
-#: 1.5-entmax and sparsemax only (their exact closed forms end the search in a few passes).
-#: Off until a GPU measures it (``tuning(split_long=4.0)``; docs/engines.md, "Where the
-#: Longformer time may go").
+#: (global tokens) into chunks, one program per chunk (None: no split; 1.5-entmax and
+#: sparsemax only). Off until a GPU measures it (docs/engines.md, "Split query blocks").
 SPLIT_LONG: float | None = None
-#: Threshold passes of a split query block (one launch each; rows done early skip them, and a
-#: row still open after them is renormalised). Its start is the main kernel's, so it takes the
-#: same passes: at most 4 per 64-row block on the Gaussian rows of docs/engines.md's "Work
-#: counts".
+#: Threshold passes of a split query block (a row still open after them is renormalised).
 SPLIT_PASSES = 8
 #: Launch every head's query blocks longest first (by pairs; grid (B·H, nbq)) instead of in
-#: query-block order, head after head: the GPU starts programs in grid order, so the short
-#: ones then fill the end (causal: the longest blocks are the last ones; the global tokens'
-#: block of a later head starts late). A list schedule of the pair counts on 264 slots
-#: (132 SMs, two programs each) ends at 1.32 / 1.01 times its lower bound in query-block
-#: order / longest first for causal at n = 8192, 1.07 / 1.00 at 32768, 1.25 / 1.00 for
-#: Longformer at 32768 (scripts/layout_balance.py; docs/engines.md). Off until a GPU measures
-#: it (``tuning(longest_first=True)``): it also changes which heads share the L2 cache.
+#: query-block order, so that the short ones fill the end. Off until a GPU measures it
+#: (docs/engines.md, "Launch order").
 LONGEST_FIRST = False
 
 _UNSET: Any = object()
@@ -128,12 +113,10 @@ def tuning(
     split_long: float | None = _UNSET,
     longest_first: bool | None = None,
 ) -> Iterator[None]:
-    """Run the GPU kernels with other knobs inside the ``with`` block, then restore them (the
-    bench's tiles section): ``block`` the GPU default tile, ``skip_tiles`` :data:`SKIP_TILES`,
-    ``warps`` :data:`WARPS` at that block, ``stages`` both kernels' :data:`STAGES` (None:
-    Triton's default), ``topk`` :data:`TOPK`, ``split_long`` :data:`SPLIT_LONG`,
-    ``longest_first`` :data:`LONGEST_FIRST`. Not thread-safe: the knobs are module state,
-    read when a kernel is launched."""
+    """Run the GPU kernels with other knobs inside the ``with`` block, then restore them:
+    ``block`` the GPU default tile, ``warps`` :data:`WARPS` at that block, ``stages`` both
+    kernels' :data:`STAGES`, and :data:`SKIP_TILES`, :data:`TOPK`, :data:`SPLIT_LONG`,
+    :data:`LONGEST_FIRST`. Not thread-safe: the knobs are module state."""
     global SKIP_TILES, TOPK, SPLIT_LONG, LONGEST_FIRST
     saved = (DEFAULT_BLOCK["cuda"], SKIP_TILES, dict(WARPS), dict(STAGES), TOPK, SPLIT_LONG)
     saved += (LONGEST_FIRST,)
@@ -195,251 +178,7 @@ def _interpreted() -> bool:
     return interpreted and type(tl.zeros).__name__ != "JITFunction"
 
 
-# ---------------------------------------------------------------------------- layouts
-@dataclass
-class BlockLayout:
-    """Block layout of G graphs for the kernels: CSR rows of (query block, key block) pairs.
-
-    Attributes:
-        block: tile size b (queries and keys).
-        graphs: G; program (batch, head) uses graph ``graph_index[batch·H + head]``.
-        n_q, n_k: queries and keys; nbq = ceil(n_q / b), nbk = ceil(n_k / b).
-        row_ptr: int32[G·nbq + 1], pairs of row block g·nbq + i are
-            ``row_ptr[g·nbq + i] : row_ptr[g·nbq + i + 1]``.
-        pair_kb: int32[P], the key block of each pair (ascending within a row block).
-        pair_mask: int32[P], −1 for a full pair, else its index into ``masks``.
-        masks: int64[P_partial, b, ⌈b / 64⌉], the element masks of the partial pairs as
-            row bits: bit c % 64 of word c // 64 of row r is 1 where (query offset r, key
-            offset c) is an edge (:func:`pack_rows`).
-        col_ptr: int32[G·nbk + 1], the same pairs by key block (the backward's dK, dV).
-        col_pair: int32[P], pair index of each column entry; col_qb: int32[P], its query block.
-    """
-
-    block: int
-    graphs: int
-    n_q: int
-    n_k: int
-    row_ptr: Tensor
-    pair_kb: Tensor
-    pair_mask: Tensor
-    masks: Tensor
-    col_ptr: Tensor
-    col_pair: Tensor
-    col_qb: Tensor
-    _on: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def nbq(self) -> int:
-        return -(-self.n_q // self.block)
-
-    @property
-    def nbk(self) -> int:
-        return -(-self.n_k // self.block)
-
-    @property
-    def pairs(self) -> int:
-        """Number of (query block, key block) pairs the kernels visit."""
-        return int(self.pair_kb.numel())
-
-    def to(self, device: torch.device) -> BlockLayout:
-        """This layout with its tensors on ``device`` (copied once, cached on the layout)."""
-        if self.row_ptr.device == device:
-            return self
-        if device not in self._on:
-            moved = {
-                name: getattr(self, name).to(device)
-                for name in (
-                    "row_ptr",
-                    "pair_kb",
-                    "pair_mask",
-                    "masks",
-                    "col_ptr",
-                    "col_pair",
-                    "col_qb",
-                )
-            }
-            self._on[device] = BlockLayout(
-                self.block, self.graphs, self.n_q, self.n_k, **moved, _on=self._on
-            )
-        return self._on[device]
-
-
-def _check_block(block: int) -> None:
-    if block not in BLOCKS:
-        raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
-
-
-def _from_pairs(
-    rb: Tensor, kb: Tensor, part: Tensor, masks: Tensor, graphs: int, n_q: int, n_k: int, b: int
-) -> BlockLayout:
-    """Layout from pairs sorted by (global row block rb = g·nbq + i, key block kb)."""
-    nbq, nbk = -(-n_q // b), -(-n_k // b)
-    row_ptr = torch.zeros(graphs * nbq + 1, dtype=torch.long)
-    row_ptr[1:] = torch.bincount(rb, minlength=graphs * nbq).cumsum(0)
-    column = (rb // nbq) * nbk + kb
-    order = torch.argsort(column * nbq + rb % nbq, stable=True)
-    col_ptr = torch.zeros(graphs * nbk + 1, dtype=torch.long)
-    col_ptr[1:] = torch.bincount(column, minlength=graphs * nbk).cumsum(0)
-    i32 = torch.int32
-    return BlockLayout(
-        b,
-        graphs,
-        n_q,
-        n_k,
-        row_ptr.to(i32),
-        kb.to(i32),
-        part.to(i32),
-        pack_rows(masks),
-        col_ptr.to(i32),
-        order.to(i32),
-        (rb % nbq)[order].to(i32),
-    )
-
-
-def pack_rows(masks: Tensor) -> Tensor:
-    """bool (P, b, b) element masks → int64 (P, b, ⌈b / 64⌉) row words: bit c % 64 of word
-    c // 64 of row r is ``masks[p, r, c]`` (bit 63 is the sign bit)."""
-    p, b, _ = masks.shape
-    words = -(-b // 64)
-    padded = torch.zeros(p, b, words * 64, dtype=torch.long, device=masks.device)
-    padded[..., :b] = masks
-    shifts = torch.arange(64, dtype=torch.long, device=masks.device)
-    return (padded.view(p, b, words, 64) << shifts).sum(-1).contiguous()  # distinct bits: OR
-
-
-def dense_layout(n_q: int, n_k: int, block: int) -> BlockLayout:
-    """Every query block visits every key block, all pairs full (the dense pattern)."""
-    _check_block(block)
-    nbq, nbk = -(-n_q // block), -(-n_k // block)
-    rb = torch.arange(nbq).repeat_interleave(nbk)
-    kb = torch.arange(nbk).repeat(nbq)
-    none = torch.zeros(0, block, block, dtype=torch.bool)
-    return _from_pairs(rb, kb, torch.full_like(rb, -1), none, 1, n_q, n_k, block)
-
-
-def causal_layout(n_q: int, n_k: int, block: int) -> BlockLayout:
-    """Causal attention as a layout: query i (at position n_k − n_q + i, so n_q < n_k is
-    decoding or prefill in pieces) visits keys j ≤ n_k − n_q + i; blocks crossing the
-    diagonal are partial with their triangle as mask tile. O(nbq · nbk) pairs, no graph."""
-    _check_block(block)
-    if n_q > n_k:
-        raise ValueError(f"causal_layout needs n_q <= n_k, got n_q={n_q}, n_k={n_k}")
-    off = n_k - n_q
-    nbq = -(-n_q // block)
-    qb = torch.arange(nbq)
-    last_row = torch.clamp((qb + 1) * block, max=n_q) - 1
-    count = (off + last_row) // block + 1
-    rb = qb.repeat_interleave(count)
-    kb = torch.arange(int(count.sum())) - (count.cumsum(0) - count).repeat_interleave(count)
-    full = (kb + 1) * block - 1 <= off + rb * block
-    part = torch.full_like(rb, -1)
-    part[~full] = torch.arange(int((~full).sum()))
-    r = torch.arange(block)
-    qpos = off + rb[~full, None, None] * block + r[None, :, None]
-    kpos = kb[~full, None, None] * block + r[None, None, :]
-    return _from_pairs(rb, kb, part, kpos <= qpos, 1, n_q, n_k, block)
-
-
-def graph_layout(graph: AttentionGraph, block: int) -> BlockLayout:
-    """The block layout of ``graph`` (all its batch_shape graphs) at ``block``, built in
-    O(E + partial pairs · b²) by ``block_pairs`` and cached on the graph."""
-    _check_block(block)
-
-    def make() -> BlockLayout:
-        pairs = block_pairs(graph, block, partial=True)
-        nbk = -(-graph.n_k // block)
-        partial = ~pairs.full
-        part = torch.full_like(pairs.keys, -1)
-        part[partial] = torch.arange(int(partial.sum()))
-        masks = torch.zeros(int(partial.sum()), block, block, dtype=torch.bool)
-        if pairs.e_pair is not None and pairs.e_pair.numel():
-            masks[part[pairs.e_pair], pairs.e_q, pairs.e_k] = True
-        graphs = max(1, math.prod(graph.batch_shape))
-        return _from_pairs(
-            pairs.keys // nbk, pairs.keys % nbk, part, masks, graphs, graph.n_q, graph.n_k, block
-        )
-
-    return graph.cached(("triton_entmax_layout", block), make)
-
-
-def _graph_index(batch_shape: tuple[int, ...], bsz: int, heads: int, device) -> Tensor:
-    """int32[B·H]: which of the prod(batch_shape) graphs each (batch, head) uses."""
-    ids = torch.arange(max(1, math.prod(batch_shape)), dtype=torch.int32).reshape(batch_shape)
-    try:
-        ids = ids.expand(bsz, heads)
-    except RuntimeError as err:
-        raise ValueError(
-            f"graph batch_shape {batch_shape} must broadcast to (batch, heads) = {(bsz, heads)}"
-        ) from err
-    return ids.reshape(-1).contiguous().to(device)
-
-
 # ---------------------------------------------------------------------------- requests
-def _alpha_of(prob_map: ProbabilityMap) -> float | str:
-    """α of an entmax/sparsemax map, or why the kernels cannot compute the map."""
-    if prob_map.name == "sparsemax":
-        return 2.0
-    if prob_map.name != "entmax":
-        return f"the Triton entmax kernels compute α-entmax and sparsemax only, not {prob_map!r}"
-    if prob_map.alpha is not None:
-        return "the Triton entmax kernels take a fixed α, not a tensor (learnable) α"
-    alpha = float(prob_map.params.get("alpha", 1.5))
-    if alpha == 1.0:
-        return "entmax(1) is softmax: the Triton entmax kernels need α > 1"
-    if alpha - 1.0 < MIN_ALPHA_GAP:
-        return f"α − 1 < {MIN_ALPHA_GAP} needs float64 thresholds; the Triton kernels use float32"
-    return alpha
-
-
-def triton_map_reason(prob_map: ProbabilityMap | None) -> str | None:
-    """None if the kernels compute ``prob_map`` (α-entmax with a fixed α > 1, sparsemax),
-    else why not (the engine table's map check)."""
-    if prob_map is None:
-        return "the probability map is unknown (the Triton kernels compute entmax/sparsemax)"
-    alpha = _alpha_of(prob_map)
-    return alpha if isinstance(alpha, str) else None
-
-
-def triton_mod_reason(kinds: tuple[str, ...] | None) -> str | None:
-    """None if the kernels apply a score modifier made of these elementary modifiers
-    (``score_mods.steps``' kinds, in order; None: another callable), else why not (the engine
-    table's modifier check)."""
-    if kinds is None:
-        return (
-            "the Triton kernels apply the library's score modifiers only (score_mods.bias, "
-            "alibi, softcap and chains of them), which they take as a description: another "
-            "function cannot run inside them"
-        )
-    repeated = sorted({kind for kind in kinds if kinds.count(kind) > 1})
-    if repeated:
-        return (
-            "the Triton kernels take at most one bias, one alibi and one softcap in a chain, "
-            f"not {', '.join(f'{kinds.count(kind)} × {kind}' for kind in repeated)}"
-        )
-    return None
-
-
-def _score_mod_reason(score_mod: Any, q: Tensor, k: Tensor) -> str | None:
-    """Why the kernels cannot apply ``score_mod`` to scores of q and k (None if they can)."""
-    found = steps(score_mod)
-    why = triton_mod_reason(None if found is None else tuple(mod.kind for mod in found))
-    if why is not None or found is None:
-        return why
-    heads = q.shape[1]
-    for mod in found:
-        tensor = getattr(mod, "t" if mod.kind == "bias" else "slopes", None)
-        if tensor is not None and tensor.device != q.device:
-            return f"score_mod {mod!r} reads a tensor on {tensor.device}, inputs on {q.device}"
-        if mod.kind == "bias":
-            try:
-                mod.check((q.shape[0], heads, q.shape[2], k.shape[2]))
-            except ValueError as err:
-                return str(err)
-        if mod.kind == "alibi" and tensor is not None and tensor.numel() < heads:
-            return f"alibi has {tensor.numel()} slopes for {heads} query heads"
-    return None
-
-
 def triton_entmax_unsupported(
     q: Tensor,
     k: Tensor,
@@ -451,35 +190,9 @@ def triton_entmax_unsupported(
 ) -> str | None:
     """None if :func:`triton_entmax_attention` can compute this request (with ``score_mod``,
     a score modifier, when given), else why not."""
-    wrong_map = triton_map_reason(prob_map)
-    if wrong_map is not None:
-        return wrong_map
-    if dropout_p:
-        return "the Triton entmax kernels have no attention dropout"
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"the Triton entmax kernels take float32/bfloat16/float16, not {q.dtype}"
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        return "q, k and v must share one dtype and one device"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return "q, k, v must be (batch, heads, n, d)"
-    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
-        return (
-            f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: "
-            "one batch, k and v one length, q and k one head dim"
-        )
-    if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
-        return (
-            f"query heads ({q.shape[1]}) must be a multiple of the key/value heads "
-            f"({k.shape[1]}, {v.shape[1]})"
-        )
-    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
-        return f"head dims above {MAX_HEAD_DIM} are not supported"
-    if graph is not None and (graph.n_q, graph.n_k) != (q.shape[2], k.shape[2]):
-        return f"graph is {graph.n_q} × {graph.n_k}, inputs {q.shape[2]} × {k.shape[2]}"
-    if score_mod is not None:
-        wrong_mod = _score_mod_reason(score_mod, q, k)
-        if wrong_mod is not None:
-            return wrong_mod
+    why = _request_reason(q, k, v, prob_map, dropout_p, graph, score_mod)
+    if why is not None:
+        return why
     try:
         _kernels()
     except ImportError:
@@ -492,100 +205,7 @@ def triton_entmax_unsupported(
     return None
 
 
-# ---------------------------------------------------------------------------- split blocks
-@dataclass
-class SplitPlan:
-    """Which query blocks of a layout the split kernels take, and their chunks.
-
-    Attributes:
-        row_end: int32[G·nbq], each row block's end pair for the main kernel: its own end,
-            or its start where the block is split (the main kernel then leaves it empty).
-        ch_rb, ch_start, ch_end: int32[C], chunk c covers pairs ch_start[c] : ch_end[c] of
-            row block ch_rb[c] (= g·nbq + query block).
-        long_rb, long_c0, long_c1: int32[R], split row block r and its chunks.
-        order: the main kernels' query blocks longest first (``LONGEST_FIRST``), made on
-            first use.
-    """
-
-    row_end: Tensor
-    ch_rb: Tensor
-    ch_start: Tensor
-    ch_end: Tensor
-    long_rb: Tensor
-    long_c0: Tensor
-    long_c1: Tensor
-    order: Tensor | None = field(default=None, repr=False)
-
-
-def split_plan(
-    layout: BlockLayout, factor: float, device: torch.device, heads: int = 1, sms: int = 1
-) -> SplitPlan | None:
-    """The query blocks of ``layout`` with more than ``factor`` times the mean number of pairs
-    per non-empty query block, cut into chunks of about twice that mean (at least 8 pairs).
-    When the main kernel would run fewer programs than the device has multiprocessors
-    (``sms``; non-empty query blocks × ``heads``, the launch's batch·heads: decoding, one
-    query block against a long cache), every query block is cut instead, into chunks that
-    make about two programs per multiprocessor (as flash-decoding splits one query's keys).
-    None when no block is cut. Cached on the layout per (factor, device, heads, sms)."""
-    key = ("split", factor, device, heads, sms)
-    if key not in layout._on:
-        row_ptr = layout.row_ptr.cpu().long()
-        counts = row_ptr[1:] - row_ptr[:-1]
-        busy = int((counts > 0).sum())
-        mean = counts.sum().item() / max(1, busy)
-        chunk = max(8, math.ceil(2 * mean))
-        long = (counts > factor * mean) & (counts > chunk)
-        if busy * heads < sms:  # too few programs to fill the device
-            chunk = max(8, math.ceil(counts.sum().item() * heads / (2 * sms)))
-            long = counts > chunk
-        long = torch.nonzero(long).flatten()
-        plan = None
-        if long.numel():
-            per = (counts[long] + chunk - 1) // chunk
-            first = torch.cumsum(per, 0) - per
-            ch_rb = long.repeat_interleave(per)
-            ch_start = row_ptr[ch_rb] + chunk * (
-                torch.arange(int(per.sum())) - first.repeat_interleave(per)
-            )
-            ch_end = torch.minimum(ch_start + chunk, row_ptr[ch_rb + 1])
-            row_end = row_ptr[1:].clone()
-            row_end[long] = row_ptr[long]
-
-            def i32(t: Tensor) -> Tensor:
-                return t.to(device=device, dtype=torch.int32)
-
-            plan = SplitPlan(
-                *map(i32, (row_end, ch_rb, ch_start, ch_end, long, first, first + per))
-            )
-        layout._on[key] = plan
-    return layout._on[key]
-
-
-def _rows(
-    layout: BlockLayout, plan: SplitPlan | None, longest_first: bool
-) -> tuple[Tensor, Tensor]:
-    """Each row block's end pair for the main kernels (the split blocks' left empty) and,
-    with ``longest_first``, every layout graph's query blocks by decreasing pairs (int32
-    [G·nbq], cached on the layout; else a placeholder)."""
-    row_end = layout.row_ptr[1:] if plan is None else plan.row_end
-    if not longest_first:
-        return row_end, row_end
-
-    def order() -> Tensor:
-        counts = (row_end.long() - layout.row_ptr[:-1].long()).view(layout.graphs, layout.nbq)
-        by_length = torch.argsort(counts, dim=1, descending=True, stable=True)
-        return by_length.to(torch.int32).flatten().contiguous()
-
-    if plan is not None:
-        if plan.order is None:
-            plan.order = order()
-        return row_end, plan.order
-    key = ("order", row_end.device)
-    if key not in layout._on:
-        layout._on[key] = order()
-    return row_end, layout._on[key]
-
-
+# ---------------------------------------------------------------------------- launches
 def _grid(layout: BlockLayout, programs: int, longest_first: bool) -> tuple[int, int]:
     """The main kernels' grid: (nbq, B·H), or (B·H, nbq) longest first (``_query_block``)."""
     return (programs, layout.nbq) if longest_first else (layout.nbq, programs)
@@ -659,108 +279,6 @@ def _launch_split(
         DV=dv, BDV=dvp, BLOCK=block, MODE=mode, NEED_GRAD=need_grad,
         num_warps=consts["num_warps"],
     )  # fmt: skip
-
-
-# ---------------------------------------------------------------------------- score modifiers
-@dataclass
-class KernelMod:
-    """A score modifier as the kernels take it (:func:`kernel_mod`).
-
-    Attributes:
-        code: the kernels' compile-time ``MOD`` (:mod:`._entmax_kernels`): bits 0-1 the bias,
-            bits 2-3 ALiBi (1: before the softcap, or without one; 2: after it), bit 4 the
-            softcap; 0 is no modifier.
-        bias: the bias as the modifier holds it, 4-D (size-1 dims broadcast), or None.
-        slopes: ALiBi's slopes m_h, one per query head at least (the modifier's own tensor,
-            or the paper's computed for its head count), or None.
-        cap: the softcap's c (1.0 without one).
-    """
-
-    code: int
-    bias: Tensor | None = None
-    slopes: Tensor | None = None
-    cap: float = 1.0
-
-
-def kernel_mod(score_mod: Any, heads: int, device: torch.device) -> KernelMod | str:
-    """``score_mod`` as the kernels take it for ``heads`` query heads on ``device``, or why
-    they cannot (:func:`triton_mod_reason`)."""
-    found = steps(score_mod)
-    why = triton_mod_reason(None if found is None else tuple(mod.kind for mod in found))
-    if why is not None or found is None:
-        return why or ""
-    out = KernelMod(0)
-    at = 1  # 2 once the softcap has been applied
-    for mod in found:
-        if mod.kind == "bias":
-            out.code |= at
-            out.bias = mod.t
-        elif mod.kind == "alibi":
-            out.code |= at << 2
-            out.slopes = mod.slopes
-            if out.slopes is None:
-                out.slopes = _paper_slopes(mod.heads, heads, device)
-        else:
-            out.code |= 16
-            out.cap, at = mod.cap, 2
-    return out
-
-
-@functools.lru_cache(maxsize=32)
-def _paper_slopes(model_heads: int, heads: int, device: torch.device) -> Tensor:
-    """``alibi(model_heads)``'s slopes of query heads 0 … heads − 1, on ``device`` (made once)."""
-    return alibi(model_heads).computed_slopes(heads, device)
-
-
-@functools.lru_cache(maxsize=8)
-def _placeholder(device: torch.device) -> Tensor:
-    """A float32 tensor of one element on ``device``, made once: the pointer the kernels take
-    for a modifier's tensor they do not read (no allocation per call)."""
-    return torch.zeros(1, dtype=torch.float32, device=device)
-
-
-def _strides(t: Tensor) -> list[int]:
-    """t's strides, 0 along its size-1 dims (they broadcast)."""
-    return [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride(), strict=True)]
-
-
-def _mod_args(
-    mod: KernelMod | None, q: Tensor, scale: float, alpha: float, grads: tuple = (None, None)
-) -> tuple:
-    """The kernels' score-modifier arguments (``MB, mb_b, mb_h, mb_i, mb_j, MSL, m_cap,
-    m_scale, m_am1, MDB, MDSL``): bias and strides, slopes, cap, scale, α − 1 and the
-    gradients' buffers ``grads`` (bias, slopes; None: none). Placeholders without ``mod``
-    (never read or written: ``MOD`` = 0 compiles them out)."""
-    dummy = _placeholder(q.device)
-    if mod is None:
-        return (dummy, 0, 0, 0, 0, dummy, 1.0, 1.0, 1.0, dummy, dummy)
-    bias = dummy if mod.bias is None else mod.bias
-    strides = [0, 0, 0, 0] if mod.bias is None else _strides(bias)
-    slopes = dummy if mod.slopes is None else mod.slopes
-    d_bias, d_slopes = (dummy if g is None else g for g in grads)
-    return (bias, *strides, slopes, mod.cap, scale, alpha - 1.0, d_bias, d_slopes)
-
-
-def _mod_grad_code(mod: KernelMod | None, sizes: tuple[int, ...], bias: bool, slopes: bool) -> int:
-    """The dq kernels' ``MOD_GRAD`` for scores of ``sizes`` (B, H, n_q, n_k): bits 0-1 the
-    bias's gradient (``bias``: wanted) — 1 stored, each entry one program's; 2 added
-    atomically, where the bias broadcasts over batch, heads or keys; 3 summed over the tile's
-    rows, then added, where it broadcasts over the queries —, bit 2 the slopes'."""
-    code = 4 if slopes else 0
-    if bias and mod is not None and mod.bias is not None:
-        (bb, hb, nq, nk), (b, h, n_q, n_k) = mod.bias.shape, sizes
-        if nq == 1 and n_q > 1:
-            code |= 3
-        elif (bb == 1 and b > 1) or (hb == 1 and h > 1) or (nk == 1 and n_k > 1):
-            code |= 2
-        else:
-            code |= 1
-    return code
-
-
-# ---------------------------------------------------------------------------- the function
-def _mode(alpha: float) -> int:
-    return 2 if alpha == 2.0 else 1 if alpha == 1.5 else 0
 
 
 def _launch_forward(
@@ -904,11 +422,6 @@ class _EntmaxAttention(torch.autograd.Function):
         return dq, dk, dvv, d_bias, d_slopes, None, None, None, None, None, None, None
 
 
-def _sizes(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
-    """The kernels' size arguments n_q, n_k, H, HKV."""
-    return q.shape[2], k.shape[2], q.shape[1], k.shape[1]
-
-
 def _constants(
     q: Tensor, v: Tensor, layout: BlockLayout, alpha: float, has_key_ok: bool, kernel: str,
     mod: KernelMod | None = None,
@@ -916,28 +429,16 @@ def _constants(
     """The compile-time arguments all three kernels take (``MOD``: the score modifier's
     code), their warps and the ``kernel``'s (``"forward"`` or ``"backward"``) stages."""
     d, dv, block, stages = q.shape[-1], v.shape[-1], layout.block, STAGES[kernel]
+    # PREC: exact products for float32 inputs (the thresholds are sensitive to score errors);
+    # UPCAST: bfloat16 products in float32 under the interpreter (its bf16 tl.dot is wrong)
     return dict(
         D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BLOCK=block, MODE=_mode(alpha),
-        HAS_KEY_OK=has_key_ok, PARTIAL=layout.masks.shape[0] > 0, PREC=_precision(q),
-        UPCAST=_upcast(q), MOD=0 if mod is None else mod.code, num_warps=WARPS[block],
+        HAS_KEY_OK=has_key_ok, PARTIAL=layout.masks.shape[0] > 0,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=q.dtype == torch.bfloat16 and q.device.type == "cpu",
+        MOD=0 if mod is None else mod.code, num_warps=WARPS[block],
         **({} if stages is None else {"num_stages": stages}),
     )  # fmt: skip
-
-
-def _pow2(x: int) -> int:
-    return max(16, 1 << (x - 1).bit_length())
-
-
-def _precision(q: Tensor) -> str:
-    """Exact float32 products for float32 inputs (the thresholds are sensitive to score
-    errors); bf16/fp16 products accumulate in float32 anyway."""
-    return "ieee" if q.dtype == torch.float32 else "tf32"
-
-
-def _upcast(q: Tensor) -> bool:
-    """Products in float32 under the interpreter for bfloat16 (its bf16 ``tl.dot`` is wrong
-    in triton 3.9); on a GPU the tensor cores multiply bf16 directly."""
-    return q.dtype == torch.bfloat16 and q.device.type == "cpu"
 
 
 def entmax_attention(
@@ -953,23 +454,13 @@ def entmax_attention(
 ) -> Tensor:
     """α-entmax attention (α > 1; 2 = sparsemax) over a block layout, Yun et al. eq. (3).
 
-    Args:
-        q: (B, H, n_q, d); k: (B, H_kv, n_k, d); v: (B, H_kv, n_k, d_v), H a multiple of
-            H_kv (GQA: query head h uses key/value head h // (H / H_kv)); float32, bfloat16 or
-            float16, on CUDA (or CPU under Triton's interpreter).
-        layout: from :func:`graph_layout`, :func:`dense_layout` or :func:`causal_layout`.
-        alpha: α > 1 (1.5 and 2 exact; others Newton/bisection to float precision).
-        scale: score scale, default 1/sqrt(d).
-        key_valid: (B, n_k) bool, True for real keys. A row left without keys gives 0.
-        graph_index: int32 (B·H,), the layout graph of each (batch, head); default all 0.
-        score_mod: a score modifier of :mod:`sparseattn.score_mods` (``bias``, ``alibi``,
-            ``softcap``, a chain with at most one of each), applied to the scaled scores
-            before ρ (FlexAttention's convention: h the query head, indices in q and k).
-    Returns:
-        (B, H, n_q, d_v) in the inputs' dtype; differentiable in q, k and v, and in the
-        modifier's bias and ALiBi slopes where they require grad.
-    Raises:
-        ValueError: a score modifier the kernels cannot take (:func:`triton_mod_reason`).
+    q (B, H, n_q, d), k (B, H_kv, n_k, d), v (B, H_kv, n_k, d_v) → (B, H, n_q, d_v), H a
+    multiple of H_kv (GQA), float32/bfloat16/float16 on CUDA (or CPU under the interpreter);
+    ``layout`` from :func:`graph_layout`, :func:`dense_layout` or :func:`causal_layout`;
+    ``scale`` default 1/sqrt(d); ``key_valid`` (B, n_k), True for real keys (a row without keys
+    gives 0); ``graph_index`` int32 (B·H,), the layout graph of each (batch, head), default 0;
+    ``score_mod`` one of the library's (a ValueError for others, :func:`triton_mod_reason`).
+    Differentiable in q, k, v and the modifier's bias and ALiBi slopes.
     """
     bsz, heads, n_q, d = q.shape
     if (layout.n_q, layout.n_k) != (n_q, k.shape[2]):
@@ -1014,13 +505,9 @@ def triton_entmax_attention(
 ) -> Tensor:
     """α-entmax / sparsemax attention on ``graph`` by the Triton kernels (engine signature).
 
-    Shapes: q (B, H, n_q, d), k (B, H_kv, n_k, d), v (B, H_kv, n_k, d_v) → (B, H, n_q, d_v);
-    ``graph`` static (batch_shape ()) or batched ((H,), (B, H)); ``key_valid`` (B, n_k),
-    True for real keys. ``block``: tile size of the layout (default ``DEFAULT_BLOCK``).
-    Raises ValueError with the reason of :func:`triton_entmax_unsupported` when it cannot run;
-    ``check=False`` skips that check: the engine table's entry, called by ``sparse_attention``,
-    which has checked the request already (host time on every call). ``score_mod``: as
-    :func:`entmax_attention` takes it.
+    Arguments as :func:`entmax_attention`'s, ``graph`` static or batched ((H,), (B, H)) and
+    ``block`` its layout's tile (default ``DEFAULT_BLOCK``). A ValueError with the reason of
+    :func:`triton_entmax_unsupported` unless ``check=False`` (the engine table's entry).
     """
     why = None
     if check:
@@ -1057,9 +544,3 @@ def full_rows_entmax(
     layout = _full_layout(q.shape[2], k.shape[2], block, causal, q.device)
     alpha = _alpha_of(prob_map)
     return entmax_attention(q, k, v, layout, alpha, scale, key_valid, None, score_mod)
-
-
-@functools.lru_cache(maxsize=16)
-def _full_layout(n_q: int, n_k: int, block: int, causal: bool, device: torch.device) -> BlockLayout:
-    make = causal_layout if causal else dense_layout
-    return make(n_q, n_k, block).to(device)

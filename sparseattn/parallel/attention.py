@@ -23,6 +23,9 @@ closed forms (softmax: dS = P ⊙ (dP − dO·O); the sparse maps: dS = s⊙dP �
 s = p^(2−α), Σ all-reduced), then sends the gradients of received keys back to their owners,
 which sum them. With one rank nothing is communicated: the call is
 :func:`sparseattn.sparse_attention`.
+
+One piece: one autograd call, whose forward and backward share the call's setup, the halo
+exchange and the global rows' all-reduced merges.
 """
 
 from __future__ import annotations

@@ -19,14 +19,12 @@ from ..validate import check_positive
 
 __all__ = ["GRAPH_CACHE_SIZE", "Pattern", "Causal", "Union", "check_positive", "union"]
 
-#: Graphs a pattern object keeps, one per length n (and head count, for a head split); the
-#: least recently used goes first. Each graph carries its engines' plans, so a stream of
-#: varying lengths holds at most this many graphs and plans per pattern object.
+#: Graphs (with their engines' plans) a pattern object keeps, one per length n (and head count
+#: for a head split), the least recently used first out.
 GRAPH_CACHE_SIZE = 8
 
-#: What a pattern derives, each kept in a :class:`~sparseattn.memo.Memo` of its own with this
-#: bound: its graphs; the random tables it draws (one per length); the tensors its predicate
-#: reads, on the host and each device it ran on.
+#: The bounds of a pattern's memos: its graphs, its random draws (one per length), and the
+#: tensors its predicate reads, on the host and each device it ran on.
 MEMO_SIZES = {
     "graphs": GRAPH_CACHE_SIZE,
     "draws": GRAPH_CACHE_SIZE,
@@ -39,12 +37,10 @@ class Pattern(abc.ABC):
     """A sparsity pattern: for each length n, the sets A_k ⊆ [n] of keys query k attends to.
 
     Static patterns implement :meth:`_graph` (O(n·K), no n² scan) and :meth:`_allows`
-    (a vectorised predicate in the shape of FlexAttention's ``mask_mod``). A pattern object
-    caches its graphs per n (the ``GRAPH_CACHE_SIZE`` most recently used lengths), and the
-    engines cache their plans on the graph: holding the pattern (as ``SparseAttention`` does)
-    makes every later call at a seen length skip building and planning. Data-dependent
-    patterns (``data_dependent = True``) override :meth:`build` and build per call.
-    Indices are 0-based here; the papers count from 1.
+    (a vectorised predicate, FlexAttention's ``mask_mod``). A pattern object caches its graphs
+    per n (``GRAPH_CACHE_SIZE`` lengths) and the engines their plans on the graph, so a call at
+    a seen length skips building and planning. Data-dependent patterns
+    (``data_dependent = True``) override :meth:`build`. Indices are 0-based.
     """
 
     data_dependent: ClassVar[bool] = False
@@ -81,19 +77,16 @@ class Pattern(abc.ABC):
     def graph(self, n: int, n_q: int | None = None) -> AttentionGraph:
         """The AttentionGraph of this pattern at length n (cached per n).
 
-        With ``n_q < n`` (causal patterns only): the graph of ``n_q`` queries at positions
-        n − n_q … n − 1 against all n keys, i.e. the last n_q rows of ``graph(n)`` — prefill in
-        pieces, or decoding one token (n_q = 1) against a cache of n keys. Cached per (n, n_q);
-        the named causal patterns build it in O(n_q·K) without the full graph (docs/causal.md).
-        A non-causal pattern raises a ValueError: its rows would depend on keys that a
-        decoder has not seen yet (use ``dense()`` or an AttentionGraph for cross-attention).
+        With ``n_q < n`` (causal patterns only; docs/causal.md): the last n_q rows of
+        ``graph(n)``, queries at positions n − n_q … n − 1 against all n keys — prefill in
+        pieces, or decoding — cached per (n, n_q). A non-causal pattern raises a ValueError.
         """
         check_positive("n", n)
         if n_q is None or n_q == n:
             graph = self._cached(n, self._graph)
         else:
             self._check_offset(n, n_q)
-            graph = self._cached((n, n_q), self._offset_graph)
+            graph = self._cached((n, n_q), lambda n, n_q: self._rows(n, n - n_q))
         if graph.predicate is None:
             graph.predicate = functools.partial(self.mask_mod, n, n_q)
         return graph
@@ -118,9 +111,6 @@ class Pattern(abc.ABC):
                 "cross-attention dense(), topk(k) or an AttentionGraph"
             )
 
-    def _offset_graph(self, n: int, n_q: int) -> AttentionGraph:
-        return self._rows(n, n - n_q)
-
     def _rows(self, n: int, start: int) -> AttentionGraph:
         """Rows start … n − 1 of ``graph(n)`` (n − start queries, n keys). This default slices
         the cached full graph's CSR rows; patterns that can build the rows directly override it
@@ -137,12 +127,9 @@ class Pattern(abc.ABC):
         )
 
     def _draw(self, n: int, draw: Callable[[int], Tensor]) -> Tensor:
-        """``draw(n)``, a random table, made once per n and kept in this pattern's memo.
-
-        ``allows`` indexes the table and never draws, so it is a pure predicate that
-        FlexAttention can vmap and compile. The draw runs with functorch transforms and
-        torch-function modes off, so a first call from inside ``create_block_mask`` (a vmap
-        under an indexing mode) draws the same seeded table as a call outside."""
+        """``draw(n)``, a random table, made once per n and kept in this pattern's memo, with
+        functorch transforms and torch-function modes off (a first call from inside
+        ``create_block_mask``'s vmap draws the same table): ``allows`` only indexes it."""
 
         def make() -> Tensor:
             with torch._C._DisableFuncTorch(), torch._C.DisableTorchFunction():
@@ -152,11 +139,8 @@ class Pattern(abc.ABC):
 
     def _on(self, key: Hashable, device: torch.device, make: Callable[[], Tensor]) -> Tensor:
         """A tensor this pattern's predicate holds (global positions, a drawn table): ``make()``
-        on the host, and its copy on ``device`` made once and kept in this pattern's memo, so
-        that :meth:`allows` on device indices (a ``mask_mod``) runs on their device and copies
-        nothing after its first call. A hit only peeks (no lock, no reordering): compiled
-        FlexAttention traces the ``mask_mod`` and refuses mutations of outside state.
-        """
+        on the host, and its copy on ``device``, made once and kept in this pattern's memo. A
+        hit only peeks (no lock): compiled FlexAttention traces the ``mask_mod``."""
         memo = self.memo("tensors")
         device = torch.device(device)
         tensor = memo.peek((key, device))
@@ -167,11 +151,8 @@ class Pattern(abc.ABC):
         return tensor
 
     def allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:
-        """Vectorised predicate: may query ``q_idx`` attend to key ``kv_idx`` at length n?
-
-        ``q_idx`` and ``kv_idx`` are integer tensors broadcast against each other; returns a
-        BoolTensor of their broadcast shape. This is FlexAttention's ``mask_mod`` with n bound.
-        """
+        """Vectorised predicate: may query ``q_idx`` attend to key ``kv_idx`` at length n? A
+        BoolTensor of their broadcast shape: FlexAttention's ``mask_mod`` with n bound."""
         check_positive("n", n)
         # a Python int index joins the other index's device
         dev = next((t.device for t in (q_idx, kv_idx) if isinstance(t, Tensor)), None)
@@ -186,13 +167,8 @@ class Pattern(abc.ABC):
     ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None:
         """This pattern's ``graph(n, n_q)`` as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``
         computed element-wise (no table look-ups), or None where the pattern has no such form.
-
-        Every constant of the predicate — the pattern's parameters, n and the query offset
-        n − n_q — is a 0-d tensor on ``device``, not a Python int: a compiled kernel guards
-        Python ints of a closure by value, so int constants would compile one kernel per length
-        and per pattern, while tensors are kernel inputs and one kernel serves them all. They
-        are int32, FlexAttention's index dtype: int64 constants would promote every index
-        operation of the kernel's partial blocks to 64 bits (n < 2³¹).
+        Its constants (parameters, n, the query offset) are 0-d int32 tensors on ``device``,
+        not Python ints, which a compiled kernel would guard by value (one kernel per length).
         """
         dev = torch.device("cpu") if device is None else torch.device(device)
 
@@ -248,13 +224,9 @@ class Pattern(abc.ABC):
         self, n: int, block: int = 128, device: torch.device | str = "cpu", **graph_kwargs
     ):
         """This pattern at length n as a FlexAttention ``BlockMask`` of leading shape (1, 1)
-        (or (1, H) for a head split), built from the graph's block layout in O(E); size-1
-        dims broadcast over any batch and heads of q, in the block lists and in the
-        ``mask_mod``, which is exactly :meth:`allows`. ``device``: where its tensors live (q's
-        device; built once per (n, block, device) and cached with the graph). ``graph_kwargs``
-        go to :meth:`graph` (e.g. ``num_heads`` for a head split). Pass it to
-        ``torch.nn.attention.flex_attention.flex_attention``.
-        """
+        (or (1, H) for a head split, ``graph_kwargs`` going to :meth:`graph`), built from the
+        graph's block layout in O(E) and cached with the graph per (block, ``device``); its
+        ``mask_mod`` is exactly :meth:`allows`."""
         from ..engines.flex import cached_block_mask
 
         check_positive("block", block)
@@ -270,6 +242,24 @@ class Pattern(abc.ABC):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{self.name}({args})"
+
+
+class _RowsPattern(Pattern):
+    """A static pattern that builds any range of its rows directly (``_rows(n, start)``,
+    O(rows·K)); its graph is all of its rows."""
+
+    def _graph(self, n: int) -> AttentionGraph:
+        return self._rows(n, 0)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Width(Pattern):
+    """A pattern of one width ``w`` >= 1 (windows, strides, segments)."""
+
+    w: int
+
+    def __post_init__(self) -> None:
+        check_positive("w", self.w)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -311,6 +301,14 @@ class Causal(Pattern):
 
 #: Most explicit global positions written out as a chain of comparisons in a ``mask_mod``.
 MEMBER_TERMS = 16
+
+
+def _positions(tokens: int | tuple[int, ...], n: int) -> Tensor:
+    """LongTensor: the global positions below n, the first ``tokens`` or the given ones."""
+    if isinstance(tokens, int):
+        return torch.arange(min(tokens, n))
+    pos = torch.tensor(tokens, dtype=torch.long)
+    return pos[pos < n]
 
 
 def _member(tokens: int | tuple[int, ...], const):

@@ -1,40 +1,17 @@
-"""BigBird's *block* layout as Hugging Face transformers lays it out (BigBirdBlockSparseAttention).
+"""BigBird's *block* layout as Hugging Face transformers lays it out (BigBirdBlockSparseAttention;
+docs/checkpoints.md, "BigBird's block layout").
 
-BigBird (Zaheer et al. 2020, §2) combines a window, global tokens and random keys. Its
-block-sparse form in transformers (``BigBirdBlockSparseAttention.bigbird_block_sparse_attention``
-in ``models/big_bird/modeling_big_bird.py``) works on *blocks*: the sequence of n tokens
-is cut into nb = n / b blocks of b tokens, and with blocks numbered 0 … nb − 1 (0-based):
-
-* query blocks 0 and nb − 1 are global rows: they attend to every key;
-* every other query block i attends to the key blocks i − 1, i, i + 1 (the band), 0 and
-  nb − 1 (the global columns), and the r random key blocks ``rand_attn[h, i − 1, :]``.
-
-That is not the token-level ``bigbird(w, …)`` of :mod:`.fixed`: the band is three whole
-blocks, so its width depends on where a query sits in its block, and no ``window(w)`` equals
-it. The random blocks come from HF's own routines, ported here (:func:`bigbird_rand_attn`)
-with a private ``numpy.random.RandomState`` in place of the global ``np.random`` state.
-HF seeds that global state with the layer's seed (its index) on every training forward, so
-the draw is a function of (n, b, r, heads, seed), and this pattern reproduces it exactly.
-
-What HF does, and what maps to what here:
-
-* ``_get_rand_attn_plan`` splits the key blocks into a plan; at every length where
-  ``BigBirdModel`` runs the block-sparse path (n > (5 + 2r)·b), other than the three below,
-  every random block is one of the key blocks 1 … 2r + 3, whatever n.
-* n ∈ {1024, 3072, 4096} uses the older ``_bigbird_block_rand_mask`` on
-  ``config.max_position_embeddings`` (``max_seqlen`` here) with ``last_idx=1024``: random
-  blocks only from the first 1024 tokens (for b < 512), and at n = 1024 a draw may hit the
-  band or the last (global) block, which HF then counts twice.
-* In eval mode (``module.training`` False) both routines return all-zero indices: every
-  random slot points at block 0, already a global column. The graph is the set union
-  (``training=False`` here: band ∪ globals), but HF's softmax counts the keys of block 0
-  r + 1 times in the rows of blocks 1 … nb − 2. A set of edges carries no multiplicity, so
-  HF's eval *outputs* are reproduced only with a bias of log(r + 1) on those scores (a
-  ``score_mod``); the training outputs need none where no block repeats. (HF's returned
-  ``attention_probs`` keep one copy's weight there, so their rows then sum to less than 1.)
-* Where HF's draw finds one legal block for a slot of r, numpy broadcasts it into all r slots
-  (short sequences only); where it finds too few otherwise, HF raises, and so does this
-  pattern.
+Transformers' block-sparse BigBird (``models/big_bird/modeling_big_bird.py``) cuts the n tokens
+into nb = n / b blocks: query blocks 0 and nb − 1 attend to every key; every other query block
+i to the key blocks i − 1, i, i + 1 (the band), 0 and nb − 1, and the r random key blocks
+``rand_attn[h, i − 1, :]`` (not the token-level ``bigbird(w, …)`` of :mod:`.fixed`). The random
+blocks come from HF's own routines, ported here (:func:`bigbird_rand_attn`) with a private
+``numpy.random.RandomState`` in place of the global state HF seeds with the layer's index. At
+n ∈ {1024, 3072, 4096} HF uses its older ``_bigbird_block_rand_mask`` on
+``config.max_position_embeddings`` (``max_seqlen`` here). In eval mode every random slot is
+block 0: the graph is band ∪ globals, and HF's eval outputs need a bias of log(r + 1) on block
+0's scores (its softmax counts them r + 1 times). Where HF's draw finds too few legal blocks
+(short sequences), HF raises, and so does this pattern.
 """
 
 from __future__ import annotations
@@ -207,15 +184,12 @@ def bigbird_rand_attn(
 ) -> Tensor:
     """HF's ``rand_attn`` for one layer: LongTensor[heads, n/block − 2, random_blocks].
 
-    Entry (h, i − 1, :) holds the key blocks that query block i draws in head h — what
-    ``BigBirdBlockSparseAttention.bigbird_block_sparse_attention`` computes after
-    ``np.random.seed(seed)`` (its ``seed`` is the layer index) with ``num_attention_heads =
-    heads``, ``block_size = block``, ``num_random_blocks = random_blocks`` and
-    ``max_position_embeddings = max_seqlen`` (used at n ∈ ``HF_LEGACY_LENGTHS`` only), drawn
-    here from a private ``np.random.RandomState(seed)`` (same stream, global state untouched).
-    ``training=False``: HF's eval draw, all zeros. Raises a ValueError where HF's draw fails
-    (too few legal blocks: short sequences) or n is not a multiple of ``block`` of at least
-    4 blocks. O(heads · n/block · (n/block + r)) time in HF's Python loops.
+    Entry (h, i − 1, :) holds the key blocks query block i draws in head h: what HF computes
+    after ``np.random.seed(seed)`` (the layer index) with ``max_position_embeddings =
+    max_seqlen`` (read at n ∈ ``HF_LEGACY_LENGTHS`` only), here from a private
+    ``np.random.RandomState(seed)``. ``training=False``: HF's eval draw, all zeros. A
+    ValueError where HF's draw fails (short sequences) or n is not a multiple of ``block`` of
+    at least 4 blocks.
     """
     check_positive("block", block)
     r = check_positive("random_blocks", random_blocks)
@@ -276,28 +250,23 @@ def _expand_blocks(blocks: AttentionGraph, block: int) -> AttentionGraph:
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class BigBirdBlocks(Pattern):
     """BigBird's block layout (Zaheer et al. 2020, §2) exactly as Hugging Face transformers'
-    ``BigBirdBlockSparseAttention`` lays it out; see the module docstring for the rules.
+    ``BigBirdBlockSparseAttention`` lays it out (the module docstring).
 
     Args:
         block: b, tokens per block (HF's ``config.block_size``).
         random_blocks: r, random key blocks per query block (``config.num_random_blocks``).
-        heads: None — one draw shared by every head (HF's draw for one head), graph
-            ``batch_shape`` (); H — one draw per head, graph ``batch_shape`` (H,) as
-            ``split_heads`` gives (``config.num_attention_heads``).
-        seed: the draw's seed in [0, 2³² − 1] (HF: the layer index); the same seed gives the
-            same graph, drawn from a private RandomState (``np.random`` is left alone).
-        training: False gives HF's eval layout (all random indices 0: band ∪ globals; HF's
-            softmax counts block 0 r + 1 times there, which a graph cannot carry).
+        heads: None — one draw shared by every head, graph ``batch_shape`` (); H — one draw
+            per head, graph ``batch_shape`` (H,) (``config.num_attention_heads``).
+        seed: the draw's seed in [0, 2³² − 1] (HF: the layer index).
+        training: False gives HF's eval layout (band ∪ globals).
         max_seqlen: HF's ``config.max_position_embeddings``; only read at n ∈ {1024, 3072,
-            4096}, where HF draws for that length and keeps the first rows.
-        rand_attn: HF's own draw instead, integer (heads, n/b − 2, r) (per-head graph) or
-            (n/b − 2, r) (shared); the pattern then applies to n = (rows + 2)·b only, and
-            ``seed``, ``training`` and ``max_seqlen`` do not apply.
+            4096}.
+        rand_attn: HF's own draw instead, integer (heads, n/b − 2, r) or (n/b − 2, r)
+            (shared), for n = (rows + 2)·b only (then without seed, training, max_seqlen).
 
-    ``graph(n)`` needs n a multiple of b (HF pads its input to one) of at least 4 blocks, and
-    raises a ValueError where HF's own draw fails (short n). HF's *model* uses this layout only
-    for n > (5 + 2r)·b and full attention below; the pattern gives the module's layout at
-    every n where the module runs. Built in O(E) from the block table (no n × n scan).
+    ``graph(n)`` needs n a multiple of b of at least 4 blocks, and raises a ValueError where
+    HF's own draw fails (short n; HF's *model* attends fully for n ≤ (5 + 2r)·b). Built in
+    O(E) from the block table.
     """
 
     block: int
@@ -464,24 +433,18 @@ class BigBirdBlocks(Pattern):
         return out
 
     def _key(self) -> tuple:
-        table = None if self.rand_attn is None else self.rand_attn.reshape(-1).tolist()
         return (self.block, self.random_blocks, self.heads, self.seed, self.training,
-                self.max_seqlen, table)  # fmt: skip
+                self.max_seqlen)  # fmt: skip
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, BigBirdBlocks):
             return NotImplemented
-        return self._key()[:-1] == other._key()[:-1] and (
-            (self.rand_attn is None and other.rand_attn is None)
-            or (
-                self.rand_attn is not None
-                and other.rand_attn is not None
-                and torch.equal(self.rand_attn, other.rand_attn)
-            )
-        )
+        a, b = self.rand_attn, other.rand_attn
+        same = (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        return self._key() == other._key() and same
 
     def __hash__(self) -> int:
-        return hash(self._key()[:-1])
+        return hash(self._key())
 
 
 def bigbird_blocks(
@@ -494,10 +457,8 @@ def bigbird_blocks(
     training: bool = True,
     max_seqlen: int = DEFAULT_MAX_SEQLEN,
 ) -> BigBirdBlocks:
-    """BigBird's block layout as HF transformers' ``BigBirdBlockSparseAttention`` builds it:
-    blocks of ``block`` tokens, the first and last block global, a band of three blocks and
-    ``random_blocks`` random blocks per query block (per head with ``heads``). With
-    ``heads=config.num_attention_heads`` and ``seed=layer_idx`` it is layer ``layer_idx`` of a
-    ``BigBirdModel`` in training mode; ``training=False`` its eval layout; ``rand_attn`` takes
-    a draw of HF's as it is. See :class:`BigBirdBlocks`."""
+    """BigBird's block layout as HF transformers' ``BigBirdBlockSparseAttention`` builds it
+    (:class:`BigBirdBlocks`): with ``heads=config.num_attention_heads`` and ``seed=layer_idx``
+    layer ``layer_idx`` of a ``BigBirdModel`` in training mode; ``training=False`` its eval
+    layout; ``rand_attn`` a draw of HF's as it is."""
     return BigBirdBlocks(block, random_blocks, heads, seed, training, max_seqlen, rand_attn)

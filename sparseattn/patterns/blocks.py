@@ -1,26 +1,15 @@
-"""Block layouts as patterns, and the six DeepSpeed sparsity configurations.
+"""Block layouts as patterns, and the six DeepSpeed sparsity configurations (docs/engines.md,
+"DeepSpeed layouts").
 
-DeepSpeed's sparse attention describes a pattern by a *block layout*: an integer tensor
-(H, n/b, n/b) whose entry (h, i, j) is 1 when, in head h, the queries of block i attend to the
-keys of block j (b tokens per block). :func:`from_block_layout` turns such a tensor into a
-Pattern; the config classes below rebuild DeepSpeed's layouts (``make_layout(seq_len)``, with
-DeepSpeed's class and parameter names) so that users can move over, and ``config.pattern()``
-gives the Pattern that builds the layout for whatever length it is asked for.
-
-Conventions and the simplifications made here:
-
-* Heads with identical layouts give one graph shared by all heads (batch_shape ()); otherwise
-  the graph has batch_shape (H,) (per-head, Yun §5.1 MULTIHEAD).
-* ``attention="unidirectional"`` makes the *block* layout lower triangular (here always by a
-  final ``tril``; DeepSpeed's Fixed config keeps the upper half of a g×g global block when
-  ``num_global_blocks`` > 1, which a causal model never uses). Inside a diagonal block a
-  causal model still needs the element-level triangle, which DeepSpeed leaves to an attention
-  mask; ``config.pattern()`` adds it (a query never sees a later key). Pass ``causal=False`` to
-  :func:`from_block_layout` for the raw layout.
-* Random blocks (Variable, BigBird) are drawn from a seeded ``torch.Generator`` (DeepSpeed uses
-  Python's unseeded ``random``); unidirectional random blocks are drawn among blocks ≤ the row.
-* A length that is not a multiple of the block builds the layout for ceil(n/b) blocks and drops
-  the tokens past n (DeepSpeed requires a multiple).
+A DeepSpeed *block layout* is an integer tensor (H, n/b, n/b) whose entry (h, i, j) is 1 when,
+in head h, the queries of block i attend to the keys of block j. :func:`from_block_layout` turns
+one into a Pattern (graph batch_shape () when all heads agree, else (H,)); the config classes
+rebuild DeepSpeed's layouts under its class and parameter names (``make_layout(seq_len)``), and
+``config.pattern()`` gives the Pattern for any length. Simplifications: random blocks come from
+a seeded ``torch.Generator`` (unidirectional ones among blocks ≤ the row); a unidirectional
+layout ends with a ``tril`` (DeepSpeed's Fixed keeps the upper half of a g × g global block),
+and its pattern adds the element-level triangle inside diagonal blocks; a length that is not a
+multiple of the block uses ceil(n/b) blocks and drops the tokens past n.
 """
 
 from __future__ import annotations
@@ -123,15 +112,9 @@ class BlockLayout(Pattern):
 
 
 def from_block_layout(layout: Tensor, block: int, causal: bool = False) -> BlockLayout:
-    """A Pattern from a DeepSpeed-style block layout.
-
-    Args:
-        layout: (H, nb, nb) or (nb, nb) tensor, bool or integer (non-zero = attend).
-        block: tokens per block.
-        causal: also restrict every query to keys j <= i (element level).
-    Returns:
-        BlockLayout; its graphs have batch_shape () if all heads agree, else (H,).
-    """
+    """A Pattern from a DeepSpeed-style block layout (H, nb, nb) or (nb, nb), bool or integer
+    (non-zero = attend), of ``block`` tokens per block; ``causal`` also restricts every query
+    to keys j <= i. Its graphs have batch_shape () if all heads agree, else (H,)."""
     check_positive("block", block)
     if not isinstance(layout, Tensor):
         raise TypeError(f"layout must be a tensor, got {type(layout).__name__}")
@@ -150,10 +133,8 @@ class SparsityConfig(abc.ABC):
     """Base of the DeepSpeed-style configs: ``make_layout(seq_len)`` → LongTensor (H, nb, nb).
 
     Args (DeepSpeed's names):
-        num_heads: H.
-        block: tokens per block.
-        different_layout_per_head: compute each head's layout separately (random blocks and
-            Fixed's global patterns differ per head); otherwise head 0's layout is copied.
+        num_heads, block: H and the tokens per block.
+        different_layout_per_head: compute each head's layout separately (else head 0's).
         attention: ``"bidirectional"`` or ``"unidirectional"`` (block lower triangle, and a
             causal element mask in :meth:`pattern`).
         seed: seed of the random blocks (DeepSpeed: unseeded).
@@ -285,6 +266,18 @@ class FixedSparsityConfig(SparsityConfig):
         return layout
 
 
+def _global_ranges(starts: Sequence[int], ends: Sequence[int] | None) -> list[tuple[int, int]]:
+    """The global blocks [start, end) of a config (one block per start without ``ends``),
+    checked."""
+    if ends is None:
+        return [(s, s + 1) for s in starts]
+    if len(ends) != len(starts):
+        raise ValueError("global_block_end_indices must pair up with global_block_indices")
+    if any(s >= e for s, e in zip(starts, ends, strict=True)):
+        raise ValueError("each global block range needs start < end")
+    return list(zip(starts, ends, strict=True))
+
+
 @dataclasses.dataclass
 class VariableSparsityConfig(SparsityConfig):
     """Variable windows + global + random blocks (DeepSpeed ``VariableSparsityConfig``).
@@ -308,12 +301,7 @@ class VariableSparsityConfig(SparsityConfig):
             raise ValueError(f"num_random_blocks must be >= 0, got {self.num_random_blocks}")
         if not self.local_window_blocks or min(self.local_window_blocks) < 1:
             raise ValueError("local_window_blocks must be a non-empty list of positive sizes")
-        ends = self.global_block_end_indices
-        if ends is not None:
-            if len(ends) != len(self.global_block_indices):
-                raise ValueError("global_block_end_indices must pair up with global_block_indices")
-            if any(s >= e for s, e in zip(self.global_block_indices, ends, strict=True)):
-                raise ValueError("each global block range needs start < end")
+        _global_ranges(self.global_block_indices, self.global_block_end_indices)
         if self.horizontal_global_attention and self.unidirectional:
             raise ValueError("horizontal_global_attention needs bidirectional attention")
 
@@ -325,13 +313,7 @@ class VariableSparsityConfig(SparsityConfig):
             size = sizes.pop(0) if len(sizes) > 1 else sizes[0]
             layout[start : start + size, start : start + size] = True
             start += size
-        ends = self.global_block_end_indices
-        ranges = (
-            [(s, s + 1) for s in self.global_block_indices]
-            if ends is None
-            else list(zip(self.global_block_indices, ends, strict=True))
-        )
-        for s, e in ranges:
+        for s, e in _global_ranges(self.global_block_indices, self.global_block_end_indices):
             if s < nb:
                 layout[(0 if not self.unidirectional else s) :, s:e] = True
                 if self.horizontal_global_attention:
@@ -384,23 +366,12 @@ class BSLongformerSparsityConfig(SparsityConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive("num_sliding_window_blocks", self.num_sliding_window_blocks)
-        ends = self.global_block_end_indices
-        if ends is not None:
-            if len(ends) != len(self.global_block_indices):
-                raise ValueError("global_block_end_indices must pair up with global_block_indices")
-            if any(s >= e for s, e in zip(self.global_block_indices, ends, strict=True)):
-                raise ValueError("each global block range needs start < end")
+        _global_ranges(self.global_block_indices, self.global_block_end_indices)
 
     def _head_layout(self, h: int, nb: int, gen: torch.Generator) -> Tensor:
         self._check_fits(nb, num_sliding_window_blocks=self.num_sliding_window_blocks)
         layout = self._sliding(nb, self.num_sliding_window_blocks)
-        ends = self.global_block_end_indices
-        ranges = (
-            [(s, s + 1) for s in self.global_block_indices]
-            if ends is None
-            else list(zip(self.global_block_indices, ends, strict=True))
-        )
-        for s, e in ranges:
+        for s, e in _global_ranges(self.global_block_indices, self.global_block_end_indices):
             if s < nb:
                 layout[s:e, :] = True
                 layout[:, s:e] = True

@@ -1,24 +1,17 @@
 """Causal patterns as their papers define them (docs/causal.md).
 
-``pattern.causal()`` is the generic causal variant: the bidirectional pattern intersected with
-the lower triangle. For Yun's eq. (4) that keeps only ⌈w/2⌉ previous tokens of the window. The
-patterns here are the autoregressive originals instead:
-
-- Child et al. (2019) STRIDED: A¹_i = the previous w tokens including i, A²_i = {j ≤ i :
-  (i − j) mod w = 0};
-- Child et al. FIXED: A¹_i = {j ≤ i : ⌊j/w⌋ = ⌊i/w⌋}, A²_i = {i} ∪ {j ≤ i : j mod w ≥ w − c};
-- the sliding window of the previous w tokens with attention-sink / global tokens (causal
-  Longformer; Mistral's window; StreamingLLM's sinks);
-- causal BigBird: that window ∪ global tokens ∪ random key blocks drawn among the past blocks.
-
-Every row i depends on i alone (not on n), so the rows a decoder computes one token at a time
-are the rows of the full-length graph. Each pattern builds any range of rows (queries at an
-offset, ``graph(n_k, n_q)``) in O(rows · K) without the full graph. Indices are 0-based.
+``pattern.causal()`` intersects a bidirectional pattern with the lower triangle (for Yun's eq. 4
+that keeps only ⌈w/2⌉ previous tokens); the patterns here are the autoregressive originals:
+Child et al.'s (2019) STRIDED and FIXED, the sliding window with attention sinks (causal
+Longformer, Mistral, StreamingLLM) and causal BigBird. Every row i depends on i alone (not on
+n), and each pattern builds any range of rows (queries at an offset, ``graph(n_k, n_q)``) in
+O(rows · K) without the full graph. Indices are 0-based.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 import torch
@@ -26,7 +19,7 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..validate import check_int, check_seed
-from .base import Pattern, _member, check_positive, union
+from .base import Pattern, _member, _positions, _RowsPattern, _Width, check_positive, union
 
 __all__ = [
     "CausalWindow",
@@ -47,37 +40,29 @@ def _table(index: Tensor, valid: Tensor, n: int) -> AttentionGraph:
     return AttentionGraph.from_neighbours(index, valid, n, causal=True)
 
 
-class _CausalPattern(Pattern):
+class _CausalPattern(_RowsPattern):
     """A causal static pattern whose rows are built directly: implement ``_rows(n, start)``."""
+
+    @property
+    def name(self) -> str:
+        """The class name in snake case: ``CausalWindow`` is "causal_window"."""
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
 
     @property
     def is_causal(self) -> bool:
         return True
-
-    def _graph(self, n: int) -> AttentionGraph:
-        return self._rows(n, 0)
 
     def causal(self) -> Pattern:
         return self
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class CausalWindow(_CausalPattern):
+class CausalWindow(_CausalPattern, _Width):
     """The previous w tokens including the query: A_i = {max(0, i − w + 1), …, i}.
 
-    Child et al.'s STRIDED A¹ ("attend to the previous l locations", as in their reference
-    code's ``local`` mask; the paper's formula t = max(0, i − l) counts one more) and the
-    causal sliding window of Longformer / Mistral.
+    Child et al.'s STRIDED A¹ (their reference code's ``local`` mask; the paper's formula
+    counts one more) and the causal sliding window of Longformer / Mistral.
     """
-
-    w: int
-
-    def __post_init__(self) -> None:
-        check_positive("w", self.w)
-
-    @property
-    def name(self) -> str:
-        return "causal_window"
 
     def _rows(self, n: int, start: int) -> AttentionGraph:
         index = torch.arange(start, n)[:, None] + torch.arange(1 - min(self.w, n), 1)
@@ -92,17 +77,8 @@ class CausalWindow(_CausalPattern):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class CausalStride(_CausalPattern):
+class CausalStride(_CausalPattern, _Width):
     """Child et al.'s STRIDED A²: A_i = {j ≤ i : (i − j) mod w = 0} (every w-th token back)."""
-
-    w: int
-
-    def __post_init__(self) -> None:
-        check_positive("w", self.w)
-
-    @property
-    def name(self) -> str:
-        return "causal_stride"
 
     def _rows(self, n: int, start: int) -> AttentionGraph:
         back = torch.arange((n - 1) // self.w, -1, -1) * self.w  # ascending keys i − m·w
@@ -118,17 +94,8 @@ class CausalStride(_CausalPattern):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class CausalSegment(_CausalPattern):
+class CausalSegment(_CausalPattern, _Width):
     """Child et al.'s FIXED A¹: A_i = {j ≤ i : ⌊j/w⌋ = ⌊i/w⌋} (the own segment up to i)."""
-
-    w: int
-
-    def __post_init__(self) -> None:
-        check_positive("w", self.w)
-
-    @property
-    def name(self) -> str:
-        return "causal_segment"
 
     def _rows(self, n: int, start: int) -> AttentionGraph:
         rows = torch.arange(start, n)[:, None]
@@ -144,12 +111,10 @@ class CausalSegment(_CausalPattern):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class CausalSummary(_CausalPattern):
+class CausalSummary(_CausalPattern, _Width):
     """Child et al.'s FIXED A² with the query itself: A_i = {i} ∪ {j ≤ i : j mod w ≥ w − c}
-    (the last c positions of every segment up to i). Child's set alone leaves the first
-    w − c queries without any key; {i} is Yun eq. (5)'s addition, and fills them."""
+    (the last c positions of every segment up to i; {i}, Yun eq. 5's, feeds the first ones)."""
 
-    w: int
     c: int = 1
 
     def __post_init__(self) -> None:
@@ -159,10 +124,6 @@ class CausalSummary(_CausalPattern):
             raise ValueError(
                 f"c must be at most w = {self.w} (positions per segment), got c={self.c}"
             )
-
-    @property
-    def name(self) -> str:
-        return "causal_summary"
 
     def _rows(self, n: int, start: int) -> AttentionGraph:
         keys = torch.arange(n)
@@ -202,15 +163,8 @@ class CausalGlobal(_CausalPattern):
             raise ValueError("global_tokens must be an int >= 1 or a non-empty list of ints")
         object.__setattr__(self, "tokens", tokens)
 
-    @property
-    def name(self) -> str:
-        return "causal_global"
-
     def positions(self, n: int) -> Tensor:
-        if isinstance(self.tokens, int):
-            return torch.arange(min(self.tokens, n))
-        pos = torch.tensor(self.tokens, dtype=torch.long)
-        return pos[pos < n]
+        return _positions(self.tokens, n)
 
     def _rows(self, n: int, start: int) -> AttentionGraph:
         g, m = self.positions(n), n - start
@@ -248,10 +202,6 @@ class CausalRandomBlocks(_CausalPattern):
         check_positive("block", self.block)
         check_seed("seed", self.seed)
 
-    @property
-    def name(self) -> str:
-        return "causal_random_blocks"
-
     def block_choice(self, first: int, last: int) -> Tensor:
         """LongTensor[last − first + 1, r]: the sorted key blocks of query blocks first … last
         (entries −1 where block b has fewer than r blocks to choose from). O(r) per block."""
@@ -284,8 +234,7 @@ class CausalRandomBlocks(_CausalPattern):
 
     def block_table(self, n: int) -> Tensor:
         """``block_choice`` of every query block at length n, drawn once per n and cached
-        (bounded). Drawn with functorch transforms and torch-function modes off, so that
-        :meth:`allows` is a pure table lookup FlexAttention's ``create_block_mask`` can vmap."""
+        (``Pattern._draw``)."""
         return self._draw(n, lambda n: self.block_choice(0, (n - 1) // self.block))
 
     def _allows(self, q_idx: Tensor, kv_idx: Tensor, n: int) -> Tensor:

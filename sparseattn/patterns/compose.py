@@ -123,13 +123,8 @@ class HeadSplit(Pattern):
         sizes = self.head_sizes(num_heads)
         bounds = self._on(("bounds", num_heads), head.device, lambda: torch.tensor(sizes).cumsum(0))
         group = torch.bucketize(head, bounds, right=True)
-        out = torch.zeros(
-            torch.broadcast_shapes(
-                group.shape, torch.as_tensor(q_idx).shape, torch.as_tensor(kv_idx).shape
-            ),
-            dtype=torch.bool,
-            device=head.device,
-        )
+        shapes = (group.shape, torch.as_tensor(q_idx).shape, torch.as_tensor(kv_idx).shape)
+        out = torch.zeros(torch.broadcast_shapes(*shapes), dtype=torch.bool, device=head.device)
         for g, p in enumerate(self.patterns):
             out |= (group == g) & p.allows(q_idx, kv_idx, n)
         return out

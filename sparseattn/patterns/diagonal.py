@@ -1,9 +1,8 @@
 """Attention without the diagonal (SparseBERT, Shi et al. 2021, §4 and appendix A).
 
-SparseBERT finds the diagonal (a token attending to itself) the least important part of the
-attention matrix, and proves that Transformers whose attention never uses it are still universal
-approximators (appendix A, Lemma 4: ψ(Z; b)_i attends to Z_{j≠i}). :func:`no_diagonal` removes
-the diagonal from any pattern: A_k \\ {k}.
+SparseBERT finds the diagonal the least important part of the attention matrix, and proves
+Transformers that never use it still universal approximators (appendix A, Lemma 4).
+:func:`no_diagonal` removes it from any pattern: A_k \\ {k}.
 """
 
 from __future__ import annotations
@@ -20,12 +19,8 @@ __all__ = ["NoDiagonal", "no_diagonal", "dense_no_diagonal", "drop_diagonal"]
 
 
 def drop_diagonal(graph: AttentionGraph, what: str = "graph") -> AttentionGraph:
-    """The graph minus the edges (i, i), for any ``batch_shape``; n_q must equal n_k.
-
-    Raises:
-        ValueError: when a query row is left without any key (its only key was itself); the
-            message names ``what`` and the first such row.
-    """
+    """The graph minus the edges (i, i), for any ``batch_shape``; n_q must equal n_k. A
+    ValueError (naming ``what``) when a query row is left without any key."""
     if graph.n_q != graph.n_k:
         raise ValueError(
             f"no_diagonal needs self-attention (n_q == n_k), got {graph.n_q} and {graph.n_k}"
@@ -49,9 +44,8 @@ def drop_diagonal(graph: AttentionGraph, what: str = "graph") -> AttentionGraph:
 class NoDiagonal(Pattern):
     """``base`` minus the main diagonal: A_k \\ {k} (SparseBERT's attention without diag).
 
-    Works for static, per-head and data-dependent bases, and for their causal variants (then
-    query 0, whose only causal key is itself, is left empty: an error at use). A row left
-    empty raises a ValueError when the graph is built.
+    Any base, static, per-head, data-dependent or causal; a row left empty (causal query 0)
+    raises a ValueError when the graph is built.
     """
 
     base: Pattern
@@ -88,21 +82,14 @@ class NoDiagonal(Pattern):
 
 
 def no_diagonal(pattern: Pattern) -> Pattern:
-    """The pattern without the main diagonal, A_k \\ {k} (SparseBERT §4).
-
-    Args:
-        pattern: any Pattern (static, per-head or data-dependent).
-    Returns:
-        a Pattern; building its graph raises a ValueError if some query keeps no key.
-    """
+    """Any pattern without the main diagonal, A_k \\ {k} (SparseBERT §4); building its graph
+    raises a ValueError if some query keeps no key."""
     if not isinstance(pattern, Pattern):
         raise TypeError(f"pattern must be a Pattern, got {type(pattern).__name__}")
     return NoDiagonal(pattern)
 
 
 def dense_no_diagonal() -> Pattern:
-    """Dense attention without the diagonal: A_k = [n] \\ {k} (SparseBERT's main finding).
-
-    Needs n ≥ 2 (at n = 1 the only query has no key left).
-    """
+    """Dense attention without the diagonal: A_k = [n] \\ {k} (SparseBERT's main finding;
+    n ≥ 2)."""
     return NoDiagonal(Dense())

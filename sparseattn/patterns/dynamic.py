@@ -18,9 +18,8 @@ __all__ = ["TopK", "topk"]
 class TopK(Pattern):
     """Each query keeps the keys of its ``k`` largest scores q_i·k_j (ties broken by torch.topk).
 
-    With ``is_causal`` the choice is made among keys j <= i (so early queries keep min(k, i + 1)
-    keys) — unlike the tril of the bidirectional top-k, which would keep fewer.
-    Cost: O(n_q·n_k·d) to score, chunked over queries so memory stays O(chunk·n_k).
+    With ``is_causal`` among keys j <= i (early queries keep min(k, i + 1) keys). O(n_q·n_k·d)
+    to score, chunked over queries (memory O(chunk·n_k)).
     """
 
     k: int

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..graph import AttentionGraph
 from ..validate import check_finite_float, check_int, check_seed
-from .base import Pattern, _member, check_positive, union
+from .base import Pattern, _member, _positions, _RowsPattern, _Width, check_positive, union
 
 __all__ = [
     "Dense",
@@ -42,22 +42,14 @@ __all__ = [
 ]
 
 
-def _rows(n: int, k: int) -> Tensor:
-    return torch.arange(n).view(n, 1).expand(n, k)
-
-
 def _table(index: Tensor, n: int) -> AttentionGraph:
     """Graph from an (n, K) neighbour table whose out-of-range entries are dropped."""
     return AttentionGraph.from_neighbours(index, (index >= 0) & (index < n), n)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Dense(Pattern):
+class Dense(_RowsPattern):
     """A_k = [n]: full attention."""
-
-    def _graph(self, n: int) -> AttentionGraph:
-        crow = torch.arange(n + 1) * n
-        return AttentionGraph(crow, torch.arange(n).repeat(n), n, n)
 
     def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
         return AttentionGraph(
@@ -77,17 +69,8 @@ class Dense(Pattern):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Window(Pattern):
+class Window(_RowsPattern, _Width):
     """Yun eq. (4), A¹: A_k = [n] ∩ {k − ⌈w/2⌉, …, k + ⌊w/2⌋} (w + 1 keys inside the sequence)."""
-
-    w: int
-
-    def __post_init__(self) -> None:
-        check_positive("w", self.w)
-
-    def _graph(self, n: int) -> AttentionGraph:
-        # offsets past ±(n − 1) never land inside the sequence: clamp (no huge w allocations)
-        return self._rows(n, 0)
 
     def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
         i = torch.arange(start, n)  # offsets past ±(n − 1) are clamped: no huge w allocations
@@ -103,16 +86,8 @@ class Window(Pattern):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Stride(Pattern):
+class Stride(_RowsPattern, _Width):
     """Yun eq. (4), A²: A_k = [n] ∩ {…, k − 2w, k − w, k, k + w, k + 2w, …}."""
-
-    w: int
-
-    def __post_init__(self) -> None:
-        check_positive("w", self.w)
-
-    def _graph(self, n: int) -> AttentionGraph:
-        return self._rows(n, 0)
 
     def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
         steps = torch.arange(-(-n // self.w)) * min(self.w, n)  # w >= n: the diagonal only
@@ -127,16 +102,13 @@ class Stride(Pattern):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class BlockLocal(Pattern):
+class BlockLocal(_RowsPattern):
     """Attend within the own block of ``block`` tokens; also Yun eq. (5), A¹ (FIXED, w = block)."""
 
     block: int
 
     def __post_init__(self) -> None:
         check_positive("block", self.block)
-
-    def _graph(self, n: int) -> AttentionGraph:
-        return self._rows(n, 0)
 
     def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
         first = torch.arange(start, n) // self.block * self.block
@@ -151,16 +123,8 @@ class BlockLocal(Pattern):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class FixedSummary(Pattern):
+class FixedSummary(_RowsPattern, _Width):
     """Yun eq. (5), A²: A_k = [n] ∩ ({k} ∪ {w, 2w, 3w, …}) — the last token of every segment."""
-
-    w: int
-
-    def __post_init__(self) -> None:
-        check_positive("w", self.w)
-
-    def _graph(self, n: int) -> AttentionGraph:
-        return self._rows(n, 0)
 
     def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
         w = min(self.w, n + 1)  # w > n: no segment end inside the sequence
@@ -176,16 +140,11 @@ class FixedSummary(Pattern):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Star(Pattern):
+class Star(_Width):
     """Yun eq. (6), STAR (Guo et al.): the relay token is the last position n; it attends to all
     and all attend to it; token k < n attends to its 2w + 1 cyclic neighbours in [n − 1]:
     A_k = {n} ∪ {(i − 1) mod (n − 1) + 1 : i ∈ {k − w, …, k + w}},  A_n = [n].
     """
-
-    w: int
-
-    def __post_init__(self) -> None:
-        check_positive("w", self.w)
 
     def _graph(self, n: int) -> AttentionGraph:
         m = n - 1  # ordinary tokens 0..n-2; relay n-1
@@ -196,7 +155,7 @@ class Star(Pattern):
             ring = (torch.arange(m)[:, None] + torch.arange(-w, w + 1)) % m
             relay = torch.full((m, 1), m)
             table = torch.cat([ring, relay], 1)
-            rows.append(_rows(m, table.shape[1]).reshape(-1))
+            rows.append(torch.arange(m).repeat_interleave(table.shape[1]))
             cols.append(table.reshape(-1))
         return AttentionGraph.from_edges(torch.cat(rows), torch.cat(cols), n, n)
 
@@ -217,11 +176,9 @@ class Star(Pattern):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class GlobalTokens(Pattern):
-    """Global tokens (Longformer, BigBird): each attends to all keys and all attend to it.
-
-    ``tokens`` is an int g (the first g positions) or explicit positions; those >= n are dropped.
-    """
+class GlobalTokens(_RowsPattern):
+    """Global tokens (Longformer, BigBird): each attends to all keys and all attend to it;
+    ``tokens`` an int g (the first g positions) or explicit positions (those >= n dropped)."""
 
     tokens: int | tuple[int, ...]
 
@@ -235,13 +192,7 @@ class GlobalTokens(Pattern):
                 raise ValueError("global_tokens must be an int >= 1 or a non-empty list of ints")
 
     def positions(self, n: int) -> Tensor:
-        if isinstance(self.tokens, int):
-            return torch.arange(min(self.tokens, n))
-        pos = torch.tensor(self.tokens)
-        return pos[pos < n]
-
-    def _graph(self, n: int) -> AttentionGraph:
-        return self._rows(n, 0)
+        return _positions(self.tokens, n)
 
     def _rows(self, n: int, start: int) -> AttentionGraph:  # rows start..n-1 (offset queries)
         g, m = self.positions(n), n - start
@@ -260,11 +211,8 @@ class GlobalTokens(Pattern):
 
 
 def _random_subsets(rows: int, n: int, k: int, gen: torch.Generator) -> Tensor:
-    """LongTensor[rows, k]: for each row a uniform random k-subset of [n], in O(rows·k) expected.
-
-    The first k distinct values of an i.i.d. uniform sequence form a uniform k-subset; we draw
-    with replacement and redraw the (rare) rows that came up short.
-    """
+    """LongTensor[rows, k]: for each row a uniform random k-subset of [n], in O(rows·k) expected
+    (the first k distinct values of an i.i.d. uniform sequence; short rows drawn again)."""
     if 2 * k > n:  # dense regime: a random permutation per row costs O(n) = O(k)
         return torch.rand(rows, n, generator=gen).argsort(-1)[:, :k]
     out = torch.empty(rows, k, dtype=torch.long)
@@ -500,11 +448,9 @@ def longformer(
     w: int, global_tokens: int | Sequence[int] | Sequence[Sequence[int]] | Tensor = 0
 ) -> Pattern:
     """Longformer (Beltagy et al. 2020): window(w) ∪ global tokens — the first
-    ``global_tokens`` positions (an int), the given positions (a sequence of ints), or
-    positions per batch item (:class:`ItemGlobalTokens`: a (B, n) bool mask, True at global
-    tokens, as Longformer's ``global_attention_mask``, or one sequence of positions per item;
-    the graph then has batch shape (B, 1)). None by default, as in the Longformer model, whose
-    global tokens are chosen per call; until 2026-11-29 the default was one (token 0)."""
+    ``global_tokens`` positions (an int), the given positions, or positions per batch item
+    (:class:`ItemGlobalTokens`: a (B, n) bool mask as Longformer's ``global_attention_mask``,
+    or one sequence per item). None by default (until 2026-11-29: token 0)."""
     if isinstance(global_tokens, int) and not isinstance(global_tokens, bool):
         none = check_int("global_tokens", global_tokens, 0) == 0
     else:

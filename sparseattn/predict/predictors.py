@@ -19,6 +19,9 @@ each query and key to a set of buckets, Ĝ = {(i, j) : f_q(q_i) ∩ f_k(k_j) ≠
   The chunk graph is expanded to tokens (whole z × z blocks).
 
 ``valid`` (B, n) bool, when given, marks real tokens (right padding); padding gets no bucket.
+
+One piece: the predictors share the bucket graph, the centroid fitting and the
+:class:`GraphPredictor` base; the chunked variant is the same predictors on chunk means.
 """
 
 from __future__ import annotations

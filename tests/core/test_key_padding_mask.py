@@ -26,7 +26,7 @@ TAKES_IT = {
     ("attention.py", "sparse_attention"),
     ("attention.py", "attention_weights"),
     ("attention.py", "_key_validity"),  # the check and conversion every entry point uses
-    ("attention.py", "forward"),  # SparseAttention
+    ("module.py", "forward"),  # SparseAttention
     ("attention.py", "_sharded"),  # hands it to parallel's (test_parallel checks it)
     ("lab/models/encoder.py", "attend"),
     ("lab/models/encoder.py", "forward"),
