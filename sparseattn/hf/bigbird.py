@@ -50,6 +50,10 @@ keeps one copy's weight of a repeated block), persistence (``save_pretrained`` k
 configuration of a BigBird), :func:`~sparseattn.hf.capture_attention` and
 :func:`~sparseattn.hf.attention_sparsity`. :func:`restore` puts the original ``forward`` back:
 the model is the original one exactly.
+
+One piece: BigBird's own block layout and its quirks (eval's block 0, the repeated blocks,
+the short-input switch) are one mapping from transformers' layer to the engines, read in the
+order the layer runs.
 """
 
 from __future__ import annotations
@@ -525,7 +529,7 @@ def bigbird_forward(
     )
     if width is not None:
         out = out[..., :width]
-    if from_mask is not None:
+    if from_mask is not None and not bool((from_mask == 1).all()):  # x · 1 = x: skip the pass
         out = out * from_mask.to(out.dtype)
     if own and training and module.seed is not None:
         np.random.set_state(_numpy_after_draw(state, module, layer, n))

@@ -28,17 +28,24 @@ module here) replaces, per instance, the ``forward`` of each chosen layer's modu
   yet: the engines' plans are made again too).
 * Global rows (``global_attention_mask`` 1), with ``query_global``, ``key_global`` and
   ``value_global``: each attends to every real (non-padding) key; only the global rows' queries
-  are projected. One dense :func:`~sparseattn.sparse_attention` call (engine ``auto``, the
-  full-rows path) with the key padding mask, the map ρ of the layer; the method hook does not
-  apply there.
+  are projected. With g global tokens and plain ``nn.Linear`` projections, when
+  g·(E − d) < E·d (g < 70 for Longformer-base) the two global projections are folded into the
+  queries and the weights (``_folded_global_rows``: q·(W x + b) = (q W)·x + q·b, and
+  Σ p (W x + b) = W (Σ p x) + b Σ p), so ``key_global`` and ``value_global`` never project
+  the n tokens — two products of the H·g rows against the n hidden states instead of two
+  n × E × E projections, equal to float rounding; otherwise (or for an adapter, a
+  parametrization, a hooked layer) one dense :func:`~sparseattn.sparse_attention` call
+  (engine ``auto``) with the key padding mask. The map ρ of the layer either way; the method
+  hook does not apply there.
 * Padding rows: output 0 (transformers zeroes their probabilities), no gradient.
 
 Queries are divided by √d before the scores and ``scale=1`` is passed (transformers' order of
-operations). With ``prob_map="softmax"`` (the default) the result equals transformers' to
-float rounding, outputs and gradients (in float64 to ~1e-7 only: transformers computes its
-softmax in float32 whatever the model's dtype, sparseattn in the model's); dropout
-(``attention_probs_dropout_prob`` in training) is applied to the weights of both parts by the
-engines, with their own random draws.
+operations; for a plain ``nn.Linear`` ``query`` the division is applied to its weight and bias,
+which is bitwise the same for d = 64). With ``prob_map="softmax"`` (the default) the result
+equals transformers' to float rounding, outputs and gradients (in float64 to ~1e-7 only:
+transformers computes its softmax in float32 whatever the model's dtype, sparseattn in the
+model's); dropout (``attention_probs_dropout_prob`` in training) is applied to the weights of
+both parts, with their own random draws.
 
 Saving: :func:`sparsify` writes the layers' configuration onto ``model.config`` as for other
 models (:mod:`sparseattn.hf.persist`), so ``save_pretrained`` keeps it and
@@ -50,6 +57,10 @@ Not yet: ``output_attentions=True`` (refused: transformers returns the banded we
 layout), :func:`~sparseattn.hf.capture_attention` and :func:`~sparseattn.hf.attention_sparsity`
 (they see a Longformer as not sparsified).
 :func:`restore` puts the original ``forward`` back: the model is the original one exactly.
+
+One piece: transformers' Longformer self-attention re-expressed on the engines — the
+layer's graph, the local rows, the global rows (folded or not) and the output assembly share
+the layer's tensors and its quirks, and are read in the order the layer runs.
 """
 
 from __future__ import annotations
@@ -350,39 +361,108 @@ def _split(x: Tensor, heads: int) -> Tensor:
     return x.view(bsz, n, heads, -1).transpose(1, 2)
 
 
+def _plain_linear(layer: nn.Module) -> bool:
+    """Whether ``layer`` computes ``x Wᵀ + b`` and nothing else: an ``nn.Linear`` itself (not a
+    subclass, a parametrization or an adapter) without hooks, whose weight may be read."""
+    return type(layer) is nn.Linear and not (layer._forward_hooks or layer._forward_pre_hooks)
+
+
+def _fold_globals(module: nn.Module, g: int) -> bool:
+    """Whether the global rows go through :func:`_folded_global_rows`: its two products
+    over the n tokens cost ``H·g·E`` each per token against ``E·H·d + H·g·d`` for
+    ``key_global`` and ``value_global`` over every token plus the attention (g global tokens,
+    E the hidden size), so folded iff ``g·E < E·d + g·d`` (g < 70 at Longformer-base's E = 768,
+    d = 64); only for plain ``nn.Linear`` projections, whose weights stand for their call."""
+    embed, d = module.key_global.in_features, module.head_dim
+    return (
+        _plain_linear(module.key_global)
+        and _plain_linear(module.value_global)
+        and g * embed < embed * d + g * d
+    )
+
+
+def _folded_global_rows(
+    module: nn.Module,
+    hidden_states: Tensor,
+    q: Tensor,
+    valid: Tensor | None,
+    prob_map: ProbabilityMap,
+    dropout: float,
+) -> Tensor:
+    """The global rows' attention (B, H, g, d) for their queries q (B, H, g, d), without
+    projecting every token by ``key_global`` and ``value_global``: with head h's rows W_h,
+    b_h of a projection, q·(W_h x_j + b_h) = (q W_h)·x_j + q·b_h and
+    Σ_j p_j (W_h x_j + b_h) = W_h (Σ_j p_j x_j) + b_h Σ_j p_j — the same scores and output
+    (to float rounding) from two products of the H·g rows against the n hidden states."""
+    bsz, n, embed = hidden_states.shape
+    heads, d, g = module.num_heads, module.head_dim, q.shape[2]
+    key, value = module.key_global, module.value_global
+    folded = torch.matmul(q, key.weight.view(heads, d, embed))  # (B, H, g, E)
+    scores = torch.matmul(folded.view(bsz, heads * g, embed), hidden_states.transpose(1, 2))
+    scores = scores.view(bsz, heads, g, n)
+    if key.bias is not None:
+        scores = scores + torch.matmul(q, key.bias.view(heads, d, 1))
+    if prob_map.is_softmax:  # one fused pass; every row has a valid key (see _global_rows)
+        p = torch.softmax(scores if valid is None else scores.masked_fill(~valid, -math.inf), -1)
+    else:
+        p = prob_map(scores, valid)
+    if dropout:
+        p = nn.functional.dropout(p, dropout)
+    mixed = torch.matmul(p.view(bsz, heads * g, n), hidden_states)  # (B, H·g, E): Σ_j p_j x_j
+    out = torch.matmul(mixed.view(bsz, heads, g, embed), value.weight.view(heads, d, embed).mT)
+    if value.bias is not None:
+        out = out + p.sum(-1, keepdim=True) * value.bias.view(heads, 1, d)
+    return out
+
+
 def _global_rows(
     module: nn.Module,
     hidden_states: Tensor,
-    is_global: Tensor,
+    pos: Tensor,
     is_padding: Tensor,
     prob_map: ProbabilityMap,
     dropout: float,
 ) -> Tensor:
-    """The global rows' output (B, n, H, d) — zeros at the other rows: ``query_global`` of the
-    global tokens against ``key_global``, ``value_global`` of every real key (transformers'
-    ``_compute_global_attn_output_from_hidden``)."""
+    """The global rows' output (B, H, g, d) at the positions ``pos`` (B, g) of
+    :func:`_global_positions` (an item's empty slots hold other positions, whose rows are
+    discarded): ``query_global`` of the global tokens against ``key_global``,
+    ``value_global`` of every real key (transformers'
+    ``_compute_global_attn_output_from_hidden``), folded into the projections'
+    weights where that costs less (:func:`_fold_globals`), else one dense
+    :func:`~sparseattn.sparse_attention` call."""
     bsz, n, embed = hidden_states.shape
     heads, head_dim = module.num_heads, module.head_dim
-    pos, _ = _global_positions(is_global)  # (B, g); empty slots hold other positions
     g = pos.shape[1]
     picked = hidden_states.gather(1, pos[..., None].expand(bsz, g, embed))
     q = _split(module.query_global(picked) / math.sqrt(head_dim), heads)
-    k = _split(module.key_global(hidden_states), heads)
-    v = _split(module.value_global(hidden_states), heads)
     # an item of padding only has no global token: its (unused) rows may read every key
     ignore = is_padding & (~is_padding).any(-1, keepdim=True)
-    out = sparse_attention(
+    ignore = ignore if bool(ignore.any()) else None
+    if _fold_globals(module, g):
+        valid = None if ignore is None else ~ignore[:, None, None, :]
+        return _folded_global_rows(module, hidden_states, q, valid, prob_map, dropout)
+    k = _split(module.key_global(hidden_states), heads)
+    v = _split(module.value_global(hidden_states), heads)
+    return sparse_attention(
         q,
         k,
         v,
         dense(),
         prob_map=prob_map,
         scale=1.0,
-        key_padding_mask=ignore if bool(ignore.any()) else None,
+        key_padding_mask=ignore,
         dropout_p=dropout,
-    )  # (B, H, g, d)
-    index = pos[:, :, None, None].expand(bsz, g, heads, head_dim)
-    return out.new_zeros(bsz, n, heads, head_dim).scatter(1, index, out.transpose(1, 2))
+    )
+
+
+def _scaled_query(query: nn.Module, hidden_states: Tensor, root_d: float) -> Tensor:
+    """``query(hidden_states) / √d`` (transformers' order), for a plain ``nn.Linear`` as one
+    product with the weight and bias divided instead of a pass over the n × E queries: the
+    same numbers, bitwise for a power-of-two √d (d = 64: division by 8 is exact)."""
+    if not _plain_linear(query):
+        return query(hidden_states) / root_d
+    bias = None if query.bias is None else query.bias / root_d
+    return nn.functional.linear(hidden_states, query.weight / root_d, bias)
 
 
 def longformer_forward(
@@ -423,7 +503,7 @@ def longformer_forward(
     if is_global_attn is None:
         is_global_attn = bool(is_index_global_attn.any())
 
-    q = _split(module.query(hidden_states) / math.sqrt(head_dim), heads)
+    q = _split(_scaled_query(module.query, hidden_states, math.sqrt(head_dim)), heads)
     k = _split(module.key(hidden_states), heads)
     v = _split(module.value(hidden_states), heads)
     dropout = module.dropout if module.training else 0.0
@@ -442,11 +522,19 @@ def longformer_forward(
         key_padding_mask=None,
         dropout_p=dropout,
         **extra,
-    ).transpose(1, 2)  # (B, n, H, d)
+    )  # (B, H, n, d)
+    flat = out.transpose(1, 2).reshape(bsz * n, embed)  # a copy (a view for H = 1)
+    padded = bool(is_index_masked.any())
+    if (is_global_attn or padded) and flat.data_ptr() == out.data_ptr():
+        flat = flat.clone()  # a view of the engine's output: the writes below go to a copy
     if is_global_attn:
+        pos, counts = _global_positions(is_index_global_attn)
         glob = _global_rows(
-            module, hidden_states, is_index_global_attn, is_index_masked, spec.prob_map, dropout
-        )
-        out = torch.where(is_index_global_attn[:, :, None, None], glob, out)
-    out = out.masked_fill(is_index_masked[:, :, None, None], 0.0)
-    return (out.reshape(bsz, n, embed),)
+            module, hidden_states, pos, is_index_masked, spec.prob_map, dropout
+        )  # (B, H, g, d)
+        real = torch.arange(pos.shape[1], device=pos.device) < counts[:, None]  # (B, g)
+        rows = (pos + n * torch.arange(bsz, device=pos.device)[:, None])[real]
+        flat.index_copy_(0, rows, glob.transpose(1, 2).reshape(-1, embed)[real.view(-1)])
+    if padded:
+        flat.masked_fill_(is_index_masked.reshape(bsz * n, 1), 0.0)
+    return (flat.view(bsz, n, embed),)

@@ -13,7 +13,9 @@ configuration, the machine and the time of each section). Sections:
 3. a small copying-task table in the shape of Yun et al. Table 1 (``experiments.copying``);
 4. one figure per method, each a scaled-down run of its experiment module: Sparsefinder's
    recall–sparsity Pareto curves, MCA's error against α, SparseBERT's learned (DAM) masks, and
-   Likhosherstov et al.'s d_min against n.
+   Likhosherstov et al.'s d_min against n;
+5. the sparse checkpoints: a small random-weight Longformer and BigBird run by transformers and
+   after ``hf.sparsify`` (``sparseattn.hf``), outputs compared and timed.
 
 Every section names the command that produces its full-size version and says what the tour
 reduced. A section that fails becomes an error box in the report; the others still run. The
@@ -115,6 +117,8 @@ class TourConfig:
     # 4d. d_min vs n
     dmin_ns: tuple[int, ...] = (16, 32, 64, 128, 256)
     dmin_draws: int = 3
+    # 5. the sparse checkpoints (random weights of a small width; docs/checkpoints.md)
+    checkpoint_n: int = 2048
     sections: tuple[str, ...] = (
         "gallery",
         "speed",
@@ -123,6 +127,7 @@ class TourConfig:
         "mca",
         "dam",
         "dmin",
+        "checkpoints",
     )
 
     def validate(self) -> TourConfig:
@@ -166,6 +171,7 @@ def quick_config(**overrides: Any) -> TourConfig:
         dam_baselines=("dense",),
         dmin_ns=(8, 16),
         dmin_draws=1,
+        checkpoint_n=1024,
     )
     return replace(base, **overrides)
 
@@ -821,6 +827,100 @@ def _dmin_words(mc: Any, result: dict[str, Any]) -> dict[str, Any]:
 
 
 #: Section name → (title, function), in report order.
+# ------------------------------------------------------------------ 5. the sparse checkpoints
+def checkpoints(config: TourConfig, out: Path, work: Path) -> Section:
+    """Longformer and BigBird (random weights, small width) run by transformers and by
+    ``hf.sparsify`` on the engines: the largest output difference and the forward times."""
+    import transformers
+
+    from .. import hf
+    from .measure import measure
+
+    n, reps, cap = config.checkpoint_n, config.speed_repeats, config.speed_time_cap
+    small = dict(
+        vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=256, max_position_embeddings=n + 2, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    models = {
+        "Longformer (window 256, 16 global tokens)": (
+            "LongformerConfig",
+            "LongformerModel",
+            dict(attention_window=256, pad_token_id=1),
+            16,
+        ),
+        "BigBird (block 64, 3 random blocks)": (
+            "BigBirdConfig",
+            "BigBirdModel",
+            dict(attention_type="block_sparse", block_size=64, num_random_blocks=3),
+            0,
+        ),
+    }
+    transformers.logging.set_verbosity_error()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, small["vocab_size"], (1, n), generator=gen)
+    rows, numbers = [], {}
+    for name, (cfg, cls, extra, globals_) in models.items():
+        torch.manual_seed(0)
+        model = getattr(transformers, cls)(getattr(transformers, cfg)(**small, **extra)).eval()
+        inputs = {"input_ids": ids}
+        if globals_:
+            glob = torch.zeros(1, n, dtype=torch.long)
+            glob[0, :globals_] = 1
+            inputs["global_attention_mask"] = glob
+        with torch.no_grad():
+            ref = model(**inputs).last_hidden_state
+            t_ref = measure(lambda m=model, x=inputs: m(**x), reps, cap)["time_s"]
+            hf.sparsify(model)
+            got = model(**inputs).last_hidden_state
+            t_sa = measure(lambda m=model, x=inputs: m(**x), reps, cap)["time_s"]
+        diff = float((got - ref).abs().max() / ref.abs().max())
+        numbers[name] = {"relative_difference": diff, "transformers_s": t_ref, "sparseattn_s": t_sa}
+        rows.append([name, f"{diff:.1e}", f"{t_ref * 1e3:.0f}", f"{t_sa * 1e3:.0f}",
+                     f"{t_ref / t_sa:.2f}×"])  # fmt: skip
+    text = (
+        "<p>The sparse checkpoints people already have keep their weights and their outputs: "
+        "<code>hf.sparsify(model)</code> reads a Longformer's or BigBird's own configuration "
+        "(window, global tokens, blocks, random blocks and their draws) and runs its attention "
+        "on the library's engines. Here two small random-weight models (width 128, 2 layers) "
+        f"at n = {n}, batch 1, {config.threads} thread(s): the whole model's forward by "
+        "transformers and after <code>hf.sparsify</code>, and the largest difference of the "
+        "outputs relative to their scale. At the checkpoints' real sizes, layer by layer, see "
+        "docs/checkpoints.md.</p>"
+    )
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    names = list(numbers)
+    for offset, (key, label) in enumerate(
+        (("transformers_s", "transformers"), ("sparseattn_s", "hf.sparsify (engines)"))
+    ):
+        ax.barh(
+            [i + 0.4 * offset for i in range(len(names))],
+            [numbers[m][key] * 1e3 for m in names],
+            height=0.4,
+            label=label,
+        )
+    ax.set_yticks([i + 0.2 for i in range(len(names))], names, fontsize=8)
+    ax.set_xlabel(f"forward time, ms (n = {n}, batch 1, {torch.get_num_threads()} thread(s))")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "checkpoints.png"
+    save_figure(fig, path, dpi=90)
+    header = ["model", "max |Δ| / max |out|", "transformers, ms", "sparsified, ms", "speed-up"]
+    return {
+        "html": text,
+        "tables": _table(header, rows),
+        "figures": [path],
+        "numbers": {"n": n, "models": numbers},
+        "commands": [
+            (
+                "one checkpoint-size attention layer against transformers'",
+                "python scripts/checkpoint_layers.py --model longformer --ns 1024 4096",
+            ),
+        ],
+    }
+
+
 SECTIONS: dict[str, tuple[str, Callable[[TourConfig, Path, Path], Section]]] = {
     "gallery": ("1. Pattern gallery and Assumption 1 (Yun et al. 2020)", gallery),
     "speed": ("2. Speed and memory against dense attention", speed),
@@ -843,6 +943,10 @@ SECTIONS: dict[str, tuple[str, Callable[[TourConfig, Path, Path], Section]]] = {
     "dmin": (
         "4d. How small can d be? d_min vs n (Likhosherstov et al. 2023)",
         Study("dmin", _dmin_options, _dmin_words, quick=False),
+    ),
+    "checkpoints": (
+        "5. The sparse checkpoints: Longformer and BigBird on the engines",
+        checkpoints,
     ),
 }
 

@@ -194,6 +194,30 @@ def test_a_long_input():
     assert_close(out, ref)
 
 
+@pytest.mark.parametrize("how", ["hook", "many globals"])
+def test_the_global_rows_unfolded_equal_transformers(how):
+    """The global rows go through key_global / value_global unfolded when the projections are
+    not plain (a forward hook here: it must run) or when the globals are too many for the fold
+    to pay (lf._fold_globals); both equal transformers, and the fold is not used."""
+    model = tiny_longformer()
+    inputs = batch(37, globals_="all")
+    if how == "many globals":
+        inputs["global_attention_mask"][:, :30] = 1
+    with torch.no_grad():
+        ref = model(**inputs).last_hidden_state
+        calls = []
+        if how == "hook":
+            for layer in model.encoder.layer:
+                layer.attention.self.key_global.register_forward_hook(lambda *args: calls.append(1))
+        folded = []
+        real = lf._folded_global_rows
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(lf, "_folded_global_rows", lambda *a, **k: folded.append(1) or real(*a, **k))
+            out = hf.sparsify(model)(**inputs).last_hidden_state
+    assert_close(out, ref)
+    assert not folded and (how != "hook" or len(calls) == 2)
+
+
 @pytest.mark.parametrize("engine", ["dense", "rows", "block", "gather"])
 def test_every_engine_equals_transformers(engine):
     model = tiny_longformer()

@@ -25,6 +25,8 @@ from sparseattn.lab import tour
 from sparseattn.lab.cli import app
 
 SECTIONS = list(tour.SECTIONS)
+#: How a section's full-size version starts: a command, or a script of the repository's scripts/.
+FULL_SIZE = ("sparseattn ", "python scripts/")
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +96,7 @@ def test_every_section_ran_and_every_figure_loads_in_chromium(report, chromium, 
     figures = []
     for key, record in summary["sections"].items():
         assert record["status"] == "ok", f"{key}: {record.get('error')}"
-        assert any(cmd.startswith("sparseattn ") for _, cmd in record["commands"]), key
+        assert any(cmd.startswith(FULL_SIZE) for _, cmd in record["commands"]), key
         figures += record["figures"]
     # one figure per section, except the copying table
     assert len(figures) == len(SECTIONS) - 1
@@ -116,6 +118,9 @@ def test_every_command_the_report_names_exists(report):
         for _, command in record["commands"]:
             if command.startswith("sparseattn "):
                 check(root, command.removeprefix("sparseattn "))
+            elif command.startswith("python scripts/"):
+                script = command.split()[1]
+                assert (Path(__file__).resolve().parents[2] / script).is_file(), command
 
 
 def test_report_is_self_contained(report):
@@ -126,7 +131,8 @@ def test_report_is_self_contained(report):
     assert "<link" not in page and "<script src" not in page
     for key in SECTIONS:  # every section names its full-size command
         section = page.split(f'<section id="{key}"', 1)[1].split("</section>", 1)[0]
-        assert "Full-size version" in section and "<code>sparseattn " in section, key
+        assert "Full-size version" in section, key
+        assert "<code>sparseattn " in section or "<code>python scripts/" in section, key
 
 
 def test_a_broken_figure_is_detected(report, chromium, tmp_path):
