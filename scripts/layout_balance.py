@@ -8,13 +8,13 @@ program. This prints, per pattern and length, the pairs per query block (mean an
 longest program's pairs over one SM's share of the whole launch (total pairs · heads / SMs):
 above 1, the launch cannot end before that one program, however the others are scheduled.
 The last column is the longest program once the query blocks above ``--split`` times the
-mean are cut into chunks (``triton_entmax.split_plan``, what ``SPLIT_LONG`` does).
+mean are cut into chunks (``triton_entmax.split_plan``, what ``TritonOptions.split_long`` does).
 
 A second table models the launch order: programs of durations ∝ pairs, started in grid order
 on ``--sms`` × ``--per-sm`` slots, each taking the next program when free (a list schedule),
 ended at the makespan; over its lower bound max(total / slots, longest program), for the
 query-block order head after head (grid (nbq, B·H)) and for every head's query blocks
-longest first (``LONGEST_FIRST``, grid (B·H, nbq)).
+longest first (``TritonOptions.longest_first``, grid (B·H, nbq)).
 Device-independent (the layout only); the SM count is a parameter (132: the H100 SXM).
 
     python scripts/layout_balance.py > docs/results/engines/layout-balance/block64.txt

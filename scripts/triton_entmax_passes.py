@@ -44,7 +44,9 @@ def main() -> None:
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--topk", type=int, default=te.TOPK, help="triton_entmax.TOPK")
+    parser.add_argument(
+        "--topk", type=int, default=te.DEFAULT_OPTIONS.topk, help="TritonOptions.topk"
+    )
     args = parser.parse_args()
     with te.tuning(topk=args.topk):  # validates it, as for the bench's sweep
         run(args)

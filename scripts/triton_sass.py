@@ -27,7 +27,15 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from sparseattn.engines import _entmax_kernels as kern  # noqa: E402
 from sparseattn.engines import triton_entmax  # noqa: E402
-from sparseattn.engines.triton_entmax import LONGEST_FIRST, MAX_IT, SKIP_TILES, TOPK  # noqa: E402
+from sparseattn.engines.triton_entmax import MAX_IT  # noqa: E402
+
+try:  # the default options (older commits: module globals)
+    from sparseattn.engines.triton_entmax import DEFAULT_OPTIONS  # noqa: E402
+
+    TOPK, SKIP_TILES = DEFAULT_OPTIONS.topk, DEFAULT_OPTIONS.skip_tiles
+    LONGEST_FIRST = DEFAULT_OPTIONS.longest_first
+except ImportError:
+    from sparseattn.engines.triton_entmax import LONGEST_FIRST, SKIP_TILES, TOPK  # noqa: E402
 
 try:
     from sparseattn.engines import _entmax_tiles as tile_fns  # noqa: E402
@@ -100,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--mode", type=int, default=1, help="2 sparsemax, 1 1.5-entmax, 0 other α")
-    parser.add_argument("--topk", type=int, default=TOPK, help="triton_entmax.TOPK")
+    parser.add_argument("--topk", type=int, default=TOPK, help="TritonOptions.topk")
     parser.add_argument(
         "--mod",
         type=int,

@@ -10,13 +10,16 @@ Entry points: :func:`triton_entmax_attention` (the engines' signature), :func:`e
 (:mod:`._entmax_args`: what the kernels take). Triton is imported on first use only; the
 kernels run on CUDA, or on CPU under Triton's interpreter (``TRITON_INTERPRET=1``).
 
-One piece: the knobs below are module state that :func:`tuning` (and tests) rebind and the
-launches read when they launch, and the entries are looked up here at call time.
+The knobs are a frozen :class:`TritonOptions`, passed per call or set for a ``with`` block
+by :func:`tuning` (a context variable: per thread and asyncio task); a call keeps its options
+for its backward. The entries are looked up here at call time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import functools
 import importlib
 import math
@@ -60,9 +63,12 @@ from ._entmax_layout import (
 
 __all__ = [
     "BLOCKS",
+    "DEFAULT_OPTIONS",
     "BlockLayout",
     "KernelMod",
+    "TritonOptions",
     "causal_layout",
+    "current_options",
     "dense_layout",
     "entmax_attention",
     "full_rows_entmax",
@@ -77,77 +83,65 @@ __all__ = [
     "tuning",
 ]
 
-#: Default block on a GPU and under the interpreter (docs/engines.md, the knobs).
-DEFAULT_BLOCK = {"cuda": 64, "cpu": 32}
 #: Most threshold passes per query block (rows stop earlier when converged).
 MAX_IT = 40
-#: Per-tile row maxima kept per row in pass 0, whose threshold starts the search.
-TOPK = 8
-#: Whether the threshold passes skip the tiles below every open row's threshold.
-SKIP_TILES = True
-#: Warps per program for each block size, and software-pipelining stages of the forward's and
-#: the backward's tile loops (None: Triton's default); measured on an H100 (docs/engines.md).
-WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
-STAGES: dict[str, int | None] = {"forward": 2, "backward": None}
-#: Split the query blocks that visit more than this many times the mean number of key blocks
-#: (global tokens) into chunks, one program per chunk (None: no split; 1.5-entmax and
-#: sparsemax only). Off until a GPU measures it (docs/engines.md, "Split query blocks").
-SPLIT_LONG: float | None = None
 #: Threshold passes of a split query block (a row still open after them is renormalised).
 SPLIT_PASSES = 8
-#: Launch every head's query blocks longest first (by pairs; grid (B·H, nbq)) instead of in
-#: query-block order, so that the short ones fill the end. Off until a GPU measures it
-#: (docs/engines.md, "Launch order").
-LONGEST_FIRST = False
 
-_UNSET: Any = object()
+
+@dataclasses.dataclass(frozen=True)
+class TritonOptions:
+    """The kernels' knobs (docs/engines.md, "Triton α-entmax kernels"), per call (``options=``)
+    or for a ``with`` block (:func:`tuning`): ``block`` the tile on a GPU when a call names
+    none, ``warps`` one value or {block: warps}, ``stages`` (forward, backward) or one value
+    for both (None: Triton's), ``topk`` the per-tile maxima that start the threshold search,
+    ``skip_tiles``, ``split_long`` (None: no split), ``longest_first``."""
+
+    block: int = 64
+    warps: int | tuple[tuple[int, int], ...] = ((16, 4), (32, 4), (64, 4), (128, 8))
+    stages: int | None | tuple[int | None, int | None] = (2, None)
+    topk: int = 8
+    skip_tiles: bool = True
+    split_long: float | None = None
+    longest_first: bool = False
+
+    def __post_init__(self) -> None:
+        if hasattr(self.warps, "items"):  # frozen and hashable: the table as pairs
+            object.__setattr__(self, "warps", tuple(sorted(self.warps.items())))
+        if not isinstance(self.stages, tuple):
+            object.__setattr__(self, "stages", (self.stages, self.stages))
+        if self.block not in BLOCKS:
+            raise ValueError(f"block must be one of {BLOCKS}, got {self.block!r}")
+        if self.topk not in (1, 2, 4, 8, 16, 32, 64):  # tl.arange needs a power of two
+            raise ValueError(f"topk must be a power of two up to 64, got {self.topk!r}")
+        if self.split_long is not None and not self.split_long > 1:
+            raise ValueError(f"split_long must be None or > 1, got {self.split_long!r}")
+
+    def num_warps(self, block: int) -> int:
+        """The warps per program at ``block``."""
+        return self.warps if isinstance(self.warps, int) else dict(self.warps)[block]
+
+
+DEFAULT_OPTIONS = TritonOptions()
+#: The options of the calls without ``options=``: :func:`tuning`'s, per thread and task.
+_OPTIONS = contextvars.ContextVar("sparseattn_triton_options", default=DEFAULT_OPTIONS)
 
 
 @contextlib.contextmanager
-def tuning(
-    block: int | None = None,
-    skip_tiles: bool | None = None,
-    warps: int | None = None,
-    stages: int | None = _UNSET,
-    topk: int | None = None,
-    split_long: float | None = _UNSET,
-    longest_first: bool | None = None,
-) -> Iterator[None]:
-    """Run the GPU kernels with other knobs inside the ``with`` block, then restore them:
-    ``block`` the GPU default tile, ``warps`` :data:`WARPS` at that block, ``stages`` both
-    kernels' :data:`STAGES`, and :data:`SKIP_TILES`, :data:`TOPK`, :data:`SPLIT_LONG`,
-    :data:`LONGEST_FIRST`. Not thread-safe: the knobs are module state."""
-    global SKIP_TILES, TOPK, SPLIT_LONG, LONGEST_FIRST
-    saved = (DEFAULT_BLOCK["cuda"], SKIP_TILES, dict(WARPS), dict(STAGES), TOPK, SPLIT_LONG)
-    saved += (LONGEST_FIRST,)
+def tuning(**knobs: Any) -> Iterator[TritonOptions]:
+    """The calls without ``options=`` in the ``with`` block, in this thread or asyncio task
+    only, use the current options with ``knobs`` (:class:`TritonOptions`' fields) replaced;
+    yields those options."""
+    token = _OPTIONS.set(dataclasses.replace(_OPTIONS.get(), **knobs))
     try:
-        if block is not None:
-            if block not in BLOCKS:
-                raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
-            DEFAULT_BLOCK["cuda"] = block
-        if skip_tiles is not None:
-            SKIP_TILES = skip_tiles
-        if warps is not None:
-            WARPS[DEFAULT_BLOCK["cuda"]] = warps
-        if stages is not _UNSET:
-            STAGES.update(forward=stages, backward=stages)
-        if topk is not None:
-            if topk not in (1, 2, 4, 8, 16, 32, 64):  # tl.arange needs a power of two
-                raise ValueError(f"topk must be a power of two up to 64, got {topk!r}")
-            TOPK = topk
-        if split_long is not _UNSET:
-            if split_long is not None and not split_long > 1:
-                raise ValueError(f"split_long must be None or > 1, got {split_long!r}")
-            SPLIT_LONG = split_long
-        if longest_first is not None:
-            LONGEST_FIRST = bool(longest_first)
-        yield
+        yield _OPTIONS.get()
     finally:
-        DEFAULT_BLOCK["cuda"], SKIP_TILES = saved[:2]
-        TOPK, SPLIT_LONG, LONGEST_FIRST = saved[4:]
-        for knobs, old in ((WARPS, saved[2]), (STAGES, saved[3])):
-            knobs.clear()
-            knobs.update(old)
+        _OPTIONS.reset(token)
+
+
+def current_options() -> TritonOptions:
+    """The options of a call without ``options=`` here: the innermost :func:`tuning`'s."""
+    return _OPTIONS.get()
 
 
 _KERNELS: ModuleType | None = None
@@ -220,16 +214,16 @@ def _multiprocessors(device: torch.device) -> int:
     return 1
 
 
-def _split_factor(alpha: float) -> float | None:
-    """:data:`SPLIT_LONG` for 1.5-entmax and sparsemax; None (no split) for other α, whose
-    search may take up to MAX_IT passes (bisection for α > 2), a launch pair each."""
-    return None if _mode(alpha) == 0 else SPLIT_LONG
+def _split_factor(alpha: float, options: TritonOptions) -> float | None:
+    """``split_long`` for 1.5-entmax and sparsemax; None (no split) for other α, whose search
+    may take up to MAX_IT passes (bisection for α > 2), a launch pair each."""
+    return None if _mode(alpha) == 0 else options.split_long
 
 
 def _launch_split(
     plan: SplitPlan, q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout, gidx: Tensor,
     key_ok: Tensor, consts: dict, outs: tuple[Tensor, ...], alpha: float, scale: float,
-    need_grad: bool, mod_args: tuple,
+    need_grad: bool, mod_args: tuple, options: TritonOptions,
 ) -> None:  # fmt: skip
     """The split query blocks: pass 0 per chunk, merged; :data:`SPLIT_PASSES` threshold
     passes, each per chunk then merged; the last pass per chunk, merged into ``outs`` (out,
@@ -240,7 +234,7 @@ def _launch_split(
     block, dvp = layout.block, _pow2(v.shape[-1])
     chunks, longs = plan.ch_rb.numel(), plan.long_rb.numel()
     part = torch.empty(bh, chunks, 4, block, dtype=torch.float32, device=dev)
-    top = torch.empty(bh, chunks, TOPK, block, dtype=torch.float32, device=dev)
+    top = torch.empty(bh, chunks, options.topk, block, dtype=torch.float32, device=dev)
     state = torch.empty(6, bh, q.shape[2], dtype=torch.float32, device=dev)
     acc = torch.empty(bh, chunks, block, dvp, dtype=torch.float32, device=dev)
     g_acc = torch.empty_like(acc) if need_grad else acc
@@ -254,16 +248,16 @@ def _launch_split(
     merged = (plan.long_rb, plan.long_c0, plan.long_c1, gidx)
     kern._split_pass0[(chunks, bh)](
         q, k, v, tmax, part, top, *on_chunks, *sizes, chunks, mul, *mod_args,
-        D=d, DV=dv, BD=bd, BLOCK=block, MODE=mode, TOPK=TOPK, **scored,
+        D=d, DV=dv, BD=bd, BLOCK=block, MODE=mode, TOPK=options.topk, **scored,
     )  # fmt: skip
     kern._split_init[(longs, bh)](
         state, part, top, passes, *merged, q.shape[2], bh, layout.nbq, chunks, am1, r,
-        BLOCK=block, MODE=mode, TOPK=TOPK,
+        BLOCK=block, MODE=mode, TOPK=options.topk,
     )  # fmt: skip
     for _ in range(SPLIT_PASSES):
         kern._split_sums[(chunks, bh)](
             q, k, v, tmax, part, state, *on_chunks, *sizes, chunks, bh, mul, r, *mod_args,
-            D=d, DV=dv, BD=bd, BLOCK=block, MODE=mode, SKIP=SKIP_TILES, **scored,
+            D=d, DV=dv, BD=bd, BLOCK=block, MODE=mode, SKIP=options.skip_tiles, **scored,
         )  # fmt: skip
         kern._split_update[(longs, bh)](
             state, part, passes, *merged, q.shape[2], bh, layout.nbq, chunks, am1, r,
@@ -292,13 +286,15 @@ def _launch_forward(
     scale: float,
     need_grad: bool,
     mod: KernelMod | None = None,
+    options: TritonOptions | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Run the forward kernel on contiguous q, k, v (with the score modifier ``mod``). Returns
-    out (B, H, n_q, d_v), τ + m per row (B, H, n_q) float32, Σ g v / Σ g (B, H, n_q, d_v) and
-    the non-zero flags int8 (B·H, pairs) — the last two only with ``need_grad`` — and the
-    threshold passes each program took, int32 (B·H, nbq)."""
+    """Run the forward kernel on contiguous q, k, v (score modifier ``mod``; ``options`` or the
+    current ones). Returns out (B, H, n_q, d_v), τ + m per row (B, H, n_q) float32, Σ g v / Σ g
+    (B, H, n_q, d_v) and the non-zero flags int8 (B·H, pairs) — the last two only with
+    ``need_grad`` — and the threshold passes each program took, int32 (B·H, nbq)."""
     bsz, heads, n_q = q.shape[:3]
     dv, pairs, dev = v.shape[-1], max(1, layout.pairs), q.device
+    opt = options or _OPTIONS.get()
     out = torch.empty(bsz, heads, n_q, dv, dtype=q.dtype, device=dev)
     tau = torch.empty(bsz, heads, n_q, dtype=torch.float32, device=dev)
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)
@@ -309,26 +305,24 @@ def _launch_forward(
         gv = torch.empty(bsz, heads, n_q, dv, dtype=torch.float32, device=dev)
         nz = torch.empty(bsz * heads, pairs, dtype=torch.int8, device=dev)
     key_ok_t = dummy.to(torch.int8) if key_ok is None else key_ok
-    split = _split_factor(alpha)
-    plan = None
+    plan, split = None, _split_factor(alpha, opt)
     if split is not None:
         plan = split_plan(layout, split, dev, bsz * heads, _multiprocessors(dev))
-    consts = _constants(q, v, layout, alpha, key_ok is not None, "forward", mod)
+    consts = _constants(q, v, layout, alpha, key_ok is not None, 0, mod, opt)
     mod_args = _mod_args(mod, q, scale, alpha)
-    row_end, order = _rows(layout, plan, LONGEST_FIRST)
-    _kernels()._forward[_grid(layout, bsz * heads, LONGEST_FIRST)](
+    row_end, order = _rows(layout, plan, opt.longest_first)
+    _kernels()._forward[_grid(layout, bsz * heads, opt.longest_first)](
         q, k, v, out, tau, gv, nz, tmax, passes,
         layout.row_ptr, row_end, order, layout.pair_kb, layout.pair_mask, layout.masks, gidx,
         key_ok_t, *_sizes(q, k), layout.nbq, pairs,
         scale * (alpha - 1.0), alpha - 1.0, 1.0 / (alpha - 1.0), *mod_args,
-        NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=TOPK, SKIP=SKIP_TILES,
-        LONGEST_FIRST=LONGEST_FIRST, **consts,
+        NEED_GRAD=need_grad, MAX_IT=MAX_IT, TOPK=opt.topk, SKIP=opt.skip_tiles,
+        LONGEST_FIRST=opt.longest_first, **consts,
     )  # fmt: skip
     if plan is not None:  # after the main kernel, which left the split blocks empty
         outs = (out, tau, gv, nz, tmax, passes)
-        _launch_split(
-            plan, q, k, v, layout, gidx, key_ok_t, consts, outs, alpha, scale, need_grad, mod_args
-        )
+        _launch_split(plan, q, k, v, layout, gidx, key_ok_t, consts, outs, alpha, scale, need_grad,
+                      mod_args, opt)  # fmt: skip
     return out, tau, gv, nz, passes
 
 
@@ -346,19 +340,17 @@ class _EntmaxAttention(torch.autograd.Function):
         *launch: Any,
     ) -> Tensor:
         """``launch``: the arguments of :func:`_launch_forward` after q, k, v (layout, gidx,
-        key_ok, alpha, scale, need_grad, mod); ``bias`` and ``slopes`` are the modifier's
-        tensors (``mod.bias``, ``mod.slopes``: inputs here, for their gradients)."""
+        key_ok, alpha, scale, need_grad, mod, options: the backward's too); ``bias`` and
+        ``slopes`` are the modifier's tensors (inputs here, for their gradients)."""
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, tau, gv, nz, _ = _launch_forward(q, k, v, *launch)
-        layout, gidx, key_ok, alpha, scale, need_grad, mod = launch
+        layout, gidx, key_ok, alpha, scale, need_grad, mod, ctx.options = launch
         key_ok_t = torch.zeros(1, dtype=torch.int8, device=q.device) if key_ok is None else key_ok
         if need_grad:
             ctx.save_for_backward(q, k, v, tau, gv, nz, bias, slopes)
             ctx.mod = None if mod is None else (mod.code, mod.cap)
             ctx.layout, ctx.gidx, ctx.key_ok = layout, gidx, key_ok_t
             ctx.has_key_ok, ctx.alpha, ctx.scale = key_ok is not None, alpha, scale
-            # the forward's knobs, whatever they are at the backward
-            ctx.split, ctx.longest_first = _split_factor(alpha), LONGEST_FIRST
         return out
 
     @staticmethod
@@ -366,7 +358,7 @@ class _EntmaxAttention(torch.autograd.Function):
     def backward(ctx: FunctionCtx, grad_out: Tensor):
         kern = _kernels()
         q, k, v, tau, gv, nz, bias, slopes = ctx.saved_tensors
-        layout, alpha, scale = ctx.layout, ctx.alpha, ctx.scale
+        layout, alpha, scale, opt = ctx.layout, ctx.alpha, ctx.scale, ctx.options
         n_q, n_k, heads, hkv = sizes = _sizes(q, k)
         bsz = q.shape[0]
         do = grad_out.to(q.dtype).contiguous()
@@ -381,17 +373,17 @@ class _EntmaxAttention(torch.autograd.Function):
             d_slopes = torch.zeros(slopes.shape, dtype=torch.float32, device=q.device)
         mod_args = _mod_args(mod, q, scale, alpha, (d_bias, d_slopes))
         mod_grad = _mod_grad_code(mod, (bsz, heads, n_q, n_k), want_bias, want_slopes)
-        common = _constants(q, v, layout, alpha, ctx.has_key_ok, "backward", mod)
+        common = _constants(q, v, layout, alpha, ctx.has_key_ok, 1, mod, opt)
         mul, r = scale * (alpha - 1.0), 1.0 / (alpha - 1.0)
-        plan = None
-        if ctx.split is not None:
-            plan = split_plan(layout, ctx.split, q.device, bsz * heads, _multiprocessors(q.device))
-        row_end, order = _rows(layout, plan, ctx.longest_first)
-        kern._backward_dq[_grid(layout, bsz * heads, ctx.longest_first)](
+        plan, split = None, _split_factor(alpha, opt)
+        if split is not None:
+            plan = split_plan(layout, split, q.device, bsz * heads, _multiprocessors(q.device))
+        row_end, order = _rows(layout, plan, opt.longest_first)
+        kern._backward_dq[_grid(layout, bsz * heads, opt.longest_first)](
             q, k, v, do, dq, tau, delta, nz,
             layout.row_ptr, row_end, order, layout.pair_kb, layout.pair_mask, layout.masks,
             ctx.gidx, ctx.key_ok, *sizes, layout.nbq, nz.shape[1], mul, scale, r, *mod_args,
-            LONGEST_FIRST=ctx.longest_first, MOD_GRAD=mod_grad, **common,
+            LONGEST_FIRST=opt.longest_first, MOD_GRAD=mod_grad, **common,
         )  # fmt: skip
         if plan is not None:  # the split query blocks' dq: partial sums per chunk, added
             chunks, bd = plan.ch_rb.numel(), common["BD"]
@@ -419,16 +411,16 @@ class _EntmaxAttention(torch.autograd.Function):
         )  # fmt: skip
         d_bias = None if d_bias is None else d_bias.to(bias.dtype)
         d_slopes = None if d_slopes is None else d_slopes.to(slopes.dtype)
-        return dq, dk, dvv, d_bias, d_slopes, None, None, None, None, None, None, None
+        return dq, dk, dvv, d_bias, d_slopes, *(None,) * 8
 
 
 def _constants(
-    q: Tensor, v: Tensor, layout: BlockLayout, alpha: float, has_key_ok: bool, kernel: str,
-    mod: KernelMod | None = None,
+    q: Tensor, v: Tensor, layout: BlockLayout, alpha: float, has_key_ok: bool, kernel: int,
+    mod: KernelMod | None, options: TritonOptions,
 ) -> dict:  # fmt: skip
     """The compile-time arguments all three kernels take (``MOD``: the score modifier's
-    code), their warps and the ``kernel``'s (``"forward"`` or ``"backward"``) stages."""
-    d, dv, block, stages = q.shape[-1], v.shape[-1], layout.block, STAGES[kernel]
+    code), their warps and the ``kernel``'s (0 forward, 1 backward) stages."""
+    d, dv, block, stages = q.shape[-1], v.shape[-1], layout.block, options.stages[kernel]
     # PREC: exact products for float32 inputs (the thresholds are sensitive to score errors);
     # UPCAST: bfloat16 products in float32 under the interpreter (its bf16 tl.dot is wrong)
     return dict(
@@ -436,7 +428,7 @@ def _constants(
         HAS_KEY_OK=has_key_ok, PARTIAL=layout.masks.shape[0] > 0,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.dtype == torch.bfloat16 and q.device.type == "cpu",
-        MOD=0 if mod is None else mod.code, num_warps=WARPS[block],
+        MOD=0 if mod is None else mod.code, num_warps=options.num_warps(block),
         **({} if stages is None else {"num_stages": stages}),
     )  # fmt: skip
 
@@ -451,6 +443,7 @@ def entmax_attention(
     key_valid: Tensor | None = None,
     graph_index: Tensor | None = None,
     score_mod: Any = None,
+    options: TritonOptions | None = None,
 ) -> Tensor:
     """α-entmax attention (α > 1; 2 = sparsemax) over a block layout, Yun et al. eq. (3).
 
@@ -459,7 +452,8 @@ def entmax_attention(
     ``layout`` from :func:`graph_layout`, :func:`dense_layout` or :func:`causal_layout`;
     ``scale`` default 1/sqrt(d); ``key_valid`` (B, n_k), True for real keys (a row without keys
     gives 0); ``graph_index`` int32 (B·H,), the layout graph of each (batch, head), default 0;
-    ``score_mod`` one of the library's (a ValueError for others, :func:`triton_mod_reason`).
+    ``score_mod`` one of the library's (a ValueError for others, :func:`triton_mod_reason`);
+    ``options`` the knobs (default :func:`current_options`), the backward's too.
     Differentiable in q, k, v and the modifier's bias and ALiBi slopes.
     """
     bsz, heads, n_q, d = q.shape
@@ -484,9 +478,8 @@ def entmax_attention(
     bias, slopes = (None, None) if mod is None else (mod.bias, mod.slopes)
     inputs = [t for t in (q, k, v, bias, slopes) if t is not None]
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    return _EntmaxAttention.apply(
-        q, k, v, bias, slopes, layout, graph_index, key_ok, float(alpha), scale, need_grad, mod
-    )
+    launch = (layout, graph_index, key_ok, float(alpha), scale, need_grad, mod)
+    return _EntmaxAttention.apply(q, k, v, bias, slopes, *launch, options or _OPTIONS.get())
 
 
 def triton_entmax_attention(
@@ -502,11 +495,12 @@ def triton_entmax_attention(
     *,
     check: bool = True,
     score_mod: Any = None,
+    options: TritonOptions | None = None,
 ) -> Tensor:
     """α-entmax / sparsemax attention on ``graph`` by the Triton kernels (engine signature).
 
     Arguments as :func:`entmax_attention`'s, ``graph`` static or batched ((H,), (B, H)) and
-    ``block`` its layout's tile (default ``DEFAULT_BLOCK``). A ValueError with the reason of
+    ``block`` its layout's tile (default the options'). A ValueError with the reason of
     :func:`triton_entmax_unsupported` unless ``check=False`` (the engine table's entry).
     """
     why = None
@@ -514,15 +508,14 @@ def triton_entmax_attention(
         why = triton_entmax_unsupported(q, k, v, prob_map, dropout_p, graph, score_mod)
     if why is not None:
         raise ValueError(why)
-    alpha = _alpha_of(prob_map)
-    block = DEFAULT_BLOCK.get(q.device.type, 64) if block is None else block
-    layout = graph_layout(graph, block)
+    alpha, options = _alpha_of(prob_map), options or _OPTIONS.get()
+    layout = graph_layout(graph, block or _block(q, options))
     bsz, heads = q.shape[:2]
     gidx = graph.cached(
         ("triton_entmax_graph_index", bsz, heads, q.device),
         lambda: _graph_index(graph.batch_shape, bsz, heads, q.device),
     )
-    return entmax_attention(q, k, v, layout, alpha, scale, key_valid, gidx, score_mod)
+    return entmax_attention(q, k, v, layout, alpha, scale, key_valid, gidx, score_mod, options)
 
 
 def full_rows_entmax(
@@ -535,12 +528,16 @@ def full_rows_entmax(
     causal: bool,
     block: int | None = None,
     score_mod: Any = None,
+    options: TritonOptions | None = None,
 ) -> Tensor:
     """The dense pattern (``sa.dense()``, or causal: queries at the end of the keys) by the
     Triton kernels, without a graph: the dense or causal layout, built once per (n_q, n_k,
-    block, device). Shapes, ``key_valid`` (True for real keys) and ``score_mod`` as
-    :func:`triton_entmax_attention`."""
-    block = DEFAULT_BLOCK.get(q.device.type, 64) if block is None else block
-    layout = _full_layout(q.shape[2], k.shape[2], block, causal, q.device)
-    alpha = _alpha_of(prob_map)
-    return entmax_attention(q, k, v, layout, alpha, scale, key_valid, None, score_mod)
+    block, device). Other arguments as :func:`triton_entmax_attention`'s."""
+    alpha, options = _alpha_of(prob_map), options or _OPTIONS.get()
+    layout = _full_layout(q.shape[2], k.shape[2], block or _block(q, options), causal, q.device)
+    return entmax_attention(q, k, v, layout, alpha, scale, key_valid, None, score_mod, options)
+
+
+def _block(q: Tensor, options: TritonOptions) -> int:
+    """The tile of a call that names none: the options' on a GPU, 32 under the interpreter."""
+    return 32 if q.device.type == "cpu" else options.block

@@ -6,6 +6,7 @@ float64 on the predicate's mask, and, for Hugging Face, the unmodified model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -156,26 +157,32 @@ def test_hf_sparsify_on_the_device_equals_the_original_model(device, dtype):
     assert rel_err(ours[real], original[real].double()) < tol
 
 
-def test_triton_tuning_sets_the_knobs_and_restores_them_on_error():
+def test_triton_tuning_sets_the_options_and_restores_them_on_error():
+    """``tuning`` replaces the knobs of the current options (validated as ``TritonOptions``
+    validates them) for the ``with`` block and puts the previous options back, on an error
+    too; nested blocks start from the enclosing block's options."""
     from sparseattn.engines import triton_entmax as te
 
-    before = (dict(te.DEFAULT_BLOCK), te.SKIP_TILES, dict(te.WARPS), dict(te.STAGES), te.TOPK)
-    split = (te.SPLIT_LONG, te.LONGEST_FIRST)
-    knobs = {"skip_tiles": not te.SKIP_TILES, "warps": 2, "stages": 3, "split_long": 4.0}
-    with te.tuning(block=128, topk=32, longest_first=not te.LONGEST_FIRST, **knobs):
-        assert (te.DEFAULT_BLOCK["cuda"], te.WARPS[128], te.TOPK) == (128, 2, 32)
-        assert te.SPLIT_LONG == 4.0 and te.LONGEST_FIRST is not split[1]
-        assert te.STAGES == {"forward": 3, "backward": 3}
-        assert te.SKIP_TILES is not before[1]
+    default = te.DEFAULT_OPTIONS
+    assert te.current_options() is default
+    assert (default.block, default.topk, default.split_long) == (64, 8, None)
+    assert default.stages == (2, None) and default.skip_tiles and not default.longest_first
+    assert [default.num_warps(b) for b in (16, 32, 64, 128)] == [4, 4, 4, 8]
+    knobs = {"skip_tiles": False, "warps": 2, "stages": 3, "split_long": 4.0}
+    with te.tuning(block=128, topk=32, longest_first=True, **knobs) as tuned:
+        assert te.current_options() is tuned
+        assert (tuned.block, tuned.topk) == (128, 32)
+        assert tuned.num_warps(128) == tuned.num_warps(16) == 2  # one value: every block
+        assert tuned.split_long == 4.0 and tuned.longest_first and not tuned.skip_tiles
+        assert tuned.stages == (3, 3)
+        with te.tuning(stages=None, warps={64: 8}) as inner:
+            assert inner.stages == (None, None) and inner.num_warps(64) == 8
+            assert (inner.block, inner.topk, inner.split_long) == (128, 32, 4.0)
+            assert inner.warps == ((64, 8),) and hash(inner) == hash(dataclasses.replace(inner))
+        assert te.current_options() is tuned
     with pytest.raises(RuntimeError), te.tuning(block=32, stages=None):
         raise RuntimeError("a failed measurement")
-    assert (
-        dict(te.DEFAULT_BLOCK),
-        te.SKIP_TILES,
-        dict(te.WARPS),
-        dict(te.STAGES),
-        te.TOPK,
-    ) == before
+    assert te.current_options() is default
     with pytest.raises(ValueError, match="block must be one of"), te.tuning(block=48):
         pass
     with pytest.raises(ValueError, match="topk must be a power of two"), te.tuning(topk=12):
@@ -183,4 +190,94 @@ def test_triton_tuning_sets_the_knobs_and_restores_them_on_error():
     bad_split = pytest.raises(ValueError, match="split_long must be None or > 1")
     with bad_split, te.tuning(split_long=0.5):
         pass
-    assert before[4] == te.TOPK and split == (te.SPLIT_LONG, te.LONGEST_FIRST)
+    with pytest.raises(TypeError, match="unexpected keyword"), te.tuning(warp=8):
+        pass
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        default.topk = 16
+    assert te.current_options() is default and default == te.TritonOptions()
+
+
+def _stub_triton_kernels(monkeypatch, te) -> list:
+    """The Triton kernel modules replaced by stubs: ``kern.name[grid](*args, **constexprs)``
+    records (thread, kernel, constexprs) and computes nothing (no GPU, no interpreter)."""
+    import threading
+
+    launches = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            thread = threading.current_thread().name
+            return lambda *args, **constexprs: launches.append((thread, self.name, constexprs))
+
+    class Kernels:
+        def __getattr__(self, name):
+            return Kernel(name)
+
+    monkeypatch.setattr(te, "_kernels", Kernels)
+    monkeypatch.setattr(te, "_split_kernels", Kernels)
+    monkeypatch.setattr(te, "_multiprocessors", lambda device: 1)
+    return launches
+
+
+def test_triton_options_are_per_thread_and_kept_for_the_backward(monkeypatch, device):
+    """Two threads in different ``tuning`` blocks at once each launch with their own options
+    (a context variable, not module state), and asyncio tasks each see their own; an explicit
+    ``options=`` wins over the block's; the backward launches with the forward's options,
+    whatever the context is by then. The kernels are stubs (no GPU, no interpreter)."""
+    import asyncio
+    import threading
+
+    from sparseattn.engines import triton_entmax as te
+
+    launches = _stub_triton_kernels(monkeypatch, te)
+    q, k, v = (torch.randn(1, 2, 64, 16, device=device) for _ in range(3))
+    graph = sa.window(4).graph(64)
+    both_inside = threading.Barrier(2, timeout=30)
+
+    def run(knobs: dict) -> None:
+        with te.tuning(**knobs):
+            both_inside.wait()  # the other thread's block is open too
+            te.triton_entmax_attention(q, k, v, graph, sa.entmax(1.5), 0.25, check=False)
+            both_inside.wait()
+
+    knobs = {"a": {"topk": 16}, "b": {"topk": 32, "skip_tiles": False, "longest_first": True}}
+    threads = [threading.Thread(target=run, args=(kn,), name=name) for name, kn in knobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = {th: (kw["TOPK"], kw["SKIP"], kw["LONGEST_FIRST"]) for th, n, kw in launches}
+    assert got == {"a": (16, True, False), "b": (32, False, True)}
+    assert te.current_options() is te.DEFAULT_OPTIONS
+
+    async def task(topk: int) -> int:  # asyncio tasks too: each sees its own block
+        with te.tuning(topk=topk):
+            await asyncio.sleep(0)  # the other task enters its block meanwhile
+            return te.current_options().topk
+
+    async def both() -> list[int]:
+        return await asyncio.gather(task(16), task(32))
+
+    assert asyncio.run(both()) == [16, 32]
+
+    launches.clear()
+    with te.tuning(topk=64):
+        mine = te.TritonOptions(topk=4, warps=2)
+        te.triton_entmax_attention(q, k, v, graph, sa.entmax(1.5), 0.25, check=False, options=mine)
+    assert [(kw["TOPK"], kw["num_warps"]) for _, _, kw in launches] == [(4, 2)]
+
+    # forward in a block, backward after it: the backward's launches keep the block's knobs
+    launches.clear()
+    layout = te.graph_layout(sa.longformer(16, 2).graph(256), 16)
+    q, k, v = (torch.randn(1, 2, 256, 16, device=device, requires_grad=True) for _ in range(3))
+    with te.tuning(longest_first=True, stages=3, warps=8, split_long=3.0):
+        out = te.entmax_attention(q, k, v, layout, 1.5, 0.25)
+    out.sum().backward()
+    by_kernel = {name: kw for _, name, kw in launches}
+    assert {"_split_pass0", "_split_dq"} <= set(by_kernel)  # split forward and backward
+    assert by_kernel["_backward_dq"]["LONGEST_FIRST"] is True
+    for name in ("_forward", "_backward_dq", "_backward_dkdv", "_split_dq"):
+        assert (by_kernel[name]["num_warps"], by_kernel[name]["num_stages"]) == (8, 3), name

@@ -12,6 +12,7 @@ compiler would not is caught here too.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import subprocess
@@ -391,12 +392,12 @@ def test_alpha_above_two():
 @needs_kernels
 @pytest.mark.parametrize("skip", [True, False], ids=["skip", "visit-all"])
 @pytest.mark.parametrize("name", ["sparsemax", "entmax15"])
-def test_skipped_tiles_and_hard_rows(name, skip, monkeypatch):
+def test_skipped_tiles_and_hard_rows(name, skip):
     """Peaked rows: most (row block, key block) tiles hold no weight, are skipped (flags in
     the backward's buffer) and the result stays exact; tied keys and near-uniform rows (a
     tiny scale: every key in the support) too; with the threshold passes skipping tiles below
-    the rows' thresholds or visiting every tile (``SKIP_TILES``)."""
-    monkeypatch.setattr(te, "SKIP_TILES", skip)
+    the rows' thresholds or visiting every tile (``skip_tiles``, passed per call)."""
+    options = te.TritonOptions(skip_tiles=skip)
     alpha, prob_map = MAPS[name]
     n = 64
     q, k, v = inputs(1, 1, n, n, 16, seed=11)
@@ -408,11 +409,11 @@ def test_skipped_tiles_and_hard_rows(name, skip, monkeypatch):
         k[:, :, 40:48] = k[:, :, 8:16]  # ties across tiles
     q, k = q.requires_grad_(), k.requires_grad_()
     graph = sa.dense().graph(n)
-    out = te.triton_entmax_attention(q, k, v, graph, prob_map, 3.0, block=16)
+    out = te.triton_entmax_attention(q, k, v, graph, prob_map, 3.0, block=16, options=options)
     nonzero = out.grad_fn.saved_tensors[5]  # int8 (B·H, pairs): does the pair hold a weight
     assert 0 < int(nonzero.sum()) < nonzero.numel()
     check(out, q, k, v, torch.ones(n, n, dtype=torch.bool), alpha, 3.0, atol=5e-5, gtol=2e-4)
-    out = te.triton_entmax_attention(q, k, v, graph, prob_map, 1e-3, block=32)
+    out = te.triton_entmax_attention(q, k, v, graph, prob_map, 1e-3, block=32, options=options)
     assert bool((out.grad_fn.saved_tensors[5] == 1).all())
     check(out, q, k, v, torch.ones(n, n, dtype=torch.bool), alpha, 1e-3)
 
@@ -668,7 +669,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sparseattn.engines import _entmax_kernels as kern
 from sparseattn.engines import _entmax_split as split
-from sparseattn.engines.triton_entmax import MAX_IT, TOPK
+from sparseattn.engines.triton_entmax import DEFAULT_OPTIONS, MAX_IT
+
+TOPK = DEFAULT_OPTIONS.topk
 
 types = {
     **dict.fromkeys(("n_q", "n_k", "H", "HKV", "nbq", "nbk", "n_pairs", "n_chunks", "BH"), "i32"),
@@ -768,7 +771,7 @@ def test_bench_gpu_entmax_dry_run_reaches_the_kernels(tmp_path, monkeypatch):
     """The GPU bench's sparse-map and tiles sections, run on a GPU simulated on the CPU (the
     device guard) with the kernels under the interpreter, at n = 256: every row reaches the
     Triton engine through ``sparse_attention`` — with the knobs the next GPU run measures
-    (``TOPK``, ``SPLIT_LONG``, ``LONGEST_FIRST``) — and none is skipped by an error, so a
+    (``topk``, ``split_long``, ``longest_first``) — and none is skipped by an error, so a
     device call is not spent on a broken row (~4 minutes on 2 cores)."""
     import dataclasses
 
@@ -799,11 +802,13 @@ def test_bench_gpu_entmax_dry_run_reaches_the_kernels(tmp_path, monkeypatch):
     )
     seen = []
     real = te.entmax_attention
-    monkeypatch.setattr(
-        te,
-        "entmax_attention",
-        lambda *a, **k: seen.append((te.TOPK, te.SPLIT_LONG, te.LONGEST_FIRST)) or real(*a, **k),
-    )
+
+    def recorded(*args, **kwargs):
+        options = inspect.signature(real).bind(*args, **kwargs).arguments["options"]
+        seen.append((options.topk, options.split_long, options.longest_first))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(te, "entmax_attention", recorded)
     monkeypatch.setattr(costs, "GPU_DENSE_LIMIT", 0)  # n = 256 would go to masked SDPA
     with DeviceGuard():
         # the guard turns the kernels off (they would launch on CUDA); here they interpret
@@ -815,9 +820,6 @@ def test_bench_gpu_entmax_dry_run_reaches_the_kernels(tmp_path, monkeypatch):
     ]
     assert not skipped
     assert {r["section"] for r in data["rows"]} == {"entmax", "tiles"}
-    assert {
-        (te.TOPK, None, False),
-        (16, None, False),
-        (te.TOPK, 4.0, False),
-        (te.TOPK, None, True),
-    } <= set(seen)
+    topk = te.DEFAULT_OPTIONS.topk
+    wanted = {(topk, None, False), (16, None, False), (topk, 4.0, False), (topk, None, True)}
+    assert wanted <= set(seen)

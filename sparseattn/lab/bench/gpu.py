@@ -15,10 +15,10 @@ baselines measured in the same run:
   Triton kernels on the Longformer pattern beside softmax (flex) on the same pattern; causal and
   dense 1.5-entmax over all keys beside SDPA and AdaSplash (when its wheel is installed); the
   entmax package on the full causal scores where they fit.
-* **tiles** — the Triton α-entmax kernels' two free choices (``triton_entmax.DEFAULT_BLOCK``
-  and ``SKIP_TILES``): tiles of 32, 64 and 128 rows, with the threshold passes skipping the
-  tiles below every open row's threshold or visiting all; bf16 1.5-entmax, causal over all keys
-  and Longformer.
+* **tiles** — the Triton α-entmax kernels' knobs (``triton_entmax.TritonOptions``, set by
+  ``triton_entmax.tuning``), first ``block`` and ``skip_tiles``: tiles of 32, 64 and 128 rows,
+  with the threshold passes skipping the tiles below every open row's threshold or visiting
+  all; bf16 1.5-entmax, causal over all keys and Longformer.
 * **module** — one training step (forward + backward) of ``SparseAttention(512, 8,
   pattern=longformer(512, 16))`` against ``nn.MultiheadAttention(512, 8)`` on (1, n, 512), bf16.
 * **calibrate** — the ``auto`` rule's evidence: dense (masked SDPA), block, gather and flex for
@@ -75,12 +75,12 @@ class GpuSuite:
     tile_blocks: tuple[int, ...] = (32, 64, 128)
     tile_warps: tuple[int, ...] = (4, 8)
     tile_stages: tuple[int, ...] = (2, 3)
-    #: the per-tile maxima kept per row for the threshold's start (``triton_entmax.TOPK``)
+    #: the per-tile maxima kept per row for the threshold's start (``TritonOptions.topk``)
     tile_topks: tuple[int, ...] = (16, 32)
     #: split the query blocks above this many times the mean key blocks
-    #: (``triton_entmax.SPLIT_LONG``; Longformer's global tokens' block)
+    #: (``TritonOptions.split_long``; Longformer's global tokens' block)
     tile_splits: tuple[float, ...] = (4.0,)
-    #: also time every head's query blocks launched longest first (``LONGEST_FIRST``)
+    #: also time every head's query blocks launched longest first (``longest_first``)
     tile_longest_first: bool = True
     #: strength of the positional locality of the tiles section's peaked case
     locality: float = 1.5
@@ -542,9 +542,9 @@ def _module(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
 def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     """1.5-entmax (bf16) by the Triton kernels with each tile size and with and without tile
     skipping in the threshold passes, then at block 64 with each number of warps and pipeline
-    stages, ``TOPK`` and split of the suite: causal over all keys, on Gaussian q, k and on q, k
-    with locality (peaked rows, :func:`with_locality`), on the Longformer pattern, and one
-    token decoded against the n keys (causal)."""
+    stages, ``topk`` and split of the suite (set by ``triton_entmax.tuning``): causal over all
+    keys, on Gaussian q, k and on q, k with locality (peaked rows, :func:`with_locality`), on
+    the Longformer pattern, and one token decoded against the n keys (causal)."""
     import sparseattn as sa
 
     from ...engines import triton_entmax as te
@@ -559,7 +559,7 @@ def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
         "longformer": (sa.longformer(suite.window, suite.sinks), (q, k, v), g),
         "causal, decode": (causal, (q1, k, v), g[:, :, -1:]),
     }
-    # the tile rows keep the module's warps and stages; the sweep sets both kernels' stages
+    # the tile rows keep the default warps and stages; the sweep sets both kernels' stages
     knobs = (
         [
             (
