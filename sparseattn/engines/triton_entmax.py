@@ -12,7 +12,8 @@ kernels run on CUDA, or on CPU under Triton's interpreter (``TRITON_INTERPRET=1`
 
 The knobs are a frozen :class:`TritonOptions`, passed per call or set for a ``with`` block
 by :func:`tuning` (a context variable: per thread and asyncio task); a call keeps its options
-for its backward. The entries are looked up here at call time.
+for its backward. The entries are looked up here at call time. One piece: the launches,
+the autograd function and the entries share the options and the module state tests patch.
 """
 
 from __future__ import annotations
