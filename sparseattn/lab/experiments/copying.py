@@ -57,7 +57,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...attention import SparseAttention
+from ...module import SparseAttention
 from ...patterns import (
     HeadSplit,
     Pattern,
