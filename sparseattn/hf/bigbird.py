@@ -529,7 +529,7 @@ def bigbird_forward(
     )
     if width is not None:
         out = out[..., :width]
-    if from_mask is not None and not bool((from_mask == 1).all()):  # x · 1 = x: skip the pass
+    if from_mask is not None:
         out = out * from_mask.to(out.dtype)
     if own and training and module.seed is not None:
         np.random.set_state(_numpy_after_draw(state, module, layer, n))

@@ -856,28 +856,36 @@ def checkpoints(config: TourConfig, out: Path, work: Path) -> Section:
             0,
         ),
     }
-    transformers.logging.set_verbosity_error()
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, small["vocab_size"], (1, n), generator=gen)
-    rows, numbers = [], {}
-    for name, (cfg, cls, extra, globals_) in models.items():
-        torch.manual_seed(0)
-        model = getattr(transformers, cls)(getattr(transformers, cfg)(**small, **extra)).eval()
-        inputs = {"input_ids": ids}
-        if globals_:
-            glob = torch.zeros(1, n, dtype=torch.long)
-            glob[0, :globals_] = 1
-            inputs["global_attention_mask"] = glob
-        with torch.no_grad():
-            ref = model(**inputs).last_hidden_state
-            t_ref = measure(lambda m=model, x=inputs: m(**x), reps, cap)["time_s"]
-            hf.sparsify(model)
-            got = model(**inputs).last_hidden_state
-            t_sa = measure(lambda m=model, x=inputs: m(**x), reps, cap)["time_s"]
-        diff = float((got - ref).abs().max() / ref.abs().max())
-        numbers[name] = {"relative_difference": diff, "transformers_s": t_ref, "sparseattn_s": t_sa}
-        rows.append([name, f"{diff:.1e}", f"{t_ref * 1e3:.0f}", f"{t_sa * 1e3:.0f}",
-                     f"{t_ref / t_sa:.2f}×"])  # fmt: skip
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its padding notices, for this section only
+    try:
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, small["vocab_size"], (1, n), generator=gen)
+        rows, numbers = [], {}
+        for name, (cfg, cls, extra, globals_) in models.items():
+            torch.manual_seed(0)
+            model = getattr(transformers, cls)(getattr(transformers, cfg)(**small, **extra)).eval()
+            inputs = {"input_ids": ids}
+            if globals_:
+                glob = torch.zeros(1, n, dtype=torch.long)
+                glob[0, :globals_] = 1
+                inputs["global_attention_mask"] = glob
+            with torch.no_grad():
+                ref = model(**inputs).last_hidden_state
+                t_ref = measure(lambda m=model, x=inputs: m(**x), reps, cap)["time_s"]
+                hf.sparsify(model)
+                got = model(**inputs).last_hidden_state
+                t_sa = measure(lambda m=model, x=inputs: m(**x), reps, cap)["time_s"]
+            diff = float((got - ref).abs().max() / ref.abs().max())
+            numbers[name] = {
+                "relative_difference": diff,
+                "transformers_s": t_ref,
+                "sparseattn_s": t_sa,
+            }
+            rows.append([name, f"{diff:.1e}", f"{t_ref * 1e3:.0f}", f"{t_sa * 1e3:.0f}",
+                         f"{t_ref / t_sa:.2f}×"])  # fmt: skip
+    finally:
+        transformers.logging.set_verbosity(level)
     text = (
         "<p>The sparse checkpoints people already have keep their weights and their outputs: "
         "<code>hf.sparsify(model)</code> reads a Longformer's or BigBird's own configuration "
