@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 
 import sparseattn as sa
-from sparseattn.analysis import (
+from sparseattn.lab.results import machine_facts, write_json, write_text
+from sparseattn.maps import entmax, hardmax, softmax, sparselin_gen, sparsemax
+from sparseattn.methods.yun import (
     assumption2,
     sparsebert_contextual_mapping,
     verify_contextual_mapping,
     yun_contextual_mapping,
 )
-from sparseattn.lab.results import machine_facts, write_json, write_text
-from sparseattn.maps import entmax, hardmax, softmax, sparselin_gen, sparsemax
 
 ZETA, ETA = 0.1, 0.01
 

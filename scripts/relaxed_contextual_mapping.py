@@ -17,7 +17,7 @@ from fractions import Fraction
 import torch
 
 import sparseattn as sa
-from sparseattn.analysis.relaxed import (
+from sparseattn.methods.yun.relaxed import (
     format_relaxed_summary,
     format_relaxed_table,
     relaxed_error_table,

@@ -1,9 +1,9 @@
 """STRIDED's hop count s (Yun et al. Assumption 1.3) over a grid of w and n, against a closed rule.
 
-Runs the library's reachability recursion (:func:`sparseattn.analysis.hops`) for the SEQUENTIAL
+Runs the library's reachability recursion (:func:`sparseattn.methods.yun.hops`) for the SEQUENTIAL
 cycle A¹ → A² (the paper's order, the default of ``sparseattn analyze strided``), the reversed
 cycle A² → A¹, and the UNION, for every w in 1..W and n in 2..N, and compares each s with the
-closed rule :func:`sparseattn.analysis.strided_hops`. Prints one row per w and a summary;
+closed rule :func:`sparseattn.methods.yun.strided_hops`. Prints one row per w and a summary;
 exits 1 on any mismatch.
 
     .venv/bin/python scripts/strided_hops.py --max-w 32 --max-n 256
@@ -18,7 +18,7 @@ import time
 import torch
 
 import sparseattn as sa
-from sparseattn.analysis import hops, strided_hops
+from sparseattn.methods.yun import hops, strided_hops
 
 
 def main() -> int:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from sparseattn.analysis.expressivity import (
+from sparseattn.methods.likhosherstov.expressivity import (
     construct_sam,
     csam,
     random_sparse_stochastic,

@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sparseattn.analysis.expressivity import try_weak_approx, weak_sam_approx_d1
-from sparseattn.analysis.order_types import representable_families, weak_sam_approx_d2
+from sparseattn.methods.likhosherstov.expressivity import try_weak_approx, weak_sam_approx_d1
+from sparseattn.methods.likhosherstov.order_types import representable_families, weak_sam_approx_d2
 
 
 def row_families(n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,6 +1,6 @@
 """sparseattn: sparse attention for PyTorch — patterns, probability maps, engines, one data path."""
 
-from . import attention, maps, parallel, patterns, score_mods
+from . import _moved, attention, maps, parallel, patterns, score_mods
 from .attention import attention_weights, sparse_attention
 from .graph import AttentionGraph
 from .maps import ProbabilityMap, entmax, hardmax, softmax, sparselin_gen, sparsemax
@@ -34,6 +34,9 @@ from .patterns import (
 #: ``SparseAttention`` was defined in :mod:`sparseattn.attention` before :mod:`sparseattn.module`:
 #: the old path still resolves it, so that models pickled before the move load.
 attention.SparseAttention = SparseAttention
+
+#: The paper methods' import paths before :mod:`sparseattn.methods` resolve, with a deprecation.
+_moved.install()
 
 __version__ = "0.1.0"
 

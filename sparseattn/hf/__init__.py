@@ -47,9 +47,10 @@ loads a saved model with it; ``import sparseattn.hf`` registers the kernel with 
 
 The package, imports running one way (each module uses only those listed after it):
 :mod:`~sparseattn.hf.graphs` (``extract_graphs``: Sparsefinder's gold graphs into the containers
-of :mod:`sparseattn.predict`; not re-exported here, so the paper method is not imported) →
+of :mod:`sparseattn.methods.sparsefinder`; not re-exported here, so the paper method is not
+imported) →
 :mod:`~sparseattn.hf.capture` (``capture_attention``, ``attention_sparsity``),
-:mod:`~sparseattn.hf.cache` (``window_cache``, over :mod:`sparseattn.kvcache`) and
+:mod:`~sparseattn.hf.cache` (``window_cache``, over :mod:`~sparseattn.hf.kvcache`) and
 :mod:`~sparseattn.hf.load` (``from_pretrained``) →
 :mod:`~sparseattn.hf.registry` (``sparsify``, ``restore``, ``layer_specs``, registration) →
 :mod:`~sparseattn.hf.longformer` (Longformer's self-attention, which does not dispatch through
@@ -58,19 +59,19 @@ of :mod:`sparseattn.predict`; not re-exported here, so the paper method is not i
 :mod:`~sparseattn.hf.persist` (the saved configuration's form) →
 :mod:`~sparseattn.hf.accounting` (the real-token counts) → :mod:`~sparseattn.hf.mask` (the
 mask decomposition) and :mod:`~sparseattn.hf.state` (layer specs, records, the model's state).
-MiniLM loading lives in :mod:`sparseattn.minilm`; ``hf.load_minilm``, ``hf.encode`` and
+MiniLM loading lives in :mod:`sparseattn.hf.minilm`; ``hf.load_minilm``, ``hf.encode`` and
 ``hf.mean_pool`` re-export it.
 """
 
 from __future__ import annotations
 
 from .._extras import check_installed
-from ..kvcache import evictable_extent
-from ..minilm import encode, load_minilm, mean_pool
 from .cache import window_cache
 from .capture import attention_sparsity, capture_attention
+from .kvcache import evictable_extent
 from .lengthen import lengthen
 from .load import from_pretrained
+from .minilm import encode, load_minilm, mean_pool
 from .persist import NotConfiguredError
 from .registry import layer_names, layer_specs, register, restore, sparsify
 from .state import ATTN_NAME, VALUE_PROJECTIONS, AttentionRecord, LayerContext, LayerSpec

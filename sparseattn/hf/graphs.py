@@ -3,7 +3,7 @@
 :func:`extract_graphs` runs a model and keeps, per layer and head h, the queries and keys the
 attention saw and G_h = {(i, j) : p_ij > 0} over the real tokens, observed through
 :func:`~sparseattn.hf.capture.capture_attention` (hooks only; nothing in the model's source is
-edited). It fills the containers of the method's package, :mod:`sparseattn.predict`
+edited). It fills the containers of the method's package, :mod:`sparseattn.methods.sparsefinder`
 (``GraphBatch``, ``LayerGraphs``; the token batches it runs are ``predict.token_batches``), on
 which the projections and predictors are fitted and measured. Not re-exported by
 :mod:`sparseattn.hf`, so importing ``sparseattn.hf`` does not import the paper method.
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from ..predict.extract import GraphBatch, LayerGraphs, TokenBatch
+from ..methods.sparsefinder.extract import GraphBatch, LayerGraphs, TokenBatch
 from .capture import capture_attention
 from .state import AttentionRecord
 

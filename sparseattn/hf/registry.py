@@ -151,8 +151,8 @@ def sparsify(
     AttentionGraph as ``pattern``). Calling ``sparsify`` again on a sparsified model changes
     only ``layers``; layers never configured keep exact attention (torch SDPA). Modifies
     ``model`` in place and returns it; :func:`restore` undoes it. A method may also be named:
-    ``method="mca"`` with ``method_options`` for :class:`sparseattn.montecarlo.MCAMethod` (e.g.
-    ``alpha=0.2``).
+    ``method="mca"`` with ``method_options`` for :class:`sparseattn.methods.mca.MCAMethod`
+    (e.g. ``alpha=0.2``).
 
     In a decoder (a causal attention module) the pattern is applied causally: a non-causal
     pattern is intersected with the lower triangle (``pattern.causal()``; note that Yun's

@@ -182,7 +182,7 @@ def resolve_method(method: Method | str | None, options: dict, engine: str) -> M
     signature, or a name with options (``"mca"``); ``engine`` checked on the way."""
     check_choice("engine", engine, ["auto", *ENGINES])
     if isinstance(method, str):
-        from ..montecarlo import MCAMethod
+        from ..methods.mca import MCAMethod
 
         named = {"mca": MCAMethod}
         if method not in named:

@@ -346,7 +346,7 @@ def expressivity_bound(
     eps2: float = typer.Option(2.0, help="eq. (8), > 0"),
 ) -> None:
     """The d of Theorem 0.4, eq. (6), for each n (an upper bound on d_min; d = 2n is exact)."""
-    from ..analysis.expressivity import theorem_d
+    from ..methods.likhosherstov.expressivity import theorem_d
 
     table = Table(title=f"Theorem 0.4: k={k}, γ={gamma:g}, ε1={eps1:g}, ε2={eps2:g}")
     for col in ("n", "d (eq. 6)", "min(d, 2n)"):
@@ -377,7 +377,7 @@ def expressivity_weak(
     d > 1 a search (NP-hard in general: a miss is not a proof of impossibility)."""
     import inspect
 
-    from ..analysis.expressivity import try_weak_approx, weak_sam_approx_d1
+    from ..methods.likhosherstov.expressivity import try_weak_approx, weak_sam_approx_d1
     from ..patterns import NAMED
 
     if pattern not in NAMED:
@@ -658,7 +658,7 @@ def analyze(
 
     import torch
 
-    from ..analysis import assumption1, named_pattern
+    from ..methods.yun import assumption1, named_pattern
 
     if threads < 1:
         raise typer.BadParameter(f"threads must be >= 1, got {threads}")

@@ -8,7 +8,7 @@ scripts), the figures as PNG files next to it, and ``tour.json`` (every number s
 configuration, the machine and the time of each section). Sections:
 
 1. the pattern gallery: the named patterns (``sparseattn.patterns.NAMED``) as adjacency images
-   and Yun et al.'s Assumption 1 for each (``sparseattn.analysis.assumption1``);
+   and Yun et al.'s Assumption 1 for each (``sparseattn.methods.yun.assumption1``);
 2. speed and memory of ``sparse_attention`` against dense SDPA (``sparseattn.lab.measure``);
 3. a small copying-task table in the shape of Yun et al. Table 1 (``experiments.copying``);
 4. one figure per method, each a scaled-down run of its experiment module: Sparsefinder's
@@ -228,7 +228,7 @@ def _flags(params: dict[str, Any]) -> str:
 # ------------------------------------------------------------------ 1. pattern gallery
 def gallery(config: TourConfig, out: Path, work: Path) -> Section:
     """Every named pattern drawn at n = gallery_n, with Assumption 1 (Yun et al. §3.2)."""
-    from ..analysis import assumption1, named_pattern
+    from ..methods.yun import assumption1, named_pattern
     from ..patterns import NAMED
 
     n = config.gallery_n

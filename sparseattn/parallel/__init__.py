@@ -102,4 +102,5 @@ def gather(x: Tensor, group: object = None, dim: int = -2) -> Tensor:
     dim = dim % x.dim()
     return _Gather.apply(x, group, dim)
 
+
 _attention.register_sharded(sparse_attention)

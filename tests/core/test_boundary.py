@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import sparseattn as sa
 from sparseattn import AttentionGraph, hf
-from sparseattn.learned_mask import DifferentiableAttentionMask, keep_row_max
-from sparseattn.montecarlo import MCAMethod, mc_value_projection, mca_attention, sample_sizes
+from sparseattn.methods.mca import MCAMethod, mc_value_projection, mca_attention, sample_sizes
+from sparseattn.methods.sparsebert import DifferentiableAttentionMask, keep_row_max
 from sparseattn.validate import (
     check_finite_float,
     check_int,
@@ -496,8 +496,8 @@ def test_hf_capture_and_encode_refuse_bad_arguments():
 
 # ----------------------------------------------------------------------------- dmin theory
 def test_dmin_causal_theory_uses_k_plus_one():
-    from sparseattn.analysis.expressivity import theorem_d, theorem_slope
     from sparseattn.lab.experiments.dmin import DminConfig, summarise
+    from sparseattn.methods.likhosherstov.expressivity import theorem_d, theorem_slope
 
     cells = {"c": {"q": 1.0, "n": 16, "d_min": 8}}
     for causal, k_eff in ((False, 2), (True, 3)):

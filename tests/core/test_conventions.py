@@ -18,7 +18,7 @@ from torch import nn
 
 import sparseattn as sa
 from sparseattn import AttentionGraph
-from sparseattn.montecarlo import mca_attention
+from sparseattn.methods.mca import mca_attention
 
 
 def raises_naming(name: str, fn, *args, **kwargs) -> str:

@@ -15,8 +15,8 @@ import torch
 
 import sparseattn as sa
 from sparseattn.lab.models.encoder import Encoder, EncoderConfig
-from sparseattn.montecarlo import mca_attention
-from sparseattn.predict.pattern import PredictedPattern
+from sparseattn.methods.mca import mca_attention
+from sparseattn.methods.sparsefinder.pattern import PredictedPattern
 
 PACKAGE = pathlib.Path(sa.__file__).parent
 
@@ -30,13 +30,13 @@ TAKES_IT = {
     ("attention.py", "_sharded"),  # hands it to parallel's (test_parallel checks it)
     ("lab/models/encoder.py", "attend"),
     ("lab/models/encoder.py", "forward"),
-    ("montecarlo.py", "mca_attention"),
-    ("montecarlo.py", "__call__"),  # MCAMethod: hands it to mca_attention
+    ("methods/mca/montecarlo.py", "mca_attention"),
+    ("methods/mca/montecarlo.py", "__call__"),  # MCAMethod: hands it to mca_attention
     ("parallel/attention.py", "sparse_attention"),
     ("parallel/attention.py", "check"),
-    ("predict/pattern.py", "graph"),
-    ("predict/pattern.py", "build"),
-    ("predict/pattern.py", "_valid"),
+    ("methods/sparsefinder/pattern.py", "graph"),
+    ("methods/sparsefinder/pattern.py", "build"),
+    ("methods/sparsefinder/pattern.py", "_valid"),
 }
 
 

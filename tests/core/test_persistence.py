@@ -18,7 +18,7 @@ from fresh import fresh
 
 import sparseattn as sa
 from sparseattn import serialize
-from sparseattn.learned_mask import DifferentiableAttentionMask
+from sparseattn.methods.sparsebert import DifferentiableAttentionMask
 from sparseattn.patterns import NAMED
 
 MAPS = {

@@ -214,7 +214,7 @@ def test_learned_masks_and_alpha_round_trip_through_save_pretrained(tmp_path):
     """SparseBERT's learned masks (one per layer) and a learned α (one per head, shared by
     the layers, a Parameter of the model) are buffers/parameters of the attention modules, so
     save_pretrained writes them; hf.from_pretrained reads them back in a fresh process."""
-    from sparseattn.learned_mask import DifferentiableAttentionMask
+    from sparseattn.methods.sparsebert import DifferentiableAttentionMask
 
     model = tiny_bert()
     heads = model.config.num_attention_heads

@@ -68,7 +68,8 @@ _SMOKE = r"""
 import importlib.metadata as md, importlib.util, json, sys
 import torch
 import sparseattn as sa
-import sparseattn.analysis, sparseattn.learned_mask, sparseattn.montecarlo  # the core, too
+import sparseattn.methods.yun, sparseattn.methods.sparsebert, sparseattn.methods.mca  # methods
+import sparseattn.methods.likhosherstov, sparseattn.methods.sparsefinder
 
 assert sa.__file__.startswith(sys.prefix), sa.__file__
 found = {m: importlib.util.find_spec(m) is not None for m in json.loads(sys.argv[1])}

@@ -18,7 +18,7 @@ from sparseattn.lab.experiments.sparsefinder_pipeline import (
     fit_layers,
     sweep_method,
 )
-from sparseattn.predict.extract import GraphBatch, LayerGraphs
+from sparseattn.methods.sparsefinder.extract import GraphBatch, LayerGraphs
 
 LENGTHS = (12, 9)
 N, H, D = 12, 2, 8

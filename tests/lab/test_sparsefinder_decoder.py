@@ -24,7 +24,7 @@ from sparseattn.lab.experiments.sparsefinder_lm import (
     run,
 )
 from sparseattn.maps import resolve_prob_map
-from sparseattn.predict.baselines import (
+from sparseattn.methods.sparsefinder.baselines import (
     BigBirdBaseline,
     LongformerBaseline,
     LSHBaseline,
@@ -32,10 +32,10 @@ from sparseattn.predict.baselines import (
     StridedBaseline,
     WindowBaseline,
 )
-from sparseattn.predict.evaluate import gold_summary, sparsity, sweep
-from sparseattn.predict.extract import GraphBatch, LayerGraphs
-from sparseattn.predict.pattern import PredictedPattern
-from sparseattn.predict.predictors import (
+from sparseattn.methods.sparsefinder.evaluate import gold_summary, sparsity, sweep
+from sparseattn.methods.sparsefinder.extract import GraphBatch, LayerGraphs
+from sparseattn.methods.sparsefinder.pattern import PredictedPattern
+from sparseattn.methods.sparsefinder.predictors import (
     DistancePredictor,
     FixedParts,
     GraphPredictor,

@@ -1,4 +1,4 @@
-"""Tests for sparseattn.analysis: Yun et al. Assumptions 1–2 and the executed contextual mapping.
+"""Tests for sparseattn.methods.yun: Yun et al. Assumptions 1–2 and the executed contextual mapping.
 
 References are independent of the code under test: hop counts from a plain-Python transcription
 of the recursion of Yun §3.2 (and BFS eccentricities), chains from brute-force permutation
@@ -21,7 +21,9 @@ import torch
 from typer.testing import CliRunner
 
 import sparseattn as sa
-from sparseattn.analysis import (
+from sparseattn.graph import AttentionGraph
+from sparseattn.maps import ProbabilityMap, entmax, hardmax, softmax, sparselin_gen, sparsemax
+from sparseattn.methods.yun import (
     assumption1,
     assumption2,
     closed_form_t,
@@ -33,9 +35,7 @@ from sparseattn.analysis import (
     verify_contextual_mapping,
     yun_contextual_mapping,
 )
-from sparseattn.analysis.construction import AllMaxShift, SelectiveShift
-from sparseattn.graph import AttentionGraph
-from sparseattn.maps import ProbabilityMap, entmax, hardmax, softmax, sparselin_gen, sparsemax
+from sparseattn.methods.yun.construction import AllMaxShift, SelectiveShift
 
 
 # --------------------------------------------------------------------------- references

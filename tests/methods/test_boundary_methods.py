@@ -1,4 +1,4 @@
-"""Issue 17 for the method modules: ``sparseattn.analysis`` and ``sparseattn.predict``.
+"""Issue 17 for the method packages ``sparseattn.methods.yun``, ``likhosherstov``, ``sparsefinder``.
 
 Bad and edge inputs drawn by hypothesis end in a ValueError/TypeError naming the argument
 (never Python's own words, a deep crash or a huge allocation), or in a finite result checked
@@ -18,30 +18,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sparseattn as sa
-from sparseattn.analysis import (
-    assumption1,
-    assumption2,
-    closed_form_t,
+from sparseattn.methods.likhosherstov import (
     construct_sam,
     construction_weights,
-    cycle_graphs,
-    find_chain,
-    hops,
     least_construct_d,
-    margin_inputs,
-    named_pattern,
     random_sparse_stochastic,
     ratio_errors,
     sam,
-    sparsebert_contextual_mapping,
     theorem_d,
     theorem_slope,
     try_weak_approx,
-    verify_contextual_mapping,
     weak_sam_approx_d1,
-    yun_contextual_mapping,
 )
-from sparseattn.predict import (
+from sparseattn.methods.sparsefinder import (
     BigBirdBaseline,
     ChunkedPredictor,
     DistancePredictor,
@@ -67,6 +56,19 @@ from sparseattn.predict import (
     sparsity,
     sweep,
     token_batches,
+)
+from sparseattn.methods.yun import (
+    assumption1,
+    assumption2,
+    closed_form_t,
+    cycle_graphs,
+    find_chain,
+    hops,
+    margin_inputs,
+    named_pattern,
+    sparsebert_contextual_mapping,
+    verify_contextual_mapping,
+    yun_contextual_mapping,
 )
 
 FAST = settings(max_examples=10, deadline=None)
@@ -271,7 +273,7 @@ def test_predictor_sizes_name_the_argument(value):
 
 
 def _tally(layers):
-    from sparseattn.predict import Tally
+    from sparseattn.methods.sparsefinder import Tally
 
     return Tally(layers, 2)
 

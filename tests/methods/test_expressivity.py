@@ -1,4 +1,4 @@
-"""Tests for sparseattn.analysis.expressivity (Likhosherstov et al. 2023) and the d_min experiment.
+"""Tests for sparseattn.methods.likhosherstov.expressivity (Likhosherstov et al.) and d_min.
 
 References are independent of the code under test: loop transcriptions of eqs. (1), (2), (4),
 (7), (8) and CSAM, an exhaustive LP decider for Algorithm 1, hand-evaluated eq. (6).
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from sparseattn.analysis.expressivity import (
+from sparseattn.methods.likhosherstov.expressivity import (
     construct_sam,
     construction_weights,
     csam,

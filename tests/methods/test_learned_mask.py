@@ -11,14 +11,14 @@ import torch
 
 import sparseattn as sa
 from sparseattn.lab.models import Encoder, EncoderConfig
-from sparseattn.learned_mask import (
+from sparseattn.maps import resolve_prob_map
+from sparseattn.methods.sparsebert import (
     DifferentiableAttentionMask,
     LearnedMaskPattern,
     dense_no_diagonal,
     kept_by_offset,
     no_diagonal,
 )
-from sparseattn.maps import resolve_prob_map
 from sparseattn.patterns import PatternCycle
 
 pytestmark = [pytest.mark.device, pytest.mark.guard]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparseattn as sa
-from sparseattn.montecarlo import (
+from sparseattn.methods.mca import (
     MCAMethod,
     head_weights,
     mc_value_projection,
@@ -233,7 +233,7 @@ def test_head_weights_and_bad_input(device):
 
 def test_mca_hook_inside_a_hugging_face_bert(tiny_bert):
     from sparseattn import hf
-    from sparseattn.montecarlo import MCAMethod
+    from sparseattn.methods.mca import MCAMethod
 
     model = tiny_bert
     ids = torch.randint(1, 99, (2, 20))

@@ -1,4 +1,4 @@
-"""Tests for sparseattn.analysis.order_types: the exact d = 2 decider of weak SAM approximation.
+"""Tests for sparseattn.methods.likhosherstov.order_types: the exact d = 2 weak-approx decider.
 
 The reference is a brute force that shares no code with the module: every placement of n points
 in general position on a small integer grid, the subsets a line cuts off enumerated from the
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparseattn.analysis.expressivity import sam, try_weak_approx, weak_sam_approx_d1
-from sparseattn.analysis.order_types import (
+from sparseattn.methods.likhosherstov.expressivity import sam, try_weak_approx, weak_sam_approx_d1
+from sparseattn.methods.likhosherstov.order_types import (
     MAX_N,
     candidate_chirotopes,
     chirotope,

@@ -13,7 +13,7 @@ import torch
 from sparseattn import AttentionGraph, attention_weights, dense, hf, sparse_attention
 from sparseattn.hf.graphs import extract_graphs
 from sparseattn.maps import entmax
-from sparseattn.predict.baselines import (
+from sparseattn.methods.sparsefinder.baselines import (
     BigBirdBaseline,
     LongformerBaseline,
     LSHBaseline,
@@ -21,7 +21,7 @@ from sparseattn.predict.baselines import (
     StridedBaseline,
     WindowBaseline,
 )
-from sparseattn.predict.evaluate import (
+from sparseattn.methods.sparsefinder.evaluate import (
     Tally,
     dominance,
     exact_fraction,
@@ -30,9 +30,9 @@ from sparseattn.predict.evaluate import (
     recall,
     sparsity,
 )
-from sparseattn.predict.extract import GraphBatch, LayerGraphs, token_batches
-from sparseattn.predict.pattern import PredictedPattern
-from sparseattn.predict.predictors import (
+from sparseattn.methods.sparsefinder.extract import GraphBatch, LayerGraphs, token_batches
+from sparseattn.methods.sparsefinder.pattern import PredictedPattern
+from sparseattn.methods.sparsefinder.predictors import (
     ChunkedPredictor,
     DistancePredictor,
     FixedParts,
@@ -46,7 +46,7 @@ from sparseattn.predict.predictors import (
     merge_union,
     quantize,
 )
-from sparseattn.predict.projection import QKProjection, hinge_loss, sample_triplets
+from sparseattn.methods.sparsefinder.projection import QKProjection, hinge_loss, sample_triplets
 
 ALPHAS = (1.5, 2.0, 1.3)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sparseattn import hf
-from sparseattn.predict.baselines import (
+from sparseattn.methods.sparsefinder.baselines import (
     BigBirdBaseline,
     LongformerBaseline,
     LSHBaseline,
@@ -21,15 +21,15 @@ from sparseattn.predict.baselines import (
     StridedBaseline,
     WindowBaseline,
 )
-from sparseattn.predict.pattern import PredictedPattern, key_padding
-from sparseattn.predict.predictors import (
+from sparseattn.methods.sparsefinder.pattern import PredictedPattern, key_padding
+from sparseattn.methods.sparsefinder.predictors import (
     ChunkedPredictor,
     DistancePredictor,
     FixedParts,
     KMeansPredictor,
     QuantizationPredictor,
 )
-from sparseattn.predict.projection import QKProjection
+from sparseattn.methods.sparsefinder.projection import QKProjection
 
 LENGTHS = (12, 9, 5)
 N, H, D = 12, 2, 4

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import sparseattn as sa
-from sparseattn.analysis import yun_contextual_mapping
-from sparseattn.analysis.construction import SelectiveShift
-from sparseattn.analysis.relaxed import (
+from sparseattn.methods.yun import yun_contextual_mapping
+from sparseattn.methods.yun.construction import SelectiveShift
+from sparseattn.methods.yun.relaxed import (
     _phi_relu,
     check_float64_ids,
     exact_threshold,

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...learned_mask import (
+from ...methods.sparsebert import (
     DifferentiableAttentionMask,
     dense_no_diagonal,
     kept_by_offset,

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ...analysis.expressivity import (
+from ...methods.likhosherstov.expressivity import (
     _device,
     least_construct_d,
     random_sparse_stochastic,

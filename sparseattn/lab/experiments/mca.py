@@ -118,7 +118,7 @@ def run(config: MCAConfig = MCAConfig()) -> dict:
 
 def _sweep(config: MCAConfig, folder: Path, model, tokenizer) -> dict:
     """The α sweep on the test passages (one cell per α, reused when present)."""
-    from ...montecarlo import MCAMethod
+    from ...methods.mca import MCAMethod
     from ..corpus import load_corpus
     from ..fidelity import AttentionConfig, evaluate, num_batches, reference
 
@@ -217,7 +217,7 @@ def _accounting(config: MCAConfig, model, tokenizer) -> dict:
     formula there (n = the passage's own length).
     """
     from ... import hf
-    from ...montecarlo import MCAMethod
+    from ...methods.mca import MCAMethod
     from ..corpus import load_corpus
 
     texts = [p.text for p in load_corpus(config.accounting_words).test[: config.max_passages]]

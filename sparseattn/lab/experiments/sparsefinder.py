@@ -45,13 +45,13 @@ from ... import hf
 from ...fastmaps import entmax15_rows
 from ...hf.graphs import extract_graphs
 from ...maps import entmax
-from ...patterns import dense
-from ...predict.evaluate import pareto_frontier
-from ...predict.extract import LayerGraphs, token_batches
-from ...predict.pattern import PredictedPattern
-from ...predict.predictors import (
+from ...methods.sparsefinder.evaluate import pareto_frontier
+from ...methods.sparsefinder.extract import LayerGraphs, token_batches
+from ...methods.sparsefinder.pattern import PredictedPattern
+from ...methods.sparsefinder.predictors import (
     FixedParts,
 )
+from ...patterns import dense
 from .. import fidelity
 from ..corpus import load_corpus
 from ..progress import tqdm

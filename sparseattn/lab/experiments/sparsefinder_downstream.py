@@ -4,7 +4,7 @@ Part of the lab, beside the teacher (:mod:`sparseattn.lab.experiments.sparsefind
 1.5-entmax MiniLM with exact entmax on the predicted graphs Ĝ in every layer (Proposition 1),
 against the full-entmax teacher, measured with :mod:`sparseattn.lab.fidelity`'s yardsticks (the
 paper's downstream evaluation, §5). The graph-level measures (recall, sparsity, Pareto
-frontiers) are the method's: :mod:`sparseattn.predict.evaluate`.
+frontiers) are the method's: :mod:`sparseattn.methods.sparsefinder.evaluate`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from torch import Tensor, nn
 
 from ... import hf
 from ...maps import ProbabilityMap
+from ...methods.sparsefinder.extract import TokenBatch
 from ...patterns import Pattern
-from ...predict.extract import TokenBatch
 from .. import fidelity
 
 __all__ = ["downstream", "embed"]

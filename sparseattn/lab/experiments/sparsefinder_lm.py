@@ -44,11 +44,11 @@ import torch
 from torch import Tensor, nn
 
 from ...attention import attention_weights
+from ...methods.sparsefinder.evaluate import frontier_value
+from ...methods.sparsefinder.extract import GraphBatch, LayerGraphs
+from ...methods.sparsefinder.pattern import PredictedPattern
+from ...methods.sparsefinder.predictors import FixedParts
 from ...patterns import cycle, dense
-from ...predict.evaluate import frontier_value
-from ...predict.extract import GraphBatch, LayerGraphs
-from ...predict.pattern import PredictedPattern
-from ...predict.predictors import FixedParts
 from ..progress import tqdm
 from ..results import (
     atomic_write,

@@ -1,6 +1,6 @@
 """The Sparsefinder (Treviso et al. 2022) pipeline shared by the encoder and decoder experiments.
 
-Part of the lab, over the method's package :mod:`sparseattn.predict`:
+Part of the lab, over the method's package :mod:`sparseattn.methods.sparsefinder`:
 ``sparseattn.lab.experiments.sparsefinder`` (MiniLM, an encoder) and
 ``sparseattn.lab.experiments.sparsefinder_lm`` (a byte-level decoder) run the same steps on their
 own gold graphs: :func:`fit_layers` fits each layer's projections (eq. 7) and centroids,
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ...predict import baselines as bl
-from ...predict import predictors as pr
-from ...predict.evaluate import (
+from ...methods.sparsefinder import baselines as bl
+from ...methods.sparsefinder import predictors as pr
+from ...methods.sparsefinder.evaluate import (
     best_at_least,
     dominance,
     frontier_value,
@@ -32,8 +32,8 @@ from ...predict.evaluate import (
     pareto_frontier,
     sweep,
 )
-from ...predict.extract import LayerGraphs
-from ...predict.projection import QKProjection
+from ...methods.sparsefinder.extract import LayerGraphs
+from ...methods.sparsefinder.projection import QKProjection
 from ..results import (
     StepClock,
     atomic_write,
@@ -305,8 +305,8 @@ def gold_record(
     test: Sequence[LayerGraphs], train: Sequence[LayerGraphs], causal: bool = False, **facts: Any
 ) -> dict:
     """What ``gold.json`` holds: the sparsity of the test set's gold graphs
-    (:func:`~sparseattn.predict.evaluate.gold_summary`), ``facts`` about the data, and under
-    ``train`` the training set's sparsity (overall and per layer)."""
+    (:func:`~sparseattn.methods.sparsefinder.evaluate.gold_summary`), ``facts`` about the data,
+    and under ``train`` the training set's sparsity (overall and per layer)."""
     trained = gold_summary(train, causal=causal)
     keep = ("sparsity", "sparsity_per_layer")
     return gold_summary(test, causal=causal) | facts | {"train": {k: trained[k] for k in keep}}

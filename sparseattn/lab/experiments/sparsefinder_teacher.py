@@ -1,14 +1,15 @@
 """Sparsefinder's α-entmax teacher: all-MiniLM-L6-v2 with 1.5-entmax in every head, adapted.
 
 Part of the lab: the encoder experiment :mod:`sparseattn.lab.experiments.sparsefinder` and the tour
-load it; the method itself is :mod:`sparseattn.predict`. Sparsefinder (Treviso et al. 2022, §5–6
-and appendix D.1) needs an encoder whose heads use α-entmax, so that each head's attention graph
-G_h = {(i, j) : p_ij > 0} is sparse (§4.1). The paper fine-tunes RoBERTa with 1.5-entmax for 3000
-steps. Here, on CPU, the teacher is the embedded MiniLM with softmax replaced by 1.5-entmax in
-every head (:func:`sparseattn.hf.sparsify`), then *distilled* for a few hundred steps towards the
-original softmax model: loss = Σ_l mean over real tokens of ‖H_l − H_l*‖² (H_l the output of
-layer l of the entmax student, H_l* that of the unmodified model), Adam with linear warm-up, on
-the corpus train split. Dropout stays off (eval mode), so the run is deterministic given the seed.
+load it; the method itself is :mod:`sparseattn.methods.sparsefinder`. Sparsefinder (Treviso et al.
+2022, §5–6 and appendix D.1) needs an encoder whose heads use α-entmax, so that each head's
+attention graph G_h = {(i, j) : p_ij > 0} is sparse (§4.1). The paper fine-tunes RoBERTa with
+1.5-entmax for 3000 steps. Here, on CPU, the teacher is the embedded MiniLM with softmax replaced by
+1.5-entmax in every head (:func:`sparseattn.hf.sparsify`), then *distilled* for a few hundred steps
+towards the original softmax model: loss = Σ_l mean over real tokens of ‖H_l − H_l*‖² (H_l the
+output of layer l of the entmax student, H_l* that of the unmodified model), Adam with linear warm-
+up, on the corpus train split. Dropout stays off (eval mode), so the run is deterministic given the
+seed.
 
 The adapted weights are cached as ``state_dict.pt`` + ``config.json`` + ``metrics.json``
 (fidelity to the original model before and after adaptation, with

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._extras import require
-from .graph import AttentionGraph
-from .patterns import HeadSplit, Pattern, Union
-from .patterns.causal import CausalGlobal, CausalWindow
-from .validate import check_tensor
+from .._extras import require
+from ..graph import AttentionGraph
+from ..patterns import HeadSplit, Pattern, Union
+from ..patterns.causal import CausalGlobal, CausalWindow
+from ..validate import check_tensor
 
 __all__ = ["evictable_extent", "window_cache"]
 

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..graph import AttentionGraph
-from ..validate import check_bool, check_finite_float, check_positive, check_tensor
+from ...graph import AttentionGraph
+from ...validate import check_bool, check_finite_float, check_positive, check_tensor
 from .extract import GraphBatch, LayerGraphs
 from .predictors import FixedParts, GraphPredictor
 

@@ -44,10 +44,10 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from .graph import AttentionGraph
-from .patterns import Pattern, PatternCycle, cycle
-from .patterns.diagonal import NoDiagonal, dense_no_diagonal, drop_diagonal, no_diagonal
-from .validate import check_bool, check_finite_float, check_positive, check_seed
+from ...graph import AttentionGraph
+from ...patterns import Pattern, PatternCycle, cycle
+from ...patterns.diagonal import NoDiagonal, dense_no_diagonal, drop_diagonal, no_diagonal
+from ...validate import check_bool, check_finite_float, check_positive, check_seed
 
 __all__ = [
     "DifferentiableAttentionMask",

@@ -34,9 +34,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .._extras import require
-from ..graph import AttentionGraph
-from ..validate import check_bool, check_finite_float, check_finite_tensor, check_int
+from ..._extras import require
+from ...graph import AttentionGraph
+from ...validate import check_bool, check_finite_float, check_finite_tensor, check_int
 
 __all__ = [
     "RatioErrors",

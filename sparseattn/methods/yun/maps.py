@@ -18,8 +18,8 @@ import math
 import torch
 from torch import Tensor
 
-from ..maps import ProbabilityMap, hardmax, resolve_prob_map
-from ..validate import check_finite_float, check_int, check_positive
+from ...maps import ProbabilityMap, hardmax, resolve_prob_map
+from ...validate import check_finite_float, check_int, check_positive
 
 __all__ = ["Assumption2Report", "assumption2", "closed_form_t", "margin_inputs"]
 

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .attention import attention_weights
-from .graph import AttentionGraph
-from .maps import ProbabilityMap
-from .patterns import Pattern
-from .validate import (
+from ...attention import attention_weights
+from ...graph import AttentionGraph
+from ...maps import ProbabilityMap
+from ...patterns import Pattern
+from ...validate import (
     check_bool,
     check_finite_float,
     check_finite_tensor,
@@ -50,6 +50,7 @@ from .validate import (
 )
 
 __all__ = [
+    "MCAMethod",
     "MCAOutput",
     "head_weights",
     "mc_value_projection",

@@ -28,9 +28,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ..graph import AttentionGraph
-from ..patterns import Pattern
-from ..validate import check_positive, check_tensor
+from ...graph import AttentionGraph
+from ...patterns import Pattern
+from ...validate import check_positive, check_tensor
 from .predictors import FixedParts, GraphPredictor, check_right_padding, merge_union, union_fixed
 
 __all__ = ["PredictedPattern", "key_padding"]

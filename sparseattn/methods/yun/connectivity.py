@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..graph import AttentionGraph
-from ..patterns import Pattern, PatternCycle
-from ..validate import check_choice, check_int, check_positive
+from ...graph import AttentionGraph
+from ...patterns import Pattern, PatternCycle
+from ...validate import check_choice, check_int, check_positive
 
 __all__ = [
     "Assumption1Report",
@@ -674,7 +674,7 @@ def named_pattern(
     part l mod p); ``"union"`` keeps the union. The default is sequential for "strided" and
     "fixed" (their two parts A¹, A², as analysed in Yun §3.4) and union otherwise.
     """
-    from ..patterns import NAMED, Union, cycle
+    from ...patterns import NAMED, Union, cycle
 
     check_choice("name", name, sorted(NAMED))
     if config is not None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..validate import (
+from ...validate import (
     check_finite_float,
     check_finite_tensor,
     check_int,

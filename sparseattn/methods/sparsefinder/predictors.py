@@ -2,7 +2,7 @@
 
 Every predictor maps queries and keys q (B, H, n_q, d), k (B, H, n_k, d) to an
 :class:`~sparseattn.graph.AttentionGraph` with ``batch_shape`` (B, H) — the predicted graph Ĝ_h —
-optionally first applying a fitted :class:`~sparseattn.predict.projection.QKProjection`
+optionally first applying a fitted :class:`~sparseattn.methods.sparsefinder.projection.QKProjection`
 (q′ = g_q(q), k′ = g_k(k) ∈ R^r). Bucket-based predictors follow eq. 6: with f_q, f_k assigning
 each query and key to a set of buckets, Ĝ = {(i, j) : f_q(q_i) ∩ f_k(k_j) ≠ ∅}, built by
 :func:`bucket_graph` in O(Σ_b n_b m_b) (no n_q × n_k table).
@@ -33,8 +33,8 @@ import math
 import torch
 from torch import Tensor
 
-from ..graph import AttentionGraph
-from ..validate import (
+from ...graph import AttentionGraph
+from ...validate import (
     check_bool,
     check_choice,
     check_finite_float,

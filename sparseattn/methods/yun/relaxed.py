@@ -1,6 +1,6 @@
 """Theorem 1, step 3 of Yun et al. (2020), executed: the contextual mapping with ρ[t·] for σ_H.
 
-Lemma 7's network g_c (:func:`~sparseattn.analysis.yun_contextual_mapping`) uses hardmax
+Lemma 7's network g_c (:func:`~sparseattn.methods.yun.yun_contextual_mapping`) uses hardmax
 heads ψ^l(Z; b_Q)_k = u^T Z_{A_k^l} σ_H[(u^T Z_{A_k^l})^T (u^T Z_k − b_Q)]. Appendix F.2 (the
 proof of Lemma 4) replaces σ_H by a map ρ that satisfies Assumption 2 at a temperature t,
 
@@ -29,11 +29,11 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
-from ..attention import sparse_attention
-from ..graph import AttentionGraph
-from ..maps import ProbabilityMap, resolve_prob_map
-from ..patterns import Pattern, PatternCycle
-from ..validate import check_finite_float, check_positive
+from ...attention import sparse_attention
+from ...graph import AttentionGraph
+from ...maps import ProbabilityMap, resolve_prob_map
+from ...patterns import Pattern, PatternCycle
+from ...validate import check_finite_float, check_positive
 from .connectivity import PatternLike, cycle_graphs
 from .construction import (
     ContextualMapping,

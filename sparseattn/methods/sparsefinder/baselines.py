@@ -1,8 +1,8 @@
 """Baselines for Sparsefinder's sparsity–recall comparison (§5, appendix C.2), as graph predictors.
 
-Each has the :class:`~sparseattn.predict.predictors.GraphPredictor` interface, so it is evaluated
-on the same extracted graphs with the same metrics, and unioned with the same
-:class:`~sparseattn.predict.predictors.FixedParts` (first token, optionally last, window):
+Each has the :class:`~.predictors.GraphPredictor` interface, so it is evaluated on the same
+extracted graphs with the same metrics, and unioned with the same :class:`~.predictors.FixedParts`
+(first token, optionally last, window):
 
 * :class:`WindowBaseline` — keys |i − j| ≤ w only (its knob is w itself).
 * :class:`BigBirdBaseline` — ``random_blocks`` random key blocks per query block, block size 1
@@ -28,9 +28,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..graph import AttentionGraph
-from ..patterns import global_tokens, random_blocks, strided
-from ..validate import (
+from ...graph import AttentionGraph
+from ...patterns import global_tokens, random_blocks, strided
+from ...validate import (
     check_choice,
     check_finite_float,
     check_int,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..validate import check_positive
+from ...validate import check_positive
 
 __all__ = ["GraphBatch", "LayerGraphs", "TokenBatch", "token_batches"]
 

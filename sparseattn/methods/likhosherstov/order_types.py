@@ -27,7 +27,7 @@ realised: the list is exactly the order types, with no appeal to published count
 
 :func:`weak_sam_approx_d2` is then a lookup: S is representable iff its row sets are contained in
 the separable family of some labelled order type; on "yes" it returns a witness (X, W_q, W_k)
-verified through :func:`~sparseattn.analysis.expressivity.sam` and eq. (4). Points are integers,
+verified through :func:`~.expressivity.sam` and eq. (4). Points are integers,
 so every orientation is exact. n <= 6 (2^20 sign vectors are screened at n = 6).
 """
 
@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._extras import require
-from ..validate import check_int
+from ..._extras import require
+from ...validate import check_int
 from .expressivity import WeakApproxResult, _support, sam, weakly_approximates
 
 __all__ = [
@@ -375,9 +375,9 @@ def weak_sam_approx_d2(S: Any, d_hid: int = 4) -> WeakApproxResult:
     (d_hid = 2, 3 tie the queries to the keys and are a different question).
 
     Returns ``found=True`` with a witness X (n, d_hid), W_q, W_k (d_hid, 2) and M = SAM(X),
-    checked with :func:`~sparseattn.analysis.expressivity.weakly_approximates`, or
+    checked with :func:`~sparseattn.methods.likhosherstov.expressivity.weakly_approximates`, or
     ``found=False`` with message "impossible (exhaustive over order types)" — unlike
-    :func:`~sparseattn.analysis.expressivity.try_weak_approx`, a "no" here is a proof.
+    :func:`~sparseattn.methods.likhosherstov.expressivity.try_weak_approx`, a "no" here is a proof.
     ``tries`` counts the labelled families scanned.
     """
     s = _support(S, "S")

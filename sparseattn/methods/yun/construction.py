@@ -41,8 +41,8 @@ import time
 from collections.abc import Sequence
 from fractions import Fraction
 
-from ..patterns import Pattern, PatternCycle
-from ..validate import check_bool, check_int, check_positive
+from ...patterns import Pattern, PatternCycle
+from ...validate import check_bool, check_int, check_positive
 from .connectivity import PatternLike, assumption1, cycle_graphs
 
 __all__ = [

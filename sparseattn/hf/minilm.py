@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ._extras import missing
-from .validate import check_model, check_positive, check_tensor
+from .._extras import missing
+from ..validate import check_model, check_positive, check_tensor
 
 __all__ = ["encode", "load_minilm", "mean_pool"]
 
