@@ -16,22 +16,7 @@ E‖Ỹ[i] − Y[i]‖ ≤ α β ‖W_h‖_F (Theorem 2).
 (``sparseattn mca``).
 """
 
-from .montecarlo import (
-    MCAMethod,
-    MCAOutput,
-    head_weights,
-    mc_value_projection,
-    mca_attention,
-    reference_sample_sizes,
-    sample_sizes,
-)
+from . import montecarlo
+from .montecarlo import *  # noqa: F403  (the names of montecarlo.__all__)
 
-__all__ = [
-    "MCAMethod",
-    "MCAOutput",
-    "head_weights",
-    "mc_value_projection",
-    "mca_attention",
-    "reference_sample_sizes",
-    "sample_sizes",
-]
+__all__ = montecarlo.__all__
