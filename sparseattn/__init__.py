@@ -35,7 +35,7 @@ from .patterns import (
 #: the old path still resolves it, so that models pickled before the move load.
 attention.SparseAttention = SparseAttention
 
-#: The paper methods' import paths before :mod:`sparseattn.methods` resolve, with a deprecation.
+#: Old paths of moved modules (the paper methods, hf's minilm and kvcache) resolve, deprecated.
 _moved.install()
 
 __version__ = "0.1.0"
