@@ -9,14 +9,19 @@ Row blocks go in chunks of ``budget`` score entries (memory O(n·d + budget)), c
 
 * **split softmax** (softmax, no key padding, no dropout, d_v = d, CPU): the full blocks (a run
   of consecutive ones as a strided view, widened by the band's partial blocks under a bias)
-  through torch's fused CPU flash kernel, the other partial blocks here, merged by their
-  log-sum-exps; the backward splits the same way (dS = P ⊙ (dP − rowsum(dO ⊙ O)) decomposes
-  over any split of the keys);
+  through torch's fused CPU flash kernel — one call per run segment (a whole band), not per
+  chunk: the kernel streams the keys — the other partial blocks here (blocks shared by the
+  segment's row blocks, e.g. global keys, scored once per segment), merged by their
+  log-sum-exps straight into the output; the backward splits the same way (dS = P ⊙ (dP −
+  rowsum(dO ⊙ O)) decomposes over any split of the keys), chunk by chunk;
 * **general** (any map, key padding, dropout, a score modifier): ρ on the masked row of all
   blocks; the backward recomputes each chunk (softmax's closed form, autograd for other maps,
   dropout replayed from the saved RNG state).
 
-The plan (:mod:`.layout`) is built once per (graph, block) and cached on the graph.
+The plan (:mod:`.layout`) is built once per (graph, block) and cached on the graph. Shapes:
+q, k (B, H, n, d), v (B, H, n, d_v) → (B, H, n_q, d_v); inside, each as (L, G·nb, b, e)
+(:func:`_blocked`): q read in place where its strides allow (a projection's (B, n, H, d)),
+k and v contiguous; the output is laid out like q (a projection's layout stays one).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from ..score_mods import lifted_tensors
 from .common import keep_mask, masked_exp, mod_grads, replayed_rng, rng_state
-from .layout import BlockChunk, block_plan, choose_block
+from .layout import BlockChunk, SegmentRun, block_plan, choose_block, select_blocks
 from .precision import compute_dtype
 
 __all__ = ["block_attention"]
@@ -53,12 +58,14 @@ FLASH_BACKWARD_BLOCK = 64
 class _Runner:
     """What the per-chunk computations need, shared by forward and backward."""
 
-    def __init__(self, plan, prob_map, scale, key_ok, dropout_p, budget, lead, fused, dtype):
+    def __init__(self, plan, prob_map, scale, key_ok, dropout_p, budget, lead, fused, dtype, width):
         self.plan, self.prob_map, self.scale, self.dtype = plan, prob_map, scale, dtype
         self.key_ok, self.dropout_p, self.lead = key_ok, dropout_p, lead
         self.softmax = prob_map.is_softmax
         self.split = self.softmax and key_ok is None and not dropout_p and fused
         self.chunks = plan.chunks(lead, budget, self.split)
+        # the split path's forward by run segment (``width``: the head dim d)
+        self.runs = plan.runs(lead, budget, width) if self.split else None
         self.score_mod, self.mod_tensors, self.sizes = None, (), (1, 1, 1)
 
     def with_score_mod(self, score_mod: Callable | None, heads: int, n_q: int, n_k: int):
@@ -92,19 +99,21 @@ class _Runner:
     def gather(self, x: Tensor, keys: Tensor) -> Tensor:
         """Key blocks (L, m, C·b, e) of the blocked tensor x (L, G·nbk, b, e)."""
         m, c = keys.shape
-        return x.index_select(1, keys.reshape(-1)).view(x.shape[0], m, c * self.plan.block, -1)
+        picked = select_blocks(x, keys.reshape(-1))
+        return picked.reshape(x.shape[0], m, c * self.plan.block, -1)
 
     def full_blocks(self, x: Tensor, chunk: BlockChunk) -> Tensor:
-        """The chunk's full key blocks of x (L, G·nbk, b, e): a strided view (no copy) when
-        they are one run of consecutive blocks moving by a fixed step per row block."""
-        if chunk.run is None or not x.is_contiguous():
+        """The chunk's full key blocks of x (L, G·nbk, b, e) (:func:`_blocked`'s layout): a
+        strided view (no copy) when they are one run of consecutive blocks moving by a fixed
+        step per row block."""
+        if chunk.run is None:
             return self.gather(x, chunk.full)
-        b, e = self.plan.block, x.shape[-1]
         (m, cf), (start, step) = chunk.full.shape, chunk.run
+        s0, s1, s2, s3 = x.stride()
         return x.as_strided(
-            (x.shape[0], m, cf * b, e),
-            (x.stride(0), step * b * e, e, 1),
-            x.storage_offset() + start * b * e,
+            (x.shape[0], m, cf * self.plan.block, x.shape[-1]),
+            (s0, step * s1, s2, s3),
+            x.storage_offset() + start * s1,
         )
 
     # -- general path -------------------------------------------------------------------
@@ -135,28 +144,46 @@ class _Runner:
         return rho(s) if valid is None else rho(s, valid)
 
     # -- split softmax path -------------------------------------------------------------
-    def partial_exp(self, qs: Tensor, kc: Tensor, keep: Tensor, lse: Tensor | None):
-        """exp(scores − shift) on the partial blocks, exactly 0 where there is no edge.
+    def partial_exp(self, qs: Tensor, kc: Tensor, keep: Tensor | None, lse: Tensor | None):
+        """exp(scores − shift) on the partial blocks, exactly 0 where there is no edge
+        (``keep`` None: an edge everywhere).
 
         Forward (``lse`` None): shift is the row max; returns (p, row max, row sum).
         Backward: shift is the merged log-sum-exp; returns (p, None, None).
         """
         s = _mm(qs, kc.transpose(-1, -2))
-        return masked_exp(s, [keep.to(s.dtype)], lse)
+        return masked_exp(s, [] if keep is None else [keep.to(s.dtype)], lse)
+
+    def partial_blocks(self, x: Tensor, ch: BlockChunk) -> Tensor:
+        """The chunk's partial key blocks of x: (L, m, Cp·b, e), or (L, 1, ·, e) when shared
+        by its row blocks, then only the columns some row uses (``ch.cols``)."""
+        if not ch.shared:
+            return self.gather(x, ch.part)
+        kc = self.gather(x, ch.part[:1])
+        return kc if ch.cols is None else kc[:, :, ch.cols]
+
+    def partial_grad(self, g: Tensor, ch: BlockChunk) -> Tensor:
+        """A gradient shaped like :meth:`partial_blocks` → (L, m·Cp, b, e) for ``index_add_``
+        at ``ch.part`` (the shared block's unused columns get 0)."""
+        if ch.shared and ch.cols is not None:
+            whole = g.new_zeros(g.shape[0], 1, ch.part.shape[1] * self.plan.block, g.shape[-1])
+            g = whole.index_copy_(2, ch.cols, g)
+        return _per_block(g, self.plan.block)
 
 
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, alpha, run: _Runner, *_):
         ctx.run, ctx.dtype = run, q.dtype
-        qp, kp, vp = (_blocked(t, run) for t in (q, k, v))  # in run.dtype (fp32 for half on CPU)
-        out = qp.new_empty(*qp.shape[:-1], v.shape[-1])
+        # in run.dtype (fp32 for half on CPU); q a view where it can be, k and v contiguous
+        qp, kp, vp = _blocked(q, run, view=True), _blocked(k, run), _blocked(v, run)
+        # the output in the queries' layout (e.g. a projection's (B, n, H, d)), else dense
+        same = v.shape[-1] == q.shape[-1]
+        out = torch.empty_like(qp) if same else qp.new_empty(*qp.shape[:-1], v.shape[-1])
         if run.split:
             lse_all = qp.new_empty(qp.shape[:-1])
-            for ch in run.chunks:
-                o, lse = _split_forward(run, ch.take(qp), kp, vp, ch)
-                out.index_copy_(1, ch.rows, o)
-                lse_all.index_copy_(1, ch.rows, lse)
+            for seg in run.runs:
+                _segment_forward(run, seg, qp, kp, vp, out, lse_all)
             ctx.shapes = q.shape, k.shape, v.shape
             ctx.save_for_backward(qp, kp, vp, out, lse_all)  # blocked: no second copy
             return _unblock(out, q.shape).to(q.dtype)
@@ -166,14 +193,14 @@ class _BlockAttention(torch.autograd.Function):
         for ch in run.chunks:
             rows = ch.rows
             keys, blk, ok = run.general_inputs(ch.full, ch.part, ch.keep)
-            qs = qp.index_select(1, rows).mul_(run.scale)
+            qs = select_blocks(qp, rows).mul_(run.scale)
             a = None if ap is None else ap.index_select(1, rows)
             s = run.modded(torch.matmul(qs, run.gather(kp, keys).transpose(-1, -2)), rows, keys)
             p = run.weights(s, blk, ok, a)
             keep = keep_mask(p, run.dropout_p)
             if keep is not None:
                 p = p * keep
-            out.index_copy_(1, rows, torch.matmul(p, run.gather(vp, keys)))
+            _put(out, ch, torch.matmul(p, run.gather(vp, keys)))
         ctx.shapes = q.shape, k.shape, v.shape
         ctx.save_for_backward(qp, kp, vp, ap)
         return _unblock(out, q.shape).to(q.dtype)
@@ -183,7 +210,7 @@ class _BlockAttention(torch.autograd.Function):
         run: _Runner = ctx.run
         qp, kp, vp = ctx.saved_tensors[:3]
         q_shape = ctx.shapes[0]
-        gp = _blocked(grad_out.contiguous(), run)
+        gp = _blocked(grad_out, run, view=True)
         dq, dk, dv = torch.zeros_like(qp), torch.zeros_like(kp), torch.zeros_like(vp)
         b = run.plan.block
         if run.split:
@@ -201,7 +228,7 @@ class _BlockAttention(torch.autograd.Function):
                 rows = ch.rows
                 keys, blk, ok = run.general_inputs(ch.full, ch.part, ch.keep)
                 flat = keys.reshape(-1)
-                qs = qp.index_select(1, rows).mul_(run.scale)
+                qs = select_blocks(qp, rows).mul_(run.scale)
                 kc, vc = run.gather(kp, keys), run.gather(vp, keys)
                 s = torch.matmul(qs, kc.transpose(-1, -2))
                 if modded or not run.softmax:
@@ -214,7 +241,7 @@ class _BlockAttention(torch.autograd.Function):
                     p = run.weights(sm_in, blk, ok, a)
                 keep = keep_mask(p, run.dropout_p)
                 pd = p.detach() if keep is None else p.detach() * keep
-                go = gp.index_select(1, rows)
+                go = select_blocks(gp, rows)
                 dv.index_add_(1, flat, _per_block(torch.matmul(pd.transpose(-1, -2), go), b))
                 dp = torch.matmul(go, vc.transpose(-1, -2))
                 if keep is not None:
@@ -254,34 +281,104 @@ def _per_block(x: Tensor, b: int) -> Tensor:
     return x.reshape(x.shape[0], -1, b, x.shape[-1])
 
 
-def _split_forward(run, qc, kp, vp, ch):
+def _segment_forward(run, seg: SegmentRun, qp, kp, vp, out, lse_all) -> None:
+    """The split path's forward of one run segment into ``out`` and ``lse_all``: in one call
+    when it is ``complete``; else its run through one flash call (when it has one) and the
+    rest chunk by chunk, merged with their share of the run's output."""
+    whole, done = seg.whole, None
+    if seg.complete:
+        _chunk_forward(run, whole, qp, kp, vp, out, lse_all)
+        return
+    if whole is not None:
+        qw = whole.take(qp)
+        kf, vf = run.full_blocks(kp, whole), run.full_blocks(vp, whole)
+        done = _flash(qw, kf, vf, 0.0, False, attn_mask=_bias(whole.bias, qw), scale=run.scale)
+    at = 0
+    for ch in seg.pieces:
+        m = ch.rows.numel()
+        part = None if done is None else (done[0][:, at : at + m], done[1][:, at : at + m])
+        _chunk_forward(run, ch, qp, kp, vp, out, lse_all, part)
+        at += m
+
+
+def _chunk_forward(run, ch, qp, kp, vp, out, lse_all, run_part=None) -> None:
+    """:func:`_split_forward` of one chunk, written into its rows of ``out`` and ``lse_all``
+    (in place when they are consecutive)."""
+    dst = None if ch.first is None else out[:, ch.first : ch.first + ch.rows.numel()]
+    o, lse = _split_forward(run, ch.take(qp), kp, vp, ch, run_part, dst)
+    if dst is None:
+        out.index_copy_(1, ch.rows, o)
+    _put(lse_all, ch, lse)
+
+
+def _split_forward(run, qc, kp, vp, ch, run_part=None, dst=None):
     """Split-softmax forward of one chunk: (output (L, m, b, d), row log-sum-exp (L, m, b)),
     from up to three parts merged by their log-sum-exps: the run (a strided view, with the
-    band's bias), the full blocks off the run, the partial blocks (masked here)."""
-    halves = []
-    if ch.full.shape[1]:
+    band's bias; ``run_part``: its (output, log-sum-exp) from the segment's flash call), the
+    full blocks off the run, the partial blocks (masked here), written into ``dst`` (a view of
+    the engine's output, or None: a new tensor)."""
+    halves = [] if run_part is None else [(*run_part, run_part[1])]
+    if run_part is None and ch.full.shape[1]:
         kf, vf = run.full_blocks(kp, ch), run.full_blocks(vp, ch)
-        halves.append(_flash(qc, kf, vf, 0.0, False, attn_mask=_bias(ch.bias, qc), scale=run.scale))
+        o, lse = _flash(qc, kf, vf, 0.0, False, attn_mask=_bias(ch.bias, qc), scale=run.scale)
+        halves.append((o, lse, lse))
     if ch.extra is not None:
         kx, vx = run.gather(kp, ch.extra), run.gather(vp, ch.extra)
-        halves.append(_flash(qc, kx, vx, 0.0, False, scale=run.scale))
+        o, lse = _flash(qc, kx, vx, 0.0, False, scale=run.scale)
+        halves.append((o, lse, lse))
     if ch.part.shape[1]:
-        part = ch.part[:1] if ch.shared else ch.part
-        kc, vc = run.gather(kp, part), run.gather(vp, part)
-        if ch.shared:  # scale the smaller side: the one shared key block, else the queries
-            p, mx, total = run.partial_exp(qc, kc * run.scale, ch.keep, None)
-        else:
+        kc, vc = run.partial_blocks(kp, ch), run.partial_blocks(vp, ch)
+        if ch.shared:
+            halves.append(_shared_part(run, qc, kc, vc, ch.keep))
+        else:  # unnormalised: its weight exp(lse2 − lse) / total is exp(mx − lse)
             p, mx, total = run.partial_exp(qc * run.scale, kc, ch.keep, None)
-        o2 = _mm(p, vc).div_(torch.where(total > 0, total, 1.0).unsqueeze(-1))
-        halves.append((o2, mx + total.log()))
-    o, lse = halves[0]
-    for o2, lse2 in halves[1:]:
-        merged = torch.logaddexp(lse, lse2)
-        o = o.mul_((lse - merged).exp_().unsqueeze(-1)).add_(
-            o2.mul_((lse2 - merged).exp_().unsqueeze(-1))
-        )
-        lse = merged
-    return o, lse
+            halves.append((_mm(p, vc), mx + total.log(), mx))
+    if dst is None:
+        dst = qc.new_empty(*qc.shape[:-1], vp.shape[-1])
+    return _merge(halves, dst)
+
+
+def _shared_part(run, qc, kc, vc, keep):
+    """The key blocks shared by all the chunk's row blocks, kc and vc (L, 1, C, e) (e.g. the
+    global keys), for its queries qc (L, m, b, d): ((pᵀ (L, C, m·b), v (L, C, e)), lse, max
+    (L, m, b)) with p = exp(s − max), its Σ p v left to :func:`_merge` (one product added into
+    the output). Scored transposed, (L, C, m·b), one product per riding pair: C is small, so
+    the reductions and the products run along the long m·b axis; the scale goes on the
+    smaller side, the C keys."""
+    lead, m, b, _ = qc.shape
+    s = torch.matmul(kc[:, 0] * run.scale, qc.reshape(lead, m * b, -1).transpose(1, 2))
+    masks = [] if keep is None else [keep.reshape(m * b, -1).t().to(s.dtype)]
+    p, mx, total = masked_exp(s, masks, None, dim=-2)
+    return (p, vc[:, 0]), (mx + total.log()).view(lead, m, b), mx.view(lead, m, b)
+
+
+def _merge(halves, dst: Tensor) -> tuple[Tensor, Tensor]:
+    """Into ``dst`` (L, m, b, d): Σ_i o_i · exp(shift_i − lse), with lse = log Σ_i exp(lse_i)
+    (returned), of parts (o_i, lse_i, shift_i) over disjoint keys: a softmax part has shift =
+    its lse, an unnormalised one (Σ exp(s − max) v) its row max; o_i may be (pᵀ, v) of
+    :func:`_shared_part`, whose product is added into ``dst``."""
+    lse = halves[0][1]
+    for _, lse2, _ in halves[1:]:
+        lse = torch.logaddexp(lse, lse2)
+    if len(halves) == 1 and halves[0][2] is lse:  # one softmax part: as it is
+        return dst.copy_(halves[0][0]), lse
+    written = False
+    for o, _, shift in halves:
+        # ≤ 1 where the row has an edge; a row without any (lse −∞) gets 0, not ∞ · 0
+        w = (shift - lse).exp_().nan_to_num_(nan=0.0, posinf=0.0)
+        if isinstance(o, tuple):
+            p, v = o
+            lead, m, b = w.shape
+            flat = dst.view(lead, m * b, -1)
+            if not written:
+                flat.zero_()
+            flat.baddbmm_(p.mul_(w.view(lead, 1, m * b)).transpose(1, 2), v)
+        elif not written:
+            torch.mul(o, w.unsqueeze(-1), out=dst)
+        else:
+            dst.addcmul_(o, w.unsqueeze(-1))
+        written = True
+    return dst, lse
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
@@ -311,7 +408,7 @@ def _bias(bias: Tensor | None, qc: Tensor) -> Tensor | None:
 
 
 def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
-    b, rows, full, part, keep = run.plan.block, ch.rows, ch.full, ch.part, ch.keep
+    b, full, part, keep = run.plan.block, ch.full, ch.part, ch.keep
     qc, go, oc, lse = (ch.take(x) for x in (qp, gp, out, lse_all))
     delta = (go * oc).sum(-1, keepdim=True)
     dqc = None
@@ -327,18 +424,16 @@ def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
         dk.index_add_(1, ch.extra.reshape(-1), _per_block(dk1, b))
         dv.index_add_(1, ch.extra.reshape(-1), _per_block(dv1, b))
     if part.shape[1]:
-        if ch.shared:
-            part = part[:1]
-        flat = part.reshape(-1)
-        kc, vc = run.gather(kp, part), run.gather(vp, part)
+        flat = (part[:1] if ch.shared else part).reshape(-1)
+        kc, vc = run.partial_blocks(kp, ch), run.partial_blocks(vp, ch)
         qs = qc * run.scale
         p, _, _ = run.partial_exp(qs, kc, keep, lse)
-        dv.index_add_(1, flat, _per_block(_mm_t(p, go, ch.shared), b))
+        dv.index_add_(1, flat, run.partial_grad(_mm_t(p, go, ch.shared), ch))
         ds = p.mul_(_mm(go, vc.transpose(-1, -2)).sub_(delta))
         dq2 = _mm(ds, kc).mul_(run.scale)
         dqc = dq2 if dqc is None else dqc.add_(dq2)
-        dk.index_add_(1, flat, _per_block(_mm_t(ds, qs, ch.shared), b))
-    dq.index_copy_(1, rows, dqc)
+        dk.index_add_(1, flat, run.partial_grad(_mm_t(ds, qs, ch.shared), ch))
+    _put(dq, ch, dqc)
 
 
 def _full_backward(run, qc, go, oc, delta, lse, kf, vf, bias):
@@ -363,21 +458,50 @@ def _full_backward(run, qc, go, oc, delta, lse, kf, vf, bias):
     return dqc, dk1, dv1
 
 
-def _blocked(x: Tensor, run: _Runner) -> Tensor:
-    """(B, H, n, e) → contiguous (L, G·nb, b, e) in ``run.dtype``, zero-padded to a multiple of
-    the block size: inputs of any strides or of half precision on CPU (:mod:`.precision`) are
-    copied once here, O(n·e), so that every block below is a dense slice."""
+def _blocked(x: Tensor, run: _Runner, view: bool = False) -> Tensor:
+    """(B, H, n, e) → (L, G·nb, b, e) in ``run.dtype``, zero-padded to a multiple of the block
+    size, in which every block is a dense slice (unit stride along e) and block j + 1 follows
+    block j (a run of blocks is one strided view).
+
+    Contiguous, copied once (O(n·e)) where x is not (other strides, padding, half precision
+    on CPU: :mod:`.precision`): keys and values are read by every row block whose run holds
+    them (the band's width in blocks), the flash kernel streaming up to 512 of them at a time,
+    which on a projection's (B, n, H, e) layout would span H times the memory (measured 20%
+    slower at H = 12). With ``view``, for tensors read or written once per row block (the
+    queries, the output's gradient), a view of x where its strides allow (the projection's
+    layout with L = H): no copy."""
     b = run.plan.block
     pad = -x.shape[-2] % b
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
     x = x.reshape(run.lead, -1, b, x.shape[-1])
-    if x.dtype == run.dtype and x.is_contiguous():
+    if x.dtype == run.dtype and (x.is_contiguous() or view and _block_strided(x)):
         return x
     # one copy; not ``x.to(dtype, memory_format=torch.contiguous_format)``, which returns a
     # strided x as it is when the dtype already matches (then every index_select below
     # copies it again: 4x slower on projection-layout inputs)
     return torch.empty(x.shape, dtype=run.dtype, device=x.device).copy_(x)
+
+
+def _block_strided(x: Tensor) -> bool:
+    """Whether x (L, N, b, e) serves as a blocked tensor as it is: unit stride along e, block
+    j + 1 right after block j, and no stride 0 (an expanded tensor: the gradients are
+    accumulated into tensors shaped like it)."""
+    size, stride = x.shape, x.stride()
+    return (
+        (size[3] == 1 or stride[3] == 1)
+        and (size[1] == 1 or stride[1] == size[2] * stride[2])
+        and all(st > 0 for n, st in zip(size, stride, strict=True) if n > 1)
+    )
+
+
+def _put(dst: Tensor, ch: BlockChunk, rows: Tensor) -> None:
+    """Write a chunk's rows (L, m, ...) into dst (L, G·nb, ...): a slice copy when they are
+    consecutive, else ``index_copy_``."""
+    if ch.first is None:
+        dst.index_copy_(1, ch.rows, rows)
+    else:
+        dst[:, ch.first : ch.first + rows.shape[1]].copy_(rows)
 
 
 def _unblock(x: Tensor, shape: torch.Size) -> Tensor:
@@ -434,7 +558,8 @@ def block_attention(
         key_ok = key_ok[:, None, :].expand(bsz, heads, -1).reshape(lead, -1, plan.block)
     budget = BUDGET.get(q.device.type, BUDGET["cuda"]) if budget is None else budget
     fused = q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and score_mod is None
-    run = _Runner(plan, prob_map, scale, key_ok, dropout_p, budget, lead, fused, compute_dtype(q))
+    dtype, width = compute_dtype(q), q.shape[-1]
+    run = _Runner(plan, prob_map, scale, key_ok, dropout_p, budget, lead, fused, dtype, width)
     run = run.with_score_mod(score_mod, heads, q.shape[2], k.shape[2])
     alpha = prob_map.row_alpha(bsz, heads, q.shape[2])
     return _BlockAttention.apply(q, k, v, alpha, run, *run.mod_tensors)

@@ -49,26 +49,26 @@ def keep_mask(p: Tensor, dropout_p: float) -> Tensor | None:
 _FLOOR = -80.0
 
 
-def masked_exp(s: Tensor, masks: list[Tensor], lse: Tensor | None):
+def masked_exp(s: Tensor, masks: list[Tensor], lse: Tensor | None, dim: int = -1):
     """exp(s − shift) ⊙ masks (0/1 floats broadcasting to s), in place on s: masked entries
     pushed far down by an additive bias and zeroed by the product (no −inf, no underflowing
     exp, no bool ops). With ``lse`` the shift is ``lse``; else the row max, returned with the
-    row sum (a row without any entry gets max −big and sum 0)."""
+    row sum (a row without any entry gets max −big and sum 0). A row runs along ``dim``."""
     big = torch.finfo(s.dtype).max / 4
     for m in masks:
         s.add_(m.sub(1.0).mul_(big))
     if lse is not None:
-        s.sub_(lse.unsqueeze(-1))
+        s.sub_(lse.unsqueeze(dim))
         mx = None
     else:
-        mx = s.amax(-1, keepdim=True)
+        mx = s.amax(dim, keepdim=True)
         s.sub_(mx)
     p = s.clamp_min_(_FLOOR).exp_()
     for m in masks:
         p.mul_(m)
     if mx is None:
         return p, None, None
-    return p, mx.squeeze(-1), p.sum(-1)
+    return p, mx.squeeze(dim), p.sum(dim)
 
 
 def grid_indices(

@@ -25,10 +25,12 @@ __all__ = [
     "BlockGroup",
     "BlockPairs",
     "BlockPlan",
+    "SegmentRun",
     "block_pairs",
     "block_plan",
     "choose_block",
     "count_pairs",
+    "select_blocks",
 ]
 
 #: Block sizes the engine chooses from when ``block=None``.
@@ -54,12 +56,19 @@ class BlockChunk:
     shared: bool = False  # every row block has the same partial key blocks (global columns)
     extra: Tensor | None = None  # LongTensor[m, Ce]: full blocks off the run (split path)
     first: int | None = None  # rows == first + arange(m): row slices are views
+    cols: Tensor | None = None  # shared: the offsets in its Cp·b keys that some row uses
 
     def take(self, x: Tensor) -> Tensor:
         """The chunk's row blocks of x (L, G·nb, ...): a view when they are consecutive."""
         if self.first is None:
-            return x.index_select(1, self.rows)
+            return select_blocks(x, self.rows)
         return x[:, self.first : self.first + self.rows.numel()]
+
+
+def select_blocks(x: Tensor, index: Tensor) -> Tensor:
+    """x[:, index] for x (L, N, ...): ``index_select`` on a contiguous x, advanced indexing on a
+    strided one (a view of a projection), where ``index_select`` would first copy all of x."""
+    return x.index_select(1, index) if x.is_contiguous() else x[:, index]
 
 
 def _segments(full: Tensor, keep: Tensor | None = None):
@@ -191,12 +200,41 @@ class BlockPlan:
         (batch, head) pairs, never straddling a run of consecutive full key blocks (cached).
         With ``split`` (the split-softmax path) full blocks count a quarter (the flash kernel
         streams them) and a band's edge blocks join its run (:func:`_band`)."""
+        return self._cut(lead, budget, split)[0]
+
+    def runs(self, lead: int, budget: int, width: int) -> list[SegmentRun]:
+        """The split path's chunks (:meth:`chunks`) by run segment, for the forward (cached).
+
+        The flash kernel streams the keys and keeps its temporaries per thread, so a run of
+        full blocks is not cut by ``budget``: one flash call covers a segment's run (then one
+        call per band, not per chunk: fewer calls, and a row block's band stays in cache for
+        the next). A segment whose row blocks all share their partial key blocks (the global
+        columns of Longformer) and have no gathered full blocks is ``complete``: its shared
+        columns are scored for the whole segment too, when they are at most ``width`` (the
+        head dim d: scores no larger than the output); else the chunks take them."""
+
+        def make() -> list[SegmentRun]:
+            out = []
+            for whole, pieces, complete in self._cut(lead, budget, True)[1]:
+                if complete and whole.part.shape[1]:  # shared columns: scores ≤ the output
+                    cols = whole.part.shape[1] * self.block if whole.cols is None else None
+                    complete = (cols or whole.cols.numel()) <= width
+                if whole is not None and not complete:  # the run alone; chunks do the rest
+                    whole = dataclasses.replace(whole, part=whole.part[:, :0], keep=None, cols=None)
+                out.append(SegmentRun(whole, pieces, complete))
+            return out
+
+        return self.memo.get(("runs", lead, budget, width), make)
+
+    def _cut(self, lead: int, budget: int, split: bool):
         return self.memo.get(
             ("chunks", lead, budget, split), lambda: self._chunks(lead, budget, split)
         )
 
-    def _chunks(self, lead: int, budget: int, split: bool) -> list[BlockChunk]:
-        out, b = [], self.block
+    def _chunks(self, lead: int, budget: int, split: bool):
+        """(the chunks, and per run segment: (the whole segment as one chunk or None, its
+        chunks, whether the whole may compute everything)); see :meth:`chunks`, :meth:`runs`."""
+        out, segments, b = [], [], self.block
         for grp in self.groups:
             main, others = _longest_run(grp.full) if split else (grp.full, None)
             for lo, hi, run in _segments(main, grp.keep if split else None):
@@ -215,27 +253,18 @@ class BlockPlan:
                 else:  # a run is a view, gathered full blocks count a quarter (streamed)
                     weight = cp + 1 + (ce + 3) // 4 if run is not None else cp + (cf + 3) // 4
                 step = max(1, budget // (lead * b * b * weight))
-                for s in range(0, hi - lo, step):
-                    e = min(s + step, hi - lo)
-                    at = None if run is None else (run[0] + s * run[1], run[1])
-                    pt = part[s:e]
-                    shared = split and e - s > 1 and bool((pt == pt[:1]).all())
-                    rows = grp.rows[lo + s : lo + e]
-                    first = int(rows[0]) if int(rows[-1] - rows[0]) == e - s - 1 else None
-                    out.append(
-                        BlockChunk(
-                            rows,
-                            full[s:e],
-                            pt,
-                            None if keep is None else keep[s:e],
-                            at,
-                            bias,
-                            shared,
-                            None if not ce else extra[s:e],
-                            first,
-                        )
-                    )
-        return out
+                rows, m = grp.rows[lo:hi], hi - lo
+                cut = [
+                    _chunk(rows, full, part, keep, run, bias, extra, s, min(s + step, m), split)
+                    for s in range(0, m, step)
+                ]
+                out.extend(cut)
+                whole, complete = None, False
+                if split and run is not None and cf and len(cut) > 1:
+                    whole = _chunk(rows, full, part, keep, run, bias, None, 0, m, True)
+                    complete = not ce and (not cp or whole.shared)
+                segments.append((whole, cut, complete))
+        return out, segments
 
     def to(self, device: torch.device) -> BlockPlan:
         """The plan with its index tensors on ``device`` (copied once, cached on this plan,
@@ -256,6 +285,51 @@ class BlockPlan:
             return dataclasses.replace(self, groups=groups, memo=Memo(PLANS_PER_GRAPH))
 
         return self.memo.get(("to", device), make)
+
+
+def _used_columns(keep: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """For partial blocks shared by a chunk's rows, keep (m, b, C): the columns some row
+    uses (None: all) and keep on those (None: all ones, no mask), e.g. Longformer's g global
+    keys in a block of b: the others are never scored."""
+    used = keep.amax((0, 1)) > 0
+    cols = None if bool(used.all()) else used.nonzero().squeeze(1)
+    if cols is not None:
+        keep = keep[:, :, cols]
+    return (None if bool(keep.all()) else keep), cols
+
+
+def _chunk(rows, full, part, keep, run, bias, extra, s, e, split) -> BlockChunk:
+    """Row blocks [s, e) of a segment (its row blocks ``rows``, its blocks and run) as a
+    chunk; on the split path a partial block shared by all its rows is marked, scored only
+    on the columns some row uses."""
+    pt = part[s:e]
+    shared = split and e - s > 1 and bool((pt == pt[:1]).all()) and pt.shape[1] > 0
+    kp, cols = None if keep is None else keep[s:e], None
+    if shared and kp is not None:
+        kp, cols = _used_columns(kp)
+    ids = rows[s:e]
+    first = int(ids[0]) if int(ids[-1] - ids[0]) == e - s - 1 else None
+    return BlockChunk(
+        ids,
+        full[s:e],
+        pt,
+        kp,
+        None if run is None else (run[0] + s * run[1], run[1]),
+        bias,
+        shared,
+        None if extra is None else extra[s:e],
+        first,
+        cols=cols,
+    )
+
+
+@dataclass
+class SegmentRun:
+    """One run segment of the split path's forward (:meth:`BlockPlan.runs`)."""
+
+    whole: BlockChunk | None  # the segment as one chunk (None: its chunks do everything)
+    pieces: list[BlockChunk]  # its chunks
+    complete: bool  # ``whole`` computes everything (else only its run, in one flash call)
 
 
 @dataclass
