@@ -22,6 +22,9 @@ The plan (:mod:`.layout`) is built once per (graph, block) and cached on the gra
 q, k (B, H, n, d), v (B, H, n, d_v) → (B, H, n_q, d_v); inside, each as (L, G·nb, b, e)
 (:func:`_blocked`): q read in place where its strides allow (a projection's (B, n, H, d)),
 k and v contiguous; the output is laid out like q (a projection's layout stays one).
+
+One piece: the autograd function's forward and backward, the split and general paths and the
+runner they share read one plan's chunks in one blocked layout; apart, each would restate it.
 """
 
 from __future__ import annotations
