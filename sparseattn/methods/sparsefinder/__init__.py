@@ -1,13 +1,19 @@
 """Sparsefinder (Treviso et al. 2022): predict the α-entmax attention graph before computing it.
 
-* :mod:`.extract` — containers for gold graphs G_h = {(i, j) : p_ij > 0} and their q, k (§4.1),
-  and padding-free token batches;
-* :mod:`.projection` — per-head projections q′, k′ ∈ R^r trained with the hinge loss of eq. 7;
-* :mod:`.predictors` — distance, quantization, k-means and chunked predictors, fixed parts
-  (§4.3–4.7, §6.1); :mod:`.baselines` — window, BigBird, Longformer, strided, Reformer LSH, Routing;
-* :mod:`.evaluate` — recall (eq. 4), sparsity (eq. 5), exact queries, Pareto frontiers;
-  :mod:`.pattern` — a data-dependent Pattern for ``hf.sparsify`` (and ``key_padding``, the
-  padding mask for it).
+* :class:`LayerGraphs`, :class:`GraphBatch` — gold graphs G_h = {(i, j) : p_ij > 0} and their
+  q, k per layer and head (§4.1); :class:`TokenBatch`, :func:`token_batches` — padding-free
+  token batches (:mod:`.extract`);
+* :class:`QKProjection` — per-head projections q′, k′ ∈ R^r trained with :func:`hinge_loss`,
+  eq. 7 (:mod:`.projection`);
+* :class:`DistancePredictor`, :class:`QuantizationPredictor`, :class:`KMeansPredictor`,
+  :class:`ChunkedPredictor` and :class:`FixedParts` (§4.3–4.7, §6.1; :mod:`.predictors`);
+  the baselines :class:`WindowBaseline`, :class:`BigBirdBaseline`, :class:`LongformerBaseline`,
+  :class:`StridedBaseline`, :class:`LSHBaseline` (Reformer), :class:`RoutingBaseline`
+  (:mod:`.baselines`);
+* :func:`recall` (eq. 4), :func:`sparsity` (eq. 5), :func:`exact_fraction`,
+  :func:`pareto_frontier`, :func:`sweep` (:mod:`.evaluate`);
+* :class:`PredictedPattern` — the predicted graph as a data-dependent Pattern for
+  ``hf.sparsify``, and :func:`key_padding`, the padding mask for it (:mod:`.pattern`).
 
 The package imports only the core. Around it: :func:`sparseattn.hf.graphs.extract_graphs` fills
 the containers from a Hugging Face model (hooks); the lab holds the 1.5-entmax MiniLM teacher
