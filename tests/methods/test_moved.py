@@ -1,6 +1,6 @@
 """Import paths from before ``sparseattn.methods``: still working, deprecated, the same objects.
 
-Each check runs in a fresh process, so that nothing imported by the test run hides a failure.
+The checks run in fresh processes, so that nothing imported by the test run hides a failure.
 """
 
 import pytest
@@ -20,32 +20,24 @@ OLD_TO_NEW = {
 }
 
 
-@pytest.mark.parametrize("old", sorted(OLD_TO_NEW))
-def test_old_path_is_the_new_module_with_a_deprecation(old):
-    new = OLD_TO_NEW[old]
-    got = fresh(f"""
-        import importlib, json, warnings
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            old = importlib.import_module({old!r})
-        new = importlib.import_module({new!r})
-        print(json.dumps({{
-            "same": old is new,
-            "spec": old.__spec__.name,
-            "package": hasattr(old, "__path__"),
-            "new_package": hasattr(new, "__path__"),
-            "warnings": [str(w.message) for w in caught if w.category is DeprecationWarning],
-        }}))
-    """)
-    assert got["same"]
-    assert got["spec"] == new  # the alias does not rename the real module
-    assert got["package"] == got["new_package"]
-    assert any(old in w and new in w for w in got["warnings"]), got["warnings"]
-
-
-def test_analysis_forwards_to_both_papers():
-    got = fresh("""
-        import json, warnings
+@pytest.fixture(scope="module")
+def moved():
+    """One fresh process imports every old path (each for the first time there), then checks
+    the forwarding ``sparseattn.analysis`` and a pickle written under an old path."""
+    return fresh(f"""
+        import importlib, json, pickle, warnings
+        out = {{}}
+        for old, new in {OLD_TO_NEW!r}.items():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                o = importlib.import_module(old)
+            n = importlib.import_module(new)
+            out[old] = {{
+                "same": o is n,
+                "spec": o.__spec__.name,
+                "package": hasattr(o, "__path__") == hasattr(n, "__path__"),
+                "warnings": [str(w.message) for w in caught if w.category is DeprecationWarning],
+            }}
         warnings.simplefilter("ignore")
         import sparseattn.analysis as old
         from sparseattn.methods import likhosherstov, yun
@@ -54,30 +46,39 @@ def test_analysis_forwards_to_both_papers():
             missing = "no error"
         except AttributeError as e:
             missing = str(e)
-        print(json.dumps({
+        out["analysis"] = {{
             "yun": old.assumption1 is yun.assumption1,
             "likhosherstov": old.weak_sam_approx_d1 is likhosherstov.weak_sam_approx_d1,
             "all": sorted(old.__all__) == sorted(yun.__all__ + likhosherstov.__all__),
             "missing": missing,
-        }))
+        }}
+        # a pickle written before the move names sparseattn.montecarlo.MCAMethod
+        from sparseattn.methods.mca import MCAMethod
+        data = pickle.dumps(MCAMethod(0.25), protocol=0)
+        assert b"sparseattn.methods.mca.montecarlo" in data
+        old_data = data.replace(b"sparseattn.methods.mca.montecarlo", b"sparseattn.montecarlo")
+        back = pickle.loads(old_data)
+        out["pickle"] = {{"cls": type(back) is MCAMethod, "alpha": back.alpha}}
+        print(json.dumps(out))
     """)
+
+
+@pytest.mark.parametrize("old", sorted(OLD_TO_NEW))
+def test_old_path_is_the_new_module_with_a_deprecation(moved, old):
+    new, got = OLD_TO_NEW[old], moved[old]
+    assert got["same"] and got["package"]
+    assert got["spec"] == new  # the alias does not rename the real module
+    assert any(old in w and new in w for w in got["warnings"]), got["warnings"]
+
+
+def test_analysis_forwards_to_both_papers(moved):
+    got = moved["analysis"]
     assert got["yun"] and got["likhosherstov"] and got["all"]
     assert "no_such_name" in got["missing"]
 
 
-def test_object_pickled_under_the_old_path_loads():
-    """A pickle written before the move names ``sparseattn.montecarlo.MCAMethod``."""
-    got = fresh("""
-        import json, pickle, warnings
-        warnings.simplefilter("ignore")
-        from sparseattn.methods.mca import MCAMethod
-        data = pickle.dumps(MCAMethod(0.25), protocol=0)
-        assert b"sparseattn.methods.mca.montecarlo" in data
-        old = data.replace(b"sparseattn.methods.mca.montecarlo", b"sparseattn.montecarlo")
-        back = pickle.loads(old)
-        print(json.dumps({"cls": type(back) is MCAMethod, "alpha": back.alpha}))
-    """)
-    assert got == {"cls": True, "alpha": 0.25}
+def test_object_pickled_under_the_old_path_loads(moved):
+    assert moved["pickle"] == {"cls": True, "alpha": 0.25}
 
 
 def test_methods_package_imports_no_method():
