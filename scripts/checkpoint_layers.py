@@ -39,11 +39,10 @@ import math
 import os
 import subprocess
 import sys
-import time
 
 import torch
 
-from sparseattn.lab.results import machine_facts
+from sparseattn.lab.results import interleaved, machine_facts
 
 HIDDEN, HEADS = 768, 12
 LONGFORMER_WINDOW = 512
@@ -100,20 +99,6 @@ def build(model: str, n: int, sparse: bool, mode: str = "eval", globals_: int = 
     )
     blocked, band, from_mask, to_mask = masks
     return net.encoder.layer[0].attention.self, (hidden, band, from_mask, to_mask, blocked, blocked)
-
-
-def interleaved(calls: dict, repeats: int) -> dict[str, list[float]]:
-    """Seconds of each of ``repeats`` calls per entry, after one warm-up call each, the calls
-    interleaved (a drift of the machine's speed reaches all of them alike)."""
-    for call in calls.values():
-        call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def peak_mb(args, n: int, sparse: bool, mode: str) -> float:

@@ -31,6 +31,8 @@ __all__ = [
     "run_folder",
     "torch_threads",
     "StepClock",
+    "interleaved",
+    "interleaved_medians",
 ]
 
 
@@ -161,9 +163,9 @@ def cpu_name() -> str:
     return _cpuinfo()[0]
 
 
-def interleaved_medians(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds per call of each of ``calls`` after one warm-up call each, the calls
-    interleaved (a drift of the machine's speed reaches all of them alike)."""
+def interleaved(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each of ``repeats`` calls per entry of ``calls``, after one warm-up call
+    each, the calls interleaved (a drift of the machine's speed reaches all of them alike)."""
     for call in calls.values():
         call()
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -172,6 +174,12 @@ def interleaved_medians(calls: dict[str, Callable[[], object]], repeats: int) ->
             start = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - start)
+    return times
+
+
+def interleaved_medians(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """The median of :func:`interleaved`'s seconds per entry."""
+    times = interleaved(calls, repeats)
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
