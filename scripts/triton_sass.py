@@ -48,7 +48,7 @@ TYPES = {
     **dict.fromkeys(("mb_b", "mb_h", "mb_i", "mb_j"), "i32"),  # a score modifier's bias strides
     **dict.fromkeys(("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_"), "*bf16"),
     **dict.fromkeys(("TAU", "GV", "DELTA", "TMAX", "MB", "MSL", "MDB", "MDSL"), "*fp32"),
-    **dict.fromkeys(("NZ", "KPM"), "*i8"),
+    **dict.fromkeys(("NZ", "KEY_OK"), "*i8"),
     # int64 row words; uint8 tiles before them (so that older commits compile for comparison)
     "MASKS": "*i64" if hasattr(triton_entmax, "pack_rows") else "*u8",
 }
@@ -58,12 +58,12 @@ TILE_LOOPS = {"forward": ["forward, pass 0", "forward, threshold pass", "forward
 
 
 @triton.jit
-def _ALWAYS(kb, midx, n_k, rows_in, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr):
+def _ALWAYS(kb, midx, n_k, rows_in, BLOCK: tl.constexpr, HAS_KEY_OK: tl.constexpr):
     return True
 
 
 @triton.jit
-def _NEVER(kb, midx, n_k, rows_in, BLOCK: tl.constexpr, HAS_KPM: tl.constexpr):
+def _NEVER(kb, midx, n_k, rows_in, BLOCK: tl.constexpr, HAS_KEY_OK: tl.constexpr):
     return False
 
 
@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--mod-grad", type=int, default=0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    base = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": args.block, "HAS_KPM": False,
+    base = {"D": 64, "DV": 64, "BD": 64, "BDV": 64, "BLOCK": args.block, "HAS_KEY_OK": False,
             "UPCAST": False, "MODE": args.mode, "PREC": "tf32", "MOD": args.mod,
             "MOD_GRAD": args.mod_grad}  # fmt: skip
     kernels = {
