@@ -71,6 +71,10 @@ def sass(fn, constexprs: dict, warps: int) -> list[str]:
     """The kernel's SASS instructions (text after the address), compiled for sm_90."""
     # a bias contiguous along the keys: its key stride 1 is specialised, as a launch does
     constexprs = {k: v for k, v in {**constexprs, "mb_j": 1}.items() if k in fn.arg_names}
+    # a compile-time switch left out would be compiled as a pointer argument, silently
+    unset = [fn.arg_names[i] for i in fn.constexprs if fn.arg_names[i] not in constexprs]
+    if unset:
+        raise SystemExit(f"{fn.__name__}: constexpr parameters not set here: {unset}")
     signature = {a: "constexpr" if a in constexprs else TYPES.get(a, "*i32") for a in fn.arg_names}
     # as a launch specialises them: pointers 16-byte aligned, lengths multiples of 16
     aligned = {
