@@ -40,7 +40,15 @@ from torch.autograd.function import FunctionCtx
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from ..score_mods import lifted_tensors
-from .common import keep_mask, masked_exp, mod_grads, replayed_rng, rng_state
+from .common import (
+    expanded,
+    keep_mask,
+    masked_exp,
+    mod_grads,
+    replayed_rng,
+    rng_state,
+    squeezed,
+)
 from .layout import BlockChunk, SegmentRun, block_plan, choose_block, select_blocks
 from .precision import compute_dtype
 
@@ -515,18 +523,10 @@ def _lead_and_graph(graph: AttentionGraph, bsz: int, heads: int) -> tuple[int, A
     """How the (B, H) pairs ride along: L = B·H / G, with G the graphs the plan covers."""
     shape = graph.batch_shape
     if math.prod(shape) == 1:
-        return bsz * heads, _squeezed(graph, len(shape))
+        return bsz * heads, squeezed(graph, len(shape))
     if all(s == 1 for s in shape[:-1]) and shape[-1] == heads:
-        return bsz, _squeezed(graph, len(shape) - 1)
-    return 1, graph.expand((bsz, heads))
-
-
-def _squeezed(graph: AttentionGraph, dims: int) -> AttentionGraph:
-    """``graph`` without its ``dims`` leading size-1 batch dims; the same object on every call
-    (cached on the graph), so that its block plan is built once."""
-    if not dims:
-        return graph
-    return graph.cached(("squeezed", dims), lambda: graph[(0,) * dims])
+        return bsz, squeezed(graph, len(shape) - 1)
+    return 1, expanded(graph, (bsz, heads))
 
 
 def block_attention(

@@ -2,17 +2,31 @@
 
 :func:`keep_mask`, :func:`rng_state`, :func:`replayed_rng` (dropout masks, drawn again in
 backward), :func:`masked_exp`, :func:`grid_indices` and :func:`mod_grads` (a score modifier's
-indices and backward in the engines that recompute scores).
+indices and backward in the engines that recompute scores), :func:`squeezed` and
+:func:`expanded` (a graph's batch dims as an engine lays them out, the same object every call).
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-__all__ = ["grid_indices", "keep_mask", "masked_exp", "mod_grads", "replayed_rng", "rng_state"]
+if TYPE_CHECKING:
+    from ..graph import AttentionGraph
+
+__all__ = [
+    "expanded",
+    "grid_indices",
+    "keep_mask",
+    "masked_exp",
+    "mod_grads",
+    "replayed_rng",
+    "rng_state",
+    "squeezed",
+]
 
 
 def rng_state(device: torch.device) -> Tensor:
@@ -92,3 +106,20 @@ def mod_grads(
     grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
     pairs = zip(grads, inputs, strict=True)
     return tuple(torch.zeros_like(x) if g is None else g for g, x in pairs)
+
+
+def squeezed(graph: AttentionGraph, dims: int) -> AttentionGraph:
+    """``graph`` without its ``dims`` leading size-1 batch dims; the same object on every call
+    (cached on the graph), so that what an engine keeps on it (a block plan, gather chunks and
+    their index arrays on the device) is built once."""
+    if not dims:
+        return graph
+    return graph.cached(("squeezed", dims), lambda: graph[(0,) * dims])
+
+
+def expanded(graph: AttentionGraph, batch_shape: tuple[int, ...]) -> AttentionGraph:
+    """``graph.expand(batch_shape)``, the same object on every call (cached on the graph), for
+    the reason of :func:`squeezed`."""
+    if graph.batch_shape == batch_shape:
+        return graph
+    return graph.cached(("expanded", batch_shape), lambda: graph.expand(batch_shape))

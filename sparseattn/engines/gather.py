@@ -10,6 +10,7 @@ O(budget · (d + d_v)) beyond the inputs, for training too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -19,7 +20,15 @@ from torch.autograd.function import FunctionCtx
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from ..score_mods import lifted_tensors
-from .common import keep_mask, masked_exp, mod_grads, replayed_rng, rng_state
+from .common import (
+    expanded,
+    keep_mask,
+    masked_exp,
+    mod_grads,
+    replayed_rng,
+    rng_state,
+    squeezed,
+)
 from .precision import compute_dtype
 
 __all__ = ["gather_attention", "chunk_rows", "PIECE"]
@@ -229,10 +238,12 @@ def gather_attention(
     """
     bsz, heads, n_q, d = q.shape
     n_k, d_v = k.shape[-2], v.shape[-1]
+    if math.prod(graph.batch_shape) == 1:  # one graph (e.g. grouped queries'): shared
+        graph = squeezed(graph, len(graph.batch_shape))
     static = graph.batch_shape == ()
     b = bsz * heads if static else 1
     if not static:
-        graph = graph.expand((bsz, heads))
+        graph = expanded(graph, (bsz, heads))
     key_ok = None
     if key_valid is not None:
         key_ok = key_valid.to(q.device).repeat_interleave(heads, 0).reshape(b, -1)
