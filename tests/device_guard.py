@@ -227,6 +227,8 @@ class DeviceGuard(TorchFunctionMode):
                 "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy "
                 "the tensor to host memory first. (device guard)"
             )
+        if func is torch._C._nn._parse_to:  # Module.to's parsing of its arguments: as given
+            return func(*args, **kwargs)
         target = None
         if kwargs.get("device") is not None:
             target = _is_cuda(kwargs["device"])

@@ -62,6 +62,15 @@ def test_the_guard_counts_host_to_device_copies(guard):
         torch.zeros(3).cuda()
 
 
+def test_module_to_moves_parameters_however_the_device_is_named(guard):
+    """``Module.to`` with the device positional or as ``device=`` (the guard once rewrote the
+    keyword inside ``Module.to``'s own argument parsing and left the parameters on the host)."""
+    for to in ({"args": ("cuda",)}, {"kw": {"device": "cuda"}},
+               {"kw": {"device": CUDA, "dtype": torch.float64}}):  # fmt: skip
+        layer = torch.nn.Linear(3, 3).to(*to.get("args", ()), **to.get("kw", {}))
+        assert on_device(layer.weight) and on_device(layer.bias), to
+
+
 ENGINES = ["dense", "block", "gather", "rows", "flex", "auto"]
 MAPS = ["softmax", "entmax15", "sparsemax"]
 
