@@ -8,24 +8,19 @@ Rank r holds the queries, keys and values of its shard (:mod:`.plan`). One call 
    every rank before any data moves;
 2. **halo exchange** — one ``all_to_all_single``: each rank sends exactly the keys and values
    (and key padding) the plan says the other ranks' rows read;
-3. **global rows** — every rank scores the global queries against its own keys; the partial
-   results merge by all-reduces: the row max, then for softmax Σ e^(z−m)·v and Σ e^(z−m)
-   (log-sum-exp), for sparsemax, 1.5-entmax and α-entmax the threshold τ found by the
-   algorithms of :mod:`sparseattn.fastmaps` (Michelot; Newton with the exact closed-form
-   finish; safeguarded Newton) with the row sums all-reduced at every step, so every rank
-   holds the same τ and the support is the one of the whole row;
+3. **global rows** (:mod:`.global_rows`) — every rank scores the global queries against its
+   own keys; the partial results merge by all-reduces (log-sum-exp for softmax, the
+   threshold τ of the sparse maps found with the row sums all-reduced at every step), so
+   every rank holds the whole row's weights;
 4. **local rows** — :func:`sparseattn.sparse_attention` on the shard's other rows against
    [received keys + own keys] in global order, with the rows' graph remapped onto that key
    order: every engine runs as it is, chosen by the same ``auto`` table.
 
 The backward (one ``autograd.Function``) runs the local rows' backward, the global rows'
-closed forms (softmax: dS = P ⊙ (dP − dO·O); the sparse maps: dS = s⊙dP − s·Σ(s⊙dP)/Σs with
-s = p^(2−α), Σ all-reduced), then sends the gradients of received keys back to their owners,
-which sum them. With one rank nothing is communicated: the call is
-:func:`sparseattn.sparse_attention`.
-
-One piece: one autograd call, whose forward and backward share the call's setup, the halo
-exchange and the global rows' all-reduced merges.
+closed forms, then sends the gradients of received keys back to their owners, which sum them.
+With one rank nothing is communicated: the call is :func:`sparseattn.sparse_attention`. What
+a rank derives from the plan (the halo's lists, the local rows' graph, the global rows' mask)
+is built once and kept (:mod:`.setup`).
 """
 
 from __future__ import annotations
@@ -33,10 +28,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -46,21 +39,16 @@ from ..attention import sparse_attention as _single
 from ..engines import ENGINES
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap, _Support, resolve_prob_map
-from ..patterns.base import Causal, Pattern
+from ..patterns.base import Pattern
 from ..patterns.compose import PatternCycle
-from ..patterns.fixed import Dense
 from ..validate import all_finite, check_bool, check_choice, check_finite_float, check_positive
 from . import comm
-from . import intervals as iv
-from .plan import Plan, check_boundaries, even_boundaries, plan
-from .rules import row_graph
+from .global_rows import GlobalRows
+from .plan import Plan, check_boundaries, even_boundaries
+from .setup import Setup, cached_plan, cached_setup
 
 __all__ = ["map_kind", "sparse_attention"]
 
-#: Plans and per-rank set-ups kept per process (the least recently used go first).
-CACHE_SIZE = 8
-#: Most threshold steps of the global rows (each all-reduces a few values per row).
-MAX_STEPS = 100
 
 _FIELDS = (
     "error", "n_local", "batch", "heads", "kv_heads", "d", "d_v", "dtype", "pattern", "map",
@@ -159,8 +147,8 @@ def sparse_attention(
     table = comm.all_gather_rows(_fingerprint(call, error, device), group)
     bounds = _agree(table, rank, error, boundaries)
     call.group, call.rank = group, rank
-    call.plan = _cached_plan(pattern, bounds, block, call.digest)
-    call.setup = _cached_setup(call)
+    call.plan = cached_plan(pattern, bounds, block, call.digest)
+    call.setup = cached_setup(pattern, call.plan, call.rank, q.shape[1], call.digest)
     call.check_plan()
     # one more small all-reduce: does some rank have a row without keys, and which batch
     # items have a real key on some rank (the setup is cached per rank, so this runs always)
@@ -214,7 +202,7 @@ class _Call:
     group: object = None
     rank: int = 0
     plan: Plan | None = None
-    setup: _Setup | None = None
+    setup: Setup | None = None
 
     @classmethod
     def check(cls, q, k, v, pattern, prob_map, engine, scale, key_padding_mask, enable_gqa,
@@ -359,111 +347,6 @@ def _agree(
     return bounds
 
 
-# ------------------------------------------------------------------ plans and set-ups
-_PLANS: OrderedDict = OrderedDict()
-_SETUPS: OrderedDict = OrderedDict()
-
-
-def _lru(cache: OrderedDict, key, make):
-    if key in cache:
-        cache.move_to_end(key)
-        return cache[key]
-    value = cache[key] = make()
-    while len(cache) > CACHE_SIZE:
-        cache.popitem(last=False)
-    return value
-
-
-def _cached_plan(pattern, bounds: tuple[int, ...], block: int, digest: str) -> Plan:
-    return _lru(
-        _PLANS, (digest, bounds, block),
-        lambda: plan(pattern, bounds[-1], boundaries=bounds, block=block),
-    )  # fmt: skip
-
-
-@dataclasses.dataclass(eq=False)
-class _Setup:
-    """What one rank derives from a plan for a number of heads (cached)."""
-
-    n_local: int
-    n_before: int  # received keys that precede the own shard in global order
-    n_ext: int
-    send_idx: Tensor  # own keys to send, by destination rank
-    send_rows: list[int]
-    recv_rows: list[int]
-    local_idx: Tensor | None  # the non-global rows (local indices); None: every row
-    graph: AttentionGraph | Pattern | None  # the local rows on the extended keys
-    global_slots: Tensor  # which of the global rows this rank owns …
-    global_local: Tensor  # … at which local rows
-    global_mask: Tensor | None  # (*batch_shape, g, n_r): the global rows' keys on this shard
-    empty_rows: int  # how many local rows read no key (an error, on every rank)
-
-
-def _cached_setup(call: _Call) -> _Setup:
-    p = call.plan
-    key = (call.digest, p.boundaries, p.block, call.rank, call.q.shape[1])
-    return _lru(_SETUPS, key, lambda: _make_setup(call.pattern, p, call.rank, call.q.shape[1]))
-
-
-def _make_setup(pattern, p: Plan, rank: int, heads: int) -> _Setup:
-    rp = p.ranks[rank]
-    lo, hi, n = rp.start, rp.stop, p.n
-    ext = rp.keys
-    n_before = iv.total(iv.clip(ext, 0, lo))
-    send_idx = np.concatenate([iv.as_index(x) - lo for x in rp.send])
-    local_rows = iv.as_index(rp.local_rows)
-    local_idx = None if len(local_rows) == rp.size else torch.from_numpy(local_rows - lo)
-    graph: AttentionGraph | Pattern | None = None
-    empty = 0
-    if len(local_rows):
-        if type(pattern) is Dense or (isinstance(pattern, Causal) and type(pattern.base) is Dense):
-            graph = pattern  # every key (dense) or every key up to the shard (causal): no graph
-        else:
-            graph = _local_graph(pattern, n, rp.local_rows, ext, heads)
-            empty = int((graph.degrees == 0).sum())
-    g = p.global_rows
-    mine = (g >= lo) & (g < hi)
-    mask = _global_mask(pattern, n, g, lo, hi, heads) if len(g) else None
-    return _Setup(
-        rp.size, n_before, iv.total(ext), torch.from_numpy(send_idx),
-        [iv.total(x) for x in rp.send], [iv.total(x) for x in rp.recv], local_idx, graph,
-        torch.from_numpy(np.flatnonzero(mine)), torch.from_numpy(g[mine] - lo), mask, empty,
-    )  # fmt: skip
-
-
-def _runs_graph(pattern, n: int, runs: np.ndarray, heads: int) -> AttentionGraph:
-    """The pattern's rows of the given row intervals, stacked in order."""
-    graphs = [row_graph(pattern, n, int(a), int(b), heads) for a, b in runs]
-    if len(graphs) == 1:
-        return graphs[0]
-    rows, cols, offset = [], [], 0
-    m = sum(gr.n_q for gr in graphs)
-    shape = graphs[0].batch_shape
-    for gr in graphs:
-        r = gr.row_indices()
-        rows.append(r // gr.n_q * m + r % gr.n_q + offset)
-        cols.append(gr.col)
-        offset += gr.n_q
-    return AttentionGraph.from_edges(torch.cat(rows), torch.cat(cols), m, n, shape)
-
-
-def _local_graph(pattern, n: int, runs: np.ndarray, ext: np.ndarray, heads: int):
-    """The non-global rows' graph with its keys renumbered onto the extended key tensor."""
-    graph = _runs_graph(pattern, n, runs, heads)
-    col = torch.from_numpy(iv.locate(ext, graph.col.numpy()))
-    return AttentionGraph(graph.crow, col, graph.n_q, iv.total(ext), graph.batch_shape)
-
-
-def _global_mask(pattern, n: int, g: np.ndarray, lo: int, hi: int, heads: int) -> Tensor:
-    """(*batch_shape, g, n_r) bool: which of this shard's keys each global row reads."""
-    graph = _runs_graph(pattern, n, iv.from_points(g), heads)
-    r = graph.row_indices()
-    keep = (graph.col >= lo) & (graph.col < hi)
-    mask = torch.zeros(graph.num_rows, hi - lo, dtype=torch.bool)
-    mask[r[keep], graph.col[keep] - lo] = True
-    return mask.view(*graph.batch_shape, len(g), hi - lo)
-
-
 # ------------------------------------------------------------------ the autograd Function
 class _ContextParallel(torch.autograd.Function):
     @staticmethod
@@ -473,7 +356,7 @@ class _ContextParallel(torch.autograd.Function):
         out = q.new_empty(*q.shape[:3], v.shape[-1])
         merged = None
         if s.global_mask is not None:
-            merged = _GlobalRows(q, k, v, call)
+            merged = GlobalRows(q, k, v, call)
             out[:, :, s.global_local.to(q.device)] = merged.forward()
         local = None
         if s.graph is not None:
@@ -517,7 +400,7 @@ def _from_rows(rows: Tensor, bsz: int, heads: int) -> Tensor:
     return rows.reshape(rows.shape[0], bsz, heads, width).permute(1, 2, 0, 3)
 
 
-def _halo(k: Tensor, v: Tensor, valid: Tensor | None, s: _Setup, group):
+def _halo(k: Tensor, v: Tensor, valid: Tensor | None, s: Setup, group):
     """The extended keys, values and validity: [received from lower ranks, own, received from
     higher ranks], in global order, as new tensors (no autograd history)."""
     bsz, kvh, _, d = k.shape
@@ -541,7 +424,7 @@ def _halo(k: Tensor, v: Tensor, valid: Tensor | None, s: _Setup, group):
     return extend(k, kr, 2), extend(v, vr, 2), valid_ext
 
 
-def _halo_back(d_ext, dk: Tensor | None, dv: Tensor | None, k, v, s: _Setup, group) -> None:
+def _halo_back(d_ext, dk: Tensor | None, dv: Tensor | None, k, v, s: Setup, group) -> None:
     """Send the gradients of received keys and values back to their owners; add what comes
     back for the own keys into dk, dv (a key sent to several ranks sums their gradients)."""
     bsz, kvh, _, d = k.shape
@@ -611,184 +494,3 @@ def _attend_items(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, call: _
         )
         out = out.index_put((items,), part)
     return out
-
-
-# ------------------------------------------------------------------ global rows
-class _GlobalRows:
-    """The global rows, merged across ranks (module docstring, step 3). Products run in the
-    inputs' dtype (float32 for half precision), the merge — maxima, sums, thresholds,
-    weights — and its all-reduces in float64. Query heads that share a key/value head are
-    stacked along the rows (no copy of k and v, as ``attention.group_queries``)."""
-
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor, call: _Call):
-        self.call = call
-        s = call.setup
-        bsz, heads, _, d = q.shape
-        g = s.global_mask.shape[-2]
-        self.shape = (bsz, heads, g)
-        self.ct = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
-        qg = torch.zeros(bsz, heads, g, d, dtype=torch.float64, device=q.device)
-        qg[:, :, s.global_slots] = q[:, :, s.global_local].detach().double()
-        self.qg = comm.all_reduce(qg, call.group, "global_forward").to(self.ct)
-        self.kl = k.detach().to(self.ct)
-        self.vl = v.detach().to(self.ct)
-        valid = s.global_mask.to(q.device)
-        if call.valid is not None:
-            valid = valid & call.valid[:, None, None, :]
-        self.valid = valid.expand(bsz, heads, g, s.n_local)
-
-    def _grouped(self, t: Tensor) -> Tensor:
-        """(B, H, g, x) → (B, kv_heads, H/kv_heads·g, x) in the product dtype."""
-        kv_heads = self.kl.shape[1]
-        rows = t.shape[1] // kv_heads * t.shape[2]
-        return t.to(self.ct).reshape(t.shape[0], kv_heads, rows, t.shape[-1])
-
-    def _rows(self, t: Tensor) -> Tensor:
-        """(B, kv_heads, H/kv_heads·g, x) → (B, H, g, x) in float64."""
-        return t.double().reshape(*self.shape, t.shape[-1])
-
-    def _sum(self, t: Tensor, kind: str = "global_forward") -> Tensor:
-        return comm.all_reduce(t, self.call.group, kind)
-
-    def forward(self) -> Tensor:
-        call = self.call
-        z = self._rows(self._grouped(self.qg) @ self.kl.transpose(-1, -2)) * call.scale
-        zm = z.masked_fill(~self.valid, -math.inf)
-        m = zm.amax(-1) if zm.shape[-1] else zm.new_full(zm.shape[:-1], -math.inf)
-        m = comm.all_reduce(m, call.group, "global_forward", dist.ReduceOp.MAX)
-        m = torch.where(torch.isfinite(m), m, 0.0)[..., None]
-        kind = call.kind
-        rho = call.rho.rho if call.support else call.rho  # the map whose support is asked
-        self.factor = 1.0
-        if kind == "softmax":  # log-sum-exp: e^(z − m) with m the max over every rank
-            e = torch.where(self.valid, (z - m).exp(), 0.0)
-            den = self._sum(e.sum(-1, keepdim=True))
-            p = e / torch.where(den > 0, den, 1.0)
-        elif kind == "hardmax":
-            top = (self.valid & (z == m)).double()
-            p = top / self._sum(top.sum(-1, keepdim=True)).clamp_min(1.0)
-        else:
-            alpha = 2.0 if kind == "sparsemax" else rho.params["alpha"]
-            if rho.name == "sparselin_gen":  # sparsemax(z / (1 − λ)), Yun B.2
-                self.factor = 1.0 / (1.0 - rho.params["lam"])
-            self.alpha = alpha
-            scale = self.factor if kind == "sparsemax" else alpha - 1.0
-            x = torch.where(self.valid, (z - m) * scale, -math.inf)
-            rows = x.shape[0] * x.shape[1] * x.shape[2]
-            p = self._threshold(x.reshape(rows, x.shape[-1]), kind, alpha).view(x.shape)
-        if call.support:  # the support indicator of the map (forward only)
-            p = (p > 0).double()
-        self.p = p
-        self.o = self._sum(self._rows(self._grouped(p) @ self.vl))
-        return self.o[:, :, call.setup.global_slots].to(call.q.dtype)
-
-    def _threshold(self, x: Tensor, kind: str, alpha: float) -> Tensor:
-        """p (R, K) of rows x (R, K) whose max over all ranks is 0 (−inf: not a key)."""
-        rows = x.shape[0]
-        t = x.new_full((rows, 1), -1.0)
-        tau = t.clone()
-        active = torch.ones(rows, dtype=torch.bool, device=x.device)
-        group = self.call.group
-
-        def step_sum(parts: list[Tensor]) -> Tensor:
-            comm._add("steps", 1)
-            return comm.all_reduce(torch.cat(parts, 1), group, "global_step")
-
-        if kind == "sparsemax":  # Michelot: τ ← (Σ_S x − 1)/|S|, S = {x > τ}, until S is stable
-            k_old = None
-            for _ in range(MAX_STEPS):
-                dd = (x - t).clamp_min(0.0)
-                stats = step_sum(
-                    [dd.sum(-1, keepdim=True), (dd > 0).double().sum(-1, keepdim=True)]
-                )
-                k = stats[:, 1:]
-                if k_old is not None:
-                    done = active & (k == k_old).squeeze(1)
-                    tau[done] = t[done]
-                    active &= ~done
-                if not comm.any_left(active, group):
-                    break
-                t = torch.where(
-                    active[:, None] & (k > 0), t + (stats[:, :1] - 1) / k.clamp_min(1), t
-                )
-                k_old = k
-            tau[active] = t[active]
-            return (x - tau).clamp_min(0.0)
-        if kind == "entmax15":  # Newton on ‖[x − τ]₊‖₂ − 1, finished by the closed form on S
-            for _ in range(MAX_STEPS):
-                dd = (x - t).clamp_min(0.0)
-                sums = [dd.sum(-1, keepdim=True), dd.square().sum(-1, keepdim=True)]
-                stats = step_sum([*sums, (dd > 0).double().sum(-1, keepdim=True)])
-                total, sq, k = stats[:, :1], stats[:, 1:2], stats[:, 2:]
-                kc = k.clamp_min(1.0)
-                mean = total / kc
-                var = sq / kc - mean.square()
-                exact = t + mean - ((1 - kc * var) / kc).clamp_min(0.0).sqrt()
-                check = self._sum((x > exact).double().sum(-1, keepdim=True), "global_step")
-                done = active & (check == k).squeeze(1)
-                tau[done] = exact[done]
-                active &= ~done
-                if not comm.any_left(active, group):
-                    break
-                norm = sq.sqrt()
-                newton = t + norm * (norm - 1) / total.clamp_min(torch.finfo(x.dtype).tiny)
-                t = torch.where(active[:, None], newton, t)
-            tau[active] = t[active]
-            return (x - tau).clamp_min(0.0).square()
-        # any other α: safeguarded Newton to float precision, then Σp = 1 (as one process)
-        r = 1.0 / (alpha - 1.0)
-        eps, tiny = torch.finfo(x.dtype).eps, torch.finfo(x.dtype).tiny
-        count = self._sum(torch.isfinite(x).double().sum(-1, keepdim=True)).clamp_min(1.0)
-        lo, hi = t.clone(), -count.pow(1.0 - alpha)
-        for _ in range(MAX_STEPS):
-            dd = (x - t).clamp_min(0.0)
-            below = torch.where(dd > 0, dd.pow(r - 1.0), 0.0)  # d^(r−1) on the support
-            stats = step_sum([dd.pow(r).sum(-1, keepdim=True), below.sum(-1, keepdim=True)])
-            total, slope = stats[:, :1], stats[:, 1:] * r
-            f = total - 1
-            lo = torch.where(f >= 0, t, lo)
-            hi = torch.where(f <= 0, t, hi)
-            move = r * (total - total.pow(1.0 - 1.0 / r)) if r > 1 else f
-            newton = t + move / slope.clamp_min(tiny)
-            new = torch.where((newton >= lo) & (newton <= hi), newton, (lo + hi) / 2)
-            done = active & (((new - t).abs() <= 4 * eps) | (hi - lo <= 4 * eps)).squeeze(1)
-            tau[done] = new[done]
-            active &= ~done
-            t = torch.where(active[:, None], new, t)
-            if not comm.any_left(active, group):
-                break
-        tau[active] = t[active]
-        p = (x - tau).clamp_min(0.0).pow(r)
-        total = self._sum(p.sum(-1, keepdim=True))
-        return p / torch.where(total > 0, total, 1.0)
-
-    def backward(self, grad: Tensor, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None):
-        call, s = self.call, self.call.setup
-        do = torch.zeros(*self.shape, self.o.shape[-1], dtype=torch.float64, device=grad.device)
-        do[:, :, s.global_slots] = grad[:, :, s.global_local].double()
-        do = self._sum(do, "global_backward")
-        dp = self._rows(self._grouped(do) @ self.vl.transpose(-1, -2))
-        p = self.p
-        if call.kind == "softmax" and not call.support:
-            ds = p * (dp - (do * self.o).sum(-1, keepdim=True))
-        elif call.kind == "hardmax" or call.support:
-            ds = torch.zeros_like(p)
-        else:
-            if self.alpha == 2.0:
-                sp = (p > 0).double()
-            else:
-                sp = torch.where(p > 0, p.pow(2.0 - self.alpha), 0.0)
-            stats = self._sum(
-                torch.cat([(sp * dp).sum(-1, keepdim=True), sp.sum(-1, keepdim=True)], -1),
-                "global_backward",
-            )
-            ratio = stats[..., :1] / torch.where(stats[..., 1:] > 0, stats[..., 1:], 1.0)
-            ds = (sp * dp - sp * ratio) * self.factor
-        ds = self._grouped(ds * call.scale)
-        dqg = self._sum(self._rows(ds @ self.kl), "global_backward")
-        if dq is not None:
-            dq[:, :, s.global_local] += dqg[:, :, s.global_slots].to(dq.dtype)
-        if dk is not None:  # the stacked rows sum over the query heads of a key/value head
-            dk += (ds.transpose(-1, -2) @ self._grouped(self.qg)).to(dk.dtype)
-        if dv is not None:
-            dv += (self._grouped(p).transpose(-1, -2) @ self._grouped(do)).to(dv.dtype)
