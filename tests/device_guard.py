@@ -144,7 +144,7 @@ class DeviceGuard(TorchFunctionMode):
 
     def _patch_cuda_apis(self) -> None:
         import sparseattn.engines.flex as flex
-        import sparseattn.lab.bench.gpu as bench_gpu
+        import sparseattn.lab.bench.cuda_timing as bench_timing
         from sparseattn.engines import SPECS
 
         stack = self._patches
@@ -182,10 +182,10 @@ class DeviceGuard(TorchFunctionMode):
         patch(parameter, "__new__", staticmethod(tagged_parameter))
         # compiled FlexAttention on a CPU that poses as a GPU: the eager implementation
         patch(flex, "_compiled", lambda dynamic: _eager_flex)
-        patch(bench_gpu, "_user_compiled_flex", lambda flex_attention: _eager_flex)
+        patch(bench_timing, "user_compiled_flex", lambda flex_attention: _eager_flex)
         patch(
-            bench_gpu,
-            "_user_block_mask",
+            bench_timing,
+            "user_block_mask",
             lambda create, mask_mod, n, device: create(mask_mod, None, None, n, n, device=device),
         )
         # the Triton kernels would launch on the CPU memory behind the simulated GPU

@@ -3,7 +3,8 @@ events around ``inner`` back-to-back calls (host work overlaps device work, as i
 loop), median over samples, after a warm-up call that compiles; peak memory by
 ``torch.cuda.max_memory_allocated`` above what was allocated before; rows recorded into a
 :class:`~sparseattn.lab.results.ResumableRows` (a call that cannot run is a row with the reason);
-the Markdown helpers the sections' tables share.
+the Markdown helpers the sections' tables share; what the sections compile (fresh compiles
+per section, FlexAttention as a user holds it), which the tests' device guard replaces.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 __all__ = [
     "cuda_time",
     "cuda_times",
+    "fresh_compiles",
     "fwd",
     "fwd_bwd",
     "gpu_facts",
@@ -26,6 +28,8 @@ __all__ = [
     "record_group",
     "sample",
     "table_head",
+    "user_block_mask",
+    "user_compiled_flex",
 ]
 
 
@@ -151,3 +155,27 @@ def ratio(times: dict, a: str, b: str, digits: int) -> str:
 def table_head(title: str, columns: list[str]) -> list[str]:
     """A report section's title and the head of its Markdown table (names, then the rule)."""
     return ["", f"## {title}", "", f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
+
+
+def fresh_compiles() -> None:
+    """Drop every compiled kernel (dynamo's caches and the flex engine's record of them)."""
+    from ...engines.flex import forget_shapes
+
+    torch._dynamo.reset()
+    forget_shapes()
+
+
+def user_block_mask(create_block_mask, mask_mod, n: int, device) -> object:
+    """``create_block_mask`` compiled (``_compile``), as a user at long lengths needs it: block
+    by block, without the n × n mask (128 GiB at n = 131072)."""
+    return create_block_mask(mask_mod, None, None, n, n, device=device, _compile=True)
+
+
+_USER_FLEX: list = []
+
+
+def user_compiled_flex(flex_attention):
+    """``torch.compile(flex_attention)`` once per run, as a user would hold it."""
+    if not _USER_FLEX:
+        _USER_FLEX.append(torch.compile(flex_attention))
+    return _USER_FLEX[0]

@@ -52,7 +52,7 @@ from torch import Tensor
 from ...attention import choose_engine
 from ...score_mods import alibi, softcap
 from ..results import ResumableRows, machine_facts, save_figure, write_json
-from . import gpu_decode, gpu_models
+from . import cuda_timing, gpu_decode, gpu_models
 from .cuda_timing import (
     fwd,
     fwd_bwd,
@@ -222,22 +222,22 @@ def run_gpu_suite(
     with torch._dynamo.config.patch(recompile_limit=limit):
         for dtype in (torch.bfloat16, torch.float32):
             for n in suite.ns if dtype == torch.bfloat16 else suite.fp32_ns:
-                _fresh_compiles()
+                cuda_timing.fresh_compiles()
                 _main(suite, rows, log, n, dtype)
         for n in suite.module_ns:
-            _fresh_compiles()
+            cuda_timing.fresh_compiles()
             _module(suite, rows, log, n)
         if suite.stream_ns:
-            _fresh_compiles()
+            cuda_timing.fresh_compiles()
             _stream(suite, rows, log, suite.stream_ns)
         for n in suite.entmax_ns:
-            _fresh_compiles()
+            cuda_timing.fresh_compiles()
             _entmax(suite, rows, log, n)
         for n in suite.calibrate_ns:
-            _fresh_compiles()
+            cuda_timing.fresh_compiles()
             _calibrate(suite, rows, log, n)
         for section in (gpu_decode, gpu_models):
-            _fresh_compiles()
+            cuda_timing.fresh_compiles()
             section.run(suite, rows, log)
         # last: the kernels' free choices, a sweep of compiles (about 2 s each) that a timeout
         # may cut
@@ -248,14 +248,6 @@ def run_gpu_suite(
     (out_dir / "results.md").write_text(markdown(rows.data))
     _plot(rows.data, out_dir / "gpu.png")
     return rows.data
-
-
-def _fresh_compiles() -> None:
-    """Drop every compiled kernel (dynamo's caches and the flex engine's record of them)."""
-    from ...engines.flex import forget_shapes
-
-    torch._dynamo.reset()
-    forget_shapes()
 
 
 def _inputs(suite: GpuSuite, n: int, dtype: torch.dtype, grad: bool):
@@ -355,25 +347,9 @@ def _flex_by_hand(suite: GpuSuite, q, k, v, scale: float) -> Callable[[], object
     def longformer(b, h, i, j):
         return ((i - j).abs() <= half) | (i < sinks) | (j < sinks)
 
-    block_mask = _user_block_mask(create_block_mask, longformer, n, q.device)
-    compiled = _user_compiled_flex(flex_attention)
+    block_mask = cuda_timing.user_block_mask(create_block_mask, longformer, n, q.device)
+    compiled = cuda_timing.user_compiled_flex(flex_attention)
     return lambda: compiled(q, k, v, block_mask=block_mask, scale=scale)
-
-
-def _user_block_mask(create_block_mask, mask_mod, n: int, device) -> object:
-    """``create_block_mask`` compiled (``_compile``), as a user at long lengths needs it: block
-    by block, without the n × n mask (128 GiB at n = 131072)."""
-    return create_block_mask(mask_mod, None, None, n, n, device=device, _compile=True)
-
-
-_USER_FLEX: list = []
-
-
-def _user_compiled_flex(flex_attention):
-    """``torch.compile(flex_attention)`` once per run, as a user would hold it."""
-    if not _USER_FLEX:
-        _USER_FLEX.append(torch.compile(flex_attention))
-    return _USER_FLEX[0]
 
 
 def _package(suite, rows, log, base, graph, q, k, v, scale) -> None:

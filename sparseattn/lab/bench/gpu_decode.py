@@ -86,6 +86,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..results import write_json
+from . import cuda_timing
 from .cuda_timing import fwd, ratio, record_group, table_head
 
 __all__ = ["CudaGraphed", "markdown", "run"]
@@ -116,9 +117,7 @@ def run(suite, rows, log) -> None:
             for n in suite.decode_ns:
                 _decode(suite, rows, log, n)
     if suite.decode_ns and suite.generate_tokens:
-        from .gpu import _fresh_compiles
-
-        _fresh_compiles()
+        cuda_timing.fresh_compiles()
         _generate(suite, rows, log)
 
 
@@ -360,8 +359,6 @@ def _flex_decode(q: Tensor, k: Tensor, v: Tensor, w: int, s: int, scale: float):
     query), as a user of FlexAttention alone writes the decode step."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from . import gpu
-
     t, n = q.shape[-2], k.shape[-2]
     offset = n - t
 
@@ -370,7 +367,7 @@ def _flex_decode(q: Tensor, k: Tensor, v: Tensor, w: int, s: int, scale: float):
         return (kv_idx <= i) & ((i - kv_idx < w) | (kv_idx < s))
 
     block_mask = create_block_mask(window_and_sinks, None, None, t, n, device=q.device)
-    compiled = gpu._user_compiled_flex(flex_attention)
+    compiled = cuda_timing.user_compiled_flex(flex_attention)
     return fwd(lambda: compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True))
 
 

@@ -66,7 +66,7 @@ import torch
 
 from ..models import checkpoints
 from ..models.checkpoints import CheckpointSize
-from .cuda_timing import fwd, ratio, record_group, table_head
+from .cuda_timing import fresh_compiles, fwd, ratio, record_group, table_head
 
 __all__ = ["markdown", "run"]
 
@@ -113,8 +113,6 @@ def run(suite, rows, log) -> None:
     """Add the section's rows to ``rows`` (nothing when ``suite.models_ns`` is empty)."""
     if not suite.models_ns:
         return
-    from .gpu import _fresh_compiles  # gpu.py imports this module
-
     size = _size(suite)
     ns = tuple(sorted(suite.models_ns))
     for kind in checkpoints.KINDS:
@@ -130,7 +128,7 @@ def run(suite, rows, log) -> None:
         dtypes = [dtype for dtype in DTYPES if missing(dtype)]
         if not dtypes:
             continue
-        _fresh_compiles()  # each model from fresh compiles, its own specialised kernels
+        fresh_compiles()  # each model from fresh compiles, its own specialised kernels
         host = checkpoints.model(kind, ns[-1], size)  # float32 on the CPU, copied per dtype
         for dtype in dtypes:
             _model_rows(suite, rows, log, kind, size, host, dtype, ns)
