@@ -43,15 +43,8 @@ def simulated_gpu(device, device_guard):
 
 
 def tiny_suite() -> GpuSuite:
-    return GpuSuite(
+    return GpuSuite.only(
         "decode-smoke",
-        ns=(),
-        fp32_ns=(),
-        calibrate_ns=(),
-        entmax_ns=(),
-        tiles_ns=(),
-        module_ns=(),
-        stream_ns=(),
         decode_ns=(N,),
         generate_tokens=TOKENS,
         decode_window=WINDOW,

@@ -24,15 +24,8 @@ from sparseattn.lab.results import ResumableRows
 
 pytestmark = [pytest.mark.device, pytest.mark.guard]
 
-SUITE = GpuSuite(
+SUITE = GpuSuite.only(
     "t",
-    ns=(),
-    fp32_ns=(),
-    calibrate_ns=(),
-    entmax_ns=(),
-    tiles_ns=(),
-    module_ns=(),
-    stream_ns=(),
     models_ns=(256,),
     models_layers=1,
     models_hidden=64,

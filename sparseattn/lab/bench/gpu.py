@@ -127,6 +127,16 @@ class GpuSuite:
     samples: int = 5
     min_sample_s: float = 0.02
 
+    @classmethod
+    def only(cls, name: str, **fields) -> GpuSuite:
+        """A suite that runs the sections ``fields`` give lengths to and no other (every
+        section's lengths empty unless given)."""
+        none = dict.fromkeys(
+            ("ns", "fp32_ns", "calibrate_ns", "entmax_ns", "tiles_ns", "module_ns", "stream_ns"),
+            (),
+        )
+        return cls(name, **{**none, **fields})
+
 
 GPU_SUITES = {
     "gpu": GpuSuite("gpu"),
@@ -141,59 +151,30 @@ GPU_SUITES = {
     ),
     # issue 43's α-entmax targets: the sparse-map section at 32768 and 131072, then the
     # Triton kernels' options (TOPK 8, the default, against 16, 32; split; longest first)
-    "gpu-entmax": GpuSuite(
+    "gpu-entmax": GpuSuite.only(
         "gpu-entmax",
-        ns=(),
-        fp32_ns=(),
         package_max_n=8192,
-        calibrate_ns=(),
         entmax_ns=(32768, 131072),
         tiles_ns=(32768,),
-        module_ns=(),
-        stream_ns=(),
         tile_blocks=(),
         tile_warps=(),
         tile_stages=(),
         tile_topks=(8, 16, 32),
         samples=3,
     ),
-    # the host's share at short lengths: main and module at 8192, interleaved, and the stream
-    "gpu-overhead": GpuSuite(
+    # the host's share at short lengths: main and module at 4096 and 8192, and the stream
+    "gpu-overhead": GpuSuite.only(
         "gpu-overhead",
         ns=(4096, 8192),
-        fp32_ns=(),
-        calibrate_ns=(),
-        entmax_ns=(),
-        tiles_ns=(),
         module_ns=(4096, 8192),
+        stream_ns=GpuSuite.stream_ns,
     ),
     # issue 43's decoding: the decode step against SDPA and flex at caches of 8k, 32k and 128k,
     # and generate() with the evicting cache against the full one
-    "gpu-decode": GpuSuite(
-        "gpu-decode",
-        ns=(),
-        fp32_ns=(),
-        calibrate_ns=(),
-        entmax_ns=(),
-        tiles_ns=(),
-        module_ns=(),
-        stream_ns=(),
-        decode_ns=(8192, 32768, 131072),
-        generate_tokens=256,
-    ),
+    "gpu-decode": GpuSuite.only("gpu-decode", decode_ns=(8192, 32768, 131072), generate_tokens=256),
     # issue 40's GPU rows: Longformer- and BigBird-base-size models, transformers' against
     # hf.sparsify's (flex)
-    "gpu-models": GpuSuite(
-        "gpu-models",
-        ns=(),
-        fp32_ns=(),
-        calibrate_ns=(),
-        entmax_ns=(),
-        tiles_ns=(),
-        module_ns=(),
-        stream_ns=(),
-        models_ns=(1024, 4096, 16384),
-    ),
+    "gpu-models": GpuSuite.only("gpu-models", models_ns=(1024, 4096, 16384)),
 }
 
 
