@@ -15,11 +15,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .engines import ENGINES, SPECS, capabilities
+from .engines import ENGINES, SPECS, capabilities, costs
 from .engines.capabilities import Request
 from .engines.common import grid_indices
 from .graph import AttentionGraph, broadcast_or_none
 from .maps import NonFiniteScoresError, ProbabilityMap, resolve_prob_map
+from .memo import Memo
 from .patterns import Causal, Pattern, PatternCycle
 from .patterns.fixed import Dense
 from .score_mods import check_score_mod, lifted_tensors
@@ -227,6 +228,14 @@ def sparse_attention(
             q, k, v, pattern, prob_map, engine, scale, key_padding_mask, dropout_p, enable_gqa,
             score_mod, group, boundaries,
         )  # fmt: skip
+    calls = key = None
+    if KEEP_CALLS and key_padding_mask is None and score_mod is None:
+        key = _signature(q, k, v, prob_map, engine, scale, dropout_p, enable_gqa)
+        calls = None if key is None else _kept_calls(pattern)
+        kept = None if calls is None else calls.peek(key)
+        if kept is not None:  # checked and resolved by an earlier call with this signature
+            _check_inputs_finite(**_read_whole(q, k, v, pattern))
+            return kept[-1](q, k, v)
     _check_qkv(q, k, v, check_bool("enable_gqa", enable_gqa))
     _check_inputs_finite(**_read_whole(q, k, v, pattern))
     rho = resolve_prob_map(prob_map)
@@ -236,8 +245,62 @@ def sparse_attention(
     valid = None if key_padding_mask is None else _key_validity(key_padding_mask, q, k)
     if score_mod is not None:
         _check_score_mod(score_mod, q, k)
+    run, cacheable = _resolve(q, k, v, pattern, rho, engine, scale, valid, dropout_p, score_mod)
+    out = run(q, k, v)
+    if calls is not None and cacheable:  # the map held: its id stays its own
+        calls.get(key, lambda: (prob_map, run))
+    return out
+
+
+#: Whether :func:`sparse_attention` keeps what it resolved per call signature (:func:`_kept_calls`);
+#: False: every call checks and resolves in full (to watch the decisions ``auto`` makes).
+KEEP_CALLS = True
+
+
+def _kept_calls(pattern: object) -> Memo | None:
+    """Where what :func:`sparse_attention` resolved for a pattern (or a ready graph) is kept per
+    call signature: the pattern's memo of calls (as many as the lengths of graphs it keeps),
+    a graph's own memo; None for anything else (the full checks then refuse it)."""
+    if isinstance(pattern, Pattern):
+        return pattern.memo("calls")
+    if isinstance(pattern, AttentionGraph):
+        return pattern.memo
+    return None
+
+
+def _signature(q, k, v, prob_map, engine, scale, dropout_p, enable_gqa) -> tuple | None:
+    """What every check and decision of :func:`sparse_attention` before the engine reads,
+    besides the pattern (whose memo keeps the calls), for a call without key padding or
+    score_mod (None where an argument is not of a plain kind, so that the full checks run):
+    the inputs' shapes, dtypes, devices and whether the call is differentiated; the map (by
+    identity: the kept entry holds it, so its id stays its own); the arguments; the ``auto``
+    rule's memory limits (tests move them)."""
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor):
+        return None
+    if type(prob_map) is not str and not isinstance(prob_map, ProbabilityMap):
+        return None
+    if type(engine) is not str or type(enable_gqa) is not bool:
+        return None
+    if not (scale is None or type(scale) in (int, float)) or type(dropout_p) not in (int, float):
+        return None
+    train = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (
+        "call", prob_map if type(prob_map) is str else id(prob_map), engine, scale,
+        dropout_p, enable_gqa, train, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+        q.device, k.device, v.device, costs.DENSE_LIMIT, costs.GPU_DENSE_LIMIT,
+    )  # fmt: skip
+
+
+def _resolve(q, k, v, pattern, rho, engine, scale, valid, dropout_p, score_mod):
+    """The call on checked inputs as ``(run, cacheable)``: ``run(q, k, v)`` computes it (the
+    graph, the engine and the grouping of query heads decided here, from the inputs'
+    metadata); ``cacheable``: whether a later call with the same signature may reuse ``run``
+    — not for key padding, a score_mod, a data-dependent pattern (its graph reads q and k),
+    learned or per-row α (decided every call), or k, v repeated per query head."""
+    cacheable = valid is None and score_mod is None and rho.alpha is None
+    cacheable = cacheable and not getattr(pattern, "data_dependent", False)
     if _empty_output(q, v, pattern):
-        return _empty_result(q, k, v)
+        return _empty_result, cacheable
     groups = q.shape[1] // k.shape[1] if k.shape[1] else 1
     # with a score_mod, h must stay the query head: no stacking of query heads
     stack = groups > 1 and score_mod is None and _can_group(pattern, rho, engine, q, k)
@@ -247,13 +310,21 @@ def sparse_attention(
         if engine == "auto":
             chosen = choose_engine(graph, q, k, rho, dropout_p, key_padding=valid is not None)
         if SPECS[chosen].gqa:  # the engine reads the shared key/value heads itself
-            return _attend(q, k, v, graph, rho, chosen, scale, valid, dropout_p)
-        grouped_q, grouped = group_queries(q, graph, k.shape[1])
-        out = _attend(grouped_q, k, v, grouped, rho, engine, scale, valid, dropout_p)
-        return out.reshape(q.shape[:3] + out.shape[-1:])
-    if groups > 1:
+            return _runner(q, k, v, graph, rho, chosen, scale, valid, dropout_p), cacheable
+        kv_heads = k.shape[1]
+        grouped_q, grouped = group_queries(q, graph, kv_heads)
+        inner = _runner(grouped_q, k, v, grouped, rho, engine, scale, valid, dropout_p)
+
+        def stacked(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out = inner(q.reshape(q.shape[0], kv_heads, -1, q.shape[-1]), k, v)
+            return out.reshape(q.shape[:3] + out.shape[-1:])
+
+        return stacked, cacheable
+    if groups > 1:  # k and v repeated per query head: resolved and run on this call's alone
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    return _attend(q, k, v, pattern, rho, engine, scale, valid, dropout_p, score_mod)
+        run = _runner(q, k, v, pattern, rho, engine, scale, valid, dropout_p, score_mod)
+        return (lambda q, _k, _v: run(q, k, v)), False
+    return _runner(q, k, v, pattern, rho, engine, scale, valid, dropout_p, score_mod), cacheable
 
 
 #: The context-parallel call, :func:`sparseattn.parallel.sparse_attention`, registered by
@@ -296,7 +367,7 @@ def _check_score_mod(score_mod: Callable, q: Tensor, k: Tensor) -> None:
             )
 
 
-def _attend(
+def _runner(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -307,31 +378,42 @@ def _attend(
     valid: Tensor | None,
     dropout_p: float,
     score_mod: Callable | None = None,
-) -> Tensor:
+) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """:func:`sparse_attention` on validated inputs with as many key/value heads as query
-    heads; ``valid`` (batch, n_k) is True for real keys (the engines' convention)."""
+    heads, decided here (the graph, the engine) and returned as ``run(q, k, v)`` for inputs
+    of these shapes; ``valid`` (batch, n_k) is True for real keys (the engines' convention)."""
     full = _full_rows(pattern, q, k) if engine in ("auto", "rows") else None
     request = Request.of(q, k, v, rho, dropout_p, score_mod, valid is not None, full)
     call = (q, k, v, rho, dropout_p, score_mod)
     extra = {} if score_mod is None else {"score_mod": score_mod}
-    try:
-        if full is not None:  # the dense pattern: no n² graph (docs/engines.md, "full rows")
-            if engine == "auto":
-                engine = capabilities.choose(request, None, call)
-            spec = SPECS[engine]
-            out = spec.full_rows(q, k, v, rho, scale, valid, dropout_p, full, score_mod)
+    if full is not None:  # the dense pattern: no n² graph (docs/engines.md, "full rows")
+        if engine == "auto":
+            engine = capabilities.choose(request, None, call)
+        spec = SPECS[engine]
+
+        def compute(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return spec.full_rows(q, k, v, rho, scale, valid, dropout_p, full, score_mod)
+
+    else:
+        graph = resolve_graph(pattern, q, k)
+        if engine == "auto":
+            engine = capabilities.choose(request, graph, call)
         else:
-            graph = resolve_graph(pattern, q, k)
-            if engine == "auto":
-                engine = capabilities.choose(request, graph, call)
-            else:
-                reason = "; ".join(capabilities.request_reasons(engine, request, call))
-                if reason:
-                    raise ValueError(f"engine={engine!r} cannot run this call: {reason}")
-            out = ENGINES[engine](q, k, v, graph, rho, scale, valid, dropout_p, **extra)
-    except NonFiniteScoresError:  # an input holds NaN or inf, or scale · q·k overflowed
-        out = q.new_full((1,), math.nan)
-    return _check_output(out, scale, k=k, v=v)
+            reason = "; ".join(capabilities.request_reasons(engine, request, call))
+            if reason:
+                raise ValueError(f"engine={engine!r} cannot run this call: {reason}")
+
+        def compute(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return ENGINES[engine](q, k, v, graph, rho, scale, valid, dropout_p, **extra)
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        try:
+            out = compute(q, k, v)
+        except NonFiniteScoresError:  # an input holds NaN or inf, or scale · q·k overflowed
+            out = q.new_full((1,), math.nan)
+        return _check_output(out, scale, k=k, v=v)
+
+    return run
 
 
 def _can_group(pattern: object, rho: ProbabilityMap, engine: str, q: Tensor, k: Tensor) -> bool:

@@ -23,12 +23,14 @@ __all__ = ["GRAPH_CACHE_SIZE", "Pattern", "Causal", "Union", "check_positive", "
 #: for a head split), the least recently used first out.
 GRAPH_CACHE_SIZE = 8
 
-#: The bounds of a pattern's memos: its graphs, its random draws (one per length), and the
-#: tensors its predicate reads, on the host and each device it ran on.
+#: The bounds of a pattern's memos: its graphs, its random draws (one per length), the
+#: tensors its predicate reads, on the host and each device it ran on, and what
+#: ``sparse_attention`` resolved for its calls (one per call signature).
 MEMO_SIZES = {
     "graphs": GRAPH_CACHE_SIZE,
     "draws": GRAPH_CACHE_SIZE,
     "tensors": 4 * GRAPH_CACHE_SIZE,
+    "calls": GRAPH_CACHE_SIZE,
 }
 
 

@@ -102,6 +102,112 @@ def test_a_sparsified_gqa_decoder_plans_once_per_length(monkeypatch, device):
     assert len(built) == 1
 
 
+def _resolutions(monkeypatch) -> list:
+    """Count the calls that check and resolve in full (sparse_attention's slow path)."""
+    from sparseattn import attention
+
+    seen = []
+    real = attention._check_qkv
+    monkeypatch.setattr(attention, "_check_qkv", lambda *a: seen.append(1) or real(*a))
+    return seen
+
+
+@pytest.mark.parametrize("engine", ["auto", "block", "gather", "dense", "rows"])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_a_repeated_call_is_checked_and_resolved_once(monkeypatch, engine, kv_heads):
+    """A second call with the same signature (shapes, dtypes, devices, pattern, map, engine,
+    arguments, whether it is differentiated) skips the checks and decisions and runs what the
+    first resolved: the same output and gradients; a call that differs in any of them (here
+    the length, the dtype, gradients, the engine) resolves again."""
+    seen = _resolutions(monkeypatch)
+    pattern = sa.sliding_window(8, 2)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 40, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, kv_heads, 40, 8, generator=gen, dtype=torch.float64) for _ in "kv")
+    gqa = kv_heads != 4
+
+    def call(*qkv, **kw):
+        return sa.sparse_attention(*qkv, pattern, engine=engine, enable_gqa=gqa, **kw)
+
+    with torch.no_grad():
+        first = call(q, k, v)
+        again = [call(q, k, v) for _ in range(2)]
+    assert len(seen) == 1
+    assert all(torch.equal(first, out) for out in again)
+    with torch.no_grad():
+        call(q[:, :, :20], k[:, :, :20], v[:, :, :20])  # another length
+        call(q.float(), k.float(), v.float())  # another dtype
+        call(q, k, v, prob_map="sparsemax")  # another map
+    assert len(seen) == 4
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    grads = []
+    for _ in range(2):  # differentiated: resolved once more, then kept
+        out = call(*leaves)
+        grads.append(torch.autograd.grad(out.square().sum(), leaves))
+    assert len(seen) == 5
+    torch.testing.assert_close(out.detach(), first)  # the training path may sum differently
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_kept_call_still_refuses_bad_values_and_kinds(monkeypatch):
+    """What the kept resolution skips depends on the signature alone: values are checked on
+    every CPU call, and an argument of another kind takes the full checks."""
+    seen = _resolutions(monkeypatch)
+    q, k, v = _qkv(24)
+    sa.sparse_attention(q, k, v, sa.window(4))
+    bad = q.clone()
+    bad[0, 0, 3, 1] = float("nan")
+    with pytest.raises(ValueError, match="q contains NaN"):
+        sa.sparse_attention(bad, k, v, sa.window(4))  # a new pattern object: resolved again
+    pattern = sa.window(4)
+    sa.sparse_attention(q, k, v, pattern)
+    with pytest.raises(ValueError, match="q contains NaN"):
+        sa.sparse_attention(bad, k, v, pattern)  # kept: the value check still runs
+    with pytest.raises(ValueError, match="scale"):
+        sa.sparse_attention(q, k, v, pattern, scale=float("nan"))
+    with pytest.raises(TypeError):
+        sa.sparse_attention(q.numpy(), k, v, pattern)
+    assert len(seen) == 5
+
+
+def test_calls_that_are_not_kept(monkeypatch):
+    """Key padding, a score_mod, a data-dependent pattern and a learned α are resolved every
+    call (their masks, modifiers, graphs and α are per call)."""
+    seen = _resolutions(monkeypatch)
+    q, k, v = _qkv(24)
+    pad = torch.zeros(1, 24, dtype=torch.bool)
+    pad[0, -3:] = True
+    alpha = sa.maps.entmax(torch.tensor(1.4, dtype=torch.float64, requires_grad=True))
+    calls = [
+        lambda: sa.sparse_attention(q, k, v, sa.window(4), key_padding_mask=pad),
+        lambda: sa.sparse_attention(q, k, v, sa.window(4), score_mod=sa.score_mods.softcap(5.0)),
+        lambda: sa.sparse_attention(q, k, v, sa.topk(3)),
+        lambda: sa.sparse_attention(q, k, v, sa.window(4), prob_map=alpha),
+    ]
+    for call in calls:
+        call()
+        call()
+    assert len(seen) == 2 * len(calls)
+
+
+def test_kept_calls_live_on_the_pattern_bounded(monkeypatch):
+    """What a call resolved is kept by its pattern (a ready graph: by the graph), as many
+    signatures as the lengths whose graphs the pattern keeps; gone with the pattern."""
+    seen = _resolutions(monkeypatch)
+    pattern = sa.window(4)
+    for n in range(20, 20 + 2 * GRAPH_CACHE_SIZE):
+        q, k, v = _qkv(n)
+        sa.sparse_attention(q, k, v, pattern)
+    assert len(pattern.memo("calls")) == GRAPH_CACHE_SIZE
+    graph = sa.window(4).graph(24)
+    q, k, v = _qkv(24)
+    for _ in range(3):
+        sa.sparse_attention(q, k, v, graph)
+    assert len(seen) == 2 * GRAPH_CACHE_SIZE + 1
+    assert sum(isinstance(key, tuple) and key[:1] == ("call",) for key in graph.memo) == 1
+
+
 def test_data_dependent_patterns_build_per_call():
     q, k, _ = _qkv(20)
     top = sa.topk(3)

@@ -247,10 +247,13 @@ def _check(calls: dict, missing: list[str]) -> dict[str, dict]:
 @contextlib.contextmanager
 def _engines_chosen() -> Iterator[set[str]]:
     """The engines that ``engine="auto"`` picks inside the block: ``sparse_attention`` asks
-    :func:`sparseattn.engines.capabilities.choose`, watched here and put back after."""
+    :func:`sparseattn.engines.capabilities.choose` (every call resolving in full,
+    ``attention.KEEP_CALLS`` off), watched here; both put back after."""
+    from ... import attention
     from ...engines import capabilities
 
-    choose, chosen = capabilities.choose, set()
+    choose, chosen, keep = capabilities.choose, set(), attention.KEEP_CALLS
+    attention.KEEP_CALLS = False
 
     def watched(*args, **kwargs):
         engine = choose(*args, **kwargs)
@@ -261,7 +264,7 @@ def _engines_chosen() -> Iterator[set[str]]:
     try:
         yield chosen
     finally:
-        capabilities.choose = choose
+        capabilities.choose, attention.KEEP_CALLS = choose, keep
 
 
 # ----------------------------------------------------------------------------- report
