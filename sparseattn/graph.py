@@ -429,12 +429,17 @@ class AttentionGraph:
 
     # ------------------------------------------------------------------ algebra
     def expand(self, batch_shape: Sequence[int]) -> AttentionGraph:
-        """Broadcast the leading dims to ``batch_shape`` (copies edges; O(E * repeats))."""
+        """Broadcast the leading dims to ``batch_shape`` (copies edges; O(E * repeats)); the
+        same object on every call (cached on this graph), so that what an engine keeps on it
+        (a plan, index arrays on a device) is built once."""
         batch_shape = tuple(batch_shape)
         if batch_shape == self.batch_shape:
             return self
         if broadcast_or_none(self.batch_shape, batch_shape) != batch_shape:
             raise ValueError(f"cannot expand batch_shape {self.batch_shape} to {batch_shape}")
+        return self.cached(("expanded", batch_shape), lambda: self._expanded(batch_shape))
+
+    def _expanded(self, batch_shape: tuple[int, ...]) -> AttentionGraph:
         dev = self.device
         ids = torch.arange(math.prod(self.batch_shape), device=dev).view(self.batch_shape)
         ids = ids.expand(batch_shape).reshape(-1)

@@ -41,7 +41,6 @@ from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from ..score_mods import lifted_tensors
 from .common import (
-    expanded,
     keep_mask,
     masked_exp,
     mod_grads,
@@ -526,7 +525,7 @@ def _lead_and_graph(graph: AttentionGraph, bsz: int, heads: int) -> tuple[int, A
         return bsz * heads, squeezed(graph, len(shape))
     if all(s == 1 for s in shape[:-1]) and shape[-1] == heads:
         return bsz, squeezed(graph, len(shape) - 1)
-    return 1, expanded(graph, (bsz, heads))
+    return 1, graph.expand((bsz, heads))
 
 
 def block_attention(

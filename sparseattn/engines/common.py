@@ -2,8 +2,8 @@
 
 :func:`keep_mask`, :func:`rng_state`, :func:`replayed_rng` (dropout masks, drawn again in
 backward), :func:`masked_exp`, :func:`grid_indices` and :func:`mod_grads` (a score modifier's
-indices and backward in the engines that recompute scores), :func:`squeezed` and
-:func:`expanded` (a graph's batch dims as an engine lays them out, the same object every call).
+indices and backward in the engines that recompute scores) and :func:`squeezed` (a graph
+without its size-1 batch dims, the same object every call).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from ..graph import AttentionGraph
 
 __all__ = [
-    "expanded",
     "grid_indices",
     "keep_mask",
     "masked_exp",
@@ -115,11 +114,3 @@ def squeezed(graph: AttentionGraph, dims: int) -> AttentionGraph:
     if not dims:
         return graph
     return graph.cached(("squeezed", dims), lambda: graph[(0,) * dims])
-
-
-def expanded(graph: AttentionGraph, batch_shape: tuple[int, ...]) -> AttentionGraph:
-    """``graph.expand(batch_shape)``, the same object on every call (cached on the graph), for
-    the reason of :func:`squeezed`."""
-    if graph.batch_shape == batch_shape:
-        return graph
-    return graph.cached(("expanded", batch_shape), lambda: graph.expand(batch_shape))

@@ -21,7 +21,6 @@ from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
 from ..score_mods import lifted_tensors
 from .common import (
-    expanded,
     keep_mask,
     masked_exp,
     mod_grads,
@@ -243,7 +242,7 @@ def gather_attention(
     static = graph.batch_shape == ()
     b = bsz * heads if static else 1
     if not static:
-        graph = expanded(graph, (bsz, heads))
+        graph = graph.expand((bsz, heads))
     key_ok = None
     if key_valid is not None:
         key_ok = key_valid.to(q.device).repeat_interleave(heads, 0).reshape(b, -1)
