@@ -2,13 +2,16 @@
 
 At a small size the kernel is cheap, so per-call time shows what each layer costs the host:
 compiled ``flex_attention`` called by hand (a ``create_block_mask`` BlockMask of the same
-Longformer predicate), ``sparse_attention(q, k, v, pattern, engine="flex")`` and
-``engine="auto"``, and the same two calls with the compiled call replaced by a stub that
-returns q: what is left is sparseattn's own Python (on CPU also without the finiteness checks,
-as on a GPU). On a GPU the calls are asynchronous: per-call time is the host's as long as the
-kernel is shorter. Each row: the least, over ``--repeats``, of the mean over ``--calls``
-back-to-back calls (noise only adds). On CPU the user path also checks q, k, v and the output
-finite (GPU: skipped); ``auto`` picks the block engine on CPU at this size.
+Longformer predicate); the engine's own compiled function called by hand with its cached
+BlockMask (the compiled call alone, as the engine makes it); ``flex_engine`` called directly;
+``sparse_attention(q, k, v, pattern, engine="flex")`` and ``engine="auto"``; and those two
+with the compiled call replaced by a stub that returns q: what is left is sparseattn's own
+Python (on CPU also without the finiteness checks, as on a GPU). On a GPU the calls are
+asynchronous: per-call time is the host's as long as the kernel is shorter. Each row: the
+least, over ``--repeats`` rounds, of the mean over ``--calls`` back-to-back calls (noise only
+adds); the rows take turns within a round, so that the machine's drift reaches them alike. On
+CPU the user path also checks the output finite and the engine k (GPU: skipped); ``auto``
+picks the block engine on CPU at this size.
 
     python scripts/host_overhead.py --out docs/results/flex/host-overhead-cpu.json
     python3 scripts/host_overhead.py --device cuda --out "$OUT/host-overhead-cuda.json"
@@ -31,20 +34,25 @@ import sparseattn.engines.flex as flex_engine
 from sparseattn.lab.results import timing_facts
 
 
-def per_call_us(call, device: str, calls: int, repeats: int) -> float:
-    for _ in range(5):
-        call()
-    best = float("inf")
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def per_call_us(calls: dict, device: str, n_calls: int, repeats: int) -> dict[str, float]:
+    """µs per call of each of ``calls``: the least, over ``repeats`` rounds, of the mean over
+    ``n_calls`` back-to-back calls; the rows take turns within each round, so that a drift of
+    the machine's speed reaches every row alike."""
+    for call in calls.values():
+        for _ in range(5):
             call()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return round(best * 1e6, 1)
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(repeats):
+        for name, call in calls.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n_calls):
+                call()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best[name] = min(best[name], (time.perf_counter() - t0) / n_calls)
+    return {name: round(t * 1e6, 1) for name, t in best.items()}
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -59,30 +67,39 @@ def measure(args: argparse.Namespace) -> dict:
     compiled = torch.compile(flex_attention)
     block_mask = create_block_mask(by_hand, None, None, n, n, device=args.device)
     pattern = sa.longformer(2 * w, g)
+    graph = attention.resolve_graph(pattern, q, k)  # the graph the user path uses
+    scale = q.shape[-1] ** -0.5
+    ours, generic = flex_engine._cached_block_mask(graph, flex_engine.FLEX_BLOCK, q.device)
+    engine_call = flex_engine._compiled(flex_engine._dynamic(q, k, v, generic))
+    softmax = sa.softmax()
     calls = {
         "flex direct": lambda: compiled(q, k, v, block_mask=block_mask),
+        "engine's compiled call": lambda: engine_call(q, k, v, None, ours, scale, False),
+        "flex engine": lambda: flex_engine.flex_engine(q, k, v, graph, softmax, scale),
         "sparseattn flex": lambda: sa.sparse_attention(q, k, v, pattern, engine="flex"),
         "sparseattn auto": lambda: sa.sparse_attention(q, k, v, pattern),
     }
     row: dict = {"n": n, "shape": [1, 1, n, 16], "dtype": str(dtype).removeprefix("torch.")}
+    stubbed = {name: calls[name] for name in ("sparseattn flex", "sparseattn auto")}
     with torch.no_grad():
-        for name, call in calls.items():
-            row[f"{name} us"] = per_call_us(call, args.device, args.calls, args.repeats)
+        for name, us in per_call_us(calls, args.device, args.calls, args.repeats).items():
+            row[f"{name} us"] = us
         compiled_call = flex_engine._compiled
         flex_engine._compiled = lambda dynamic: lambda q, k, v, *rest: q
         host_checks = attention._host_checks
         try:
-            for name in ("sparseattn flex", "sparseattn auto"):
-                stubbed = per_call_us(calls[name], args.device, args.calls, args.repeats)
-                row[f"{name}, call stubbed us"] = stubbed
+            for name, us in per_call_us(stubbed, args.device, args.calls, args.repeats).items():
+                row[f"{name}, call stubbed us"] = us
             if args.device == "cpu":  # as on a GPU: no finiteness checks
                 attention._host_checks = lambda t: False
-                stubbed = per_call_us(calls["sparseattn flex"], "cpu", args.calls, args.repeats)
-                row["sparseattn flex, call stubbed, no host checks us"] = stubbed
+                flex = {"flex": stubbed["sparseattn flex"]}
+                us = per_call_us(flex, "cpu", args.calls, args.repeats)["flex"]
+                row["sparseattn flex, call stubbed, no host checks us"] = us
         finally:
             flex_engine._compiled = compiled_call
             attention._host_checks = host_checks
     row["flex over direct us"] = round(row["sparseattn flex us"] - row["flex direct us"], 1)
+    row["engine over its call us"] = round(row["flex engine us"] - row["engine's compiled call us"], 1)
     return row
 
 
