@@ -3,7 +3,9 @@
 At a small size the kernel is cheap, so per-call time shows what each layer costs the host:
 compiled ``flex_attention`` called by hand (a ``create_block_mask`` BlockMask of the same
 Longformer predicate); the engine's own compiled function called by hand with its cached
-BlockMask (the compiled call alone, as the engine makes it); ``flex_engine`` called directly;
+BlockMask (the compiled call alone, as the engine makes it), and the same after a sum over k
+(beside the sum alone: what a small step between two compiled calls costs); ``flex_engine``
+called directly;
 ``sparse_attention(q, k, v, pattern, engine="flex")`` and ``engine="auto"``; and those two
 with the compiled call replaced by a stub that returns q: what is left is sparseattn's own
 Python (on CPU also without the finiteness checks, as on a GPU). On a GPU the calls are
@@ -75,6 +77,11 @@ def measure(args: argparse.Namespace) -> dict:
     calls = {
         "flex direct": lambda: compiled(q, k, v, block_mask=block_mask),
         "engine's compiled call": lambda: engine_call(q, k, v, None, ours, scale, False),
+        "the same after a sum of k": lambda: (
+            k.sum(),
+            engine_call(q, k, v, None, ours, scale, False),
+        ),
+        "sum of k": lambda: k.sum(),
         "flex engine": lambda: flex_engine.flex_engine(q, k, v, graph, softmax, scale),
         "sparseattn flex": lambda: sa.sparse_attention(q, k, v, pattern, engine="flex"),
         "sparseattn auto": lambda: sa.sparse_attention(q, k, v, pattern),
