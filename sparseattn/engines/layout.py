@@ -133,6 +133,60 @@ def _longest_run(full: Tensor) -> tuple[Tensor, Tensor | None]:
     return full.gather(1, idx), full[off].view(m, cf - length)
 
 
+def _diagonal_run(
+    full: Tensor, rows: Tensor, nbq: int, nbk: int
+) -> tuple[Tensor, Tensor | None] | None:
+    """Like :func:`_longest_run`, around each row's own key block: the run of full key blocks
+    i − a … i + c that every row of the group holds about its diagonal block i (a and c the
+    group's least reach to either side), (m, a + c + 1), and the others (m, Cf − a − c − 1) or
+    None. Its first block moves by one per row, so consecutive row blocks make one segment
+    even where a row's longest run lies elsewhere (BigBird's random blocks, drawn per head,
+    next to one another or to the band). None where it does not apply: n_q ≠ n_k, a row
+    without its diagonal block among the full ones, or no block beside the diagonal."""
+    m, cf = full.shape
+    if nbq != nbk or cf < 2 or m == 0:
+        return None
+    diag = rows  # row block g·nbq + i: its diagonal key block g·nbk + i (nbq = nbk)
+    hit = full == diag[:, None]
+    if not bool(hit.any(1).all()):
+        return None
+    at = hit.to(torch.uint8).argmax(1)
+
+    def reach(step: int) -> int:
+        alive, count = torch.ones_like(hit[:, 0]), torch.zeros_like(at)
+        for t in range(1, cf):
+            j = at + step * t
+            inside = (j >= 0) & (j < cf)
+            same = full.gather(1, j.clamp(0, cf - 1)[:, None]).squeeze(1) == diag + step * t
+            alive = alive & inside & same
+            if not bool(alive.any()):
+                break
+            count = count + alive
+        return int(count.min())
+
+    left, right = reach(-1), reach(1)
+    length = left + right + 1
+    if length == 1:
+        return None
+    if length == cf:
+        return full, None
+    idx = (at - left)[:, None] + torch.arange(length, device=full.device)
+    off = torch.ones_like(hit)
+    off[torch.arange(m, device=full.device)[:, None], idx] = False
+    return full.gather(1, idx), full[off].view(m, cf - length)
+
+
+def _runs(grp: BlockGroup, nbq: int, nbk: int) -> tuple[Tensor, Tensor | None]:
+    """A group's full key blocks as (a run per row, the others or None): the run about each
+    row's own block (:func:`_diagonal_run`) where it is at least as long as the group's
+    longest common run (:func:`_longest_run`), else that one."""
+    longest = _longest_run(grp.full)
+    diagonal = _diagonal_run(grp.full, grp.rows, nbq, nbk)
+    if diagonal is not None and diagonal[0].shape[1] >= longest[0].shape[1]:
+        return diagonal
+    return longest
+
+
 def _band(full: Tensor, part: Tensor, keep: Tensor, run: tuple[int, int], b: int):
     """Move the partial blocks that extend a run of full blocks (``run = (start, step)``) on
     either side, with the same element mask in every row, into the run: (full, part, keep,
@@ -236,7 +290,7 @@ class BlockPlan:
         chunks, whether the whole may compute everything)); see :meth:`chunks`, :meth:`runs`."""
         out, segments, b = [], [], self.block
         for grp in self.groups:
-            main, others = _longest_run(grp.full) if split else (grp.full, None)
+            main, others = _runs(grp, self.nbq, self.nbk) if split else (grp.full, None)
             for lo, hi, run in _segments(main, grp.keep if split else None):
                 full, part = main[lo:hi], grp.part[lo:hi]
                 keep = None if grp.keep is None else grp.keep[lo:hi]

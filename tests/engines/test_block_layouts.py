@@ -141,3 +141,28 @@ def test_rows_without_keys_give_zero_on_the_split_path(block):
     ref = torch.softmax(scores, -1) @ v
     ref[:, :, [3, 17]] = 0
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+
+
+def test_per_head_random_blocks_keep_each_heads_band_in_one_segment(monkeypatch):
+    # BigBird's training layout: random blocks drawn per head, some next to the band or to
+    # one another. The band about each row's own block stays one run (a segment per head and
+    # per jump between heads), the random blocks are gathered beside it; exact with gradients
+    n, heads, b = 256, 3, 8
+    pattern = sa.bigbird_blocks(b, 3, heads=heads, seed=0)
+    graph = pattern.graph(n)
+    plan = block_plan(graph, b)
+    band = max(plan.groups, key=lambda g: g.rows.numel())
+    runs = plan.runs(1, 1 << 20, 8)
+    assert len(runs) <= 4 * heads * len(plan.groups)
+    assert all(r.pieces[0].run is not None for r in runs if r.pieces[0].full.shape[1] < n // b)
+    assert band.rows.numel() > n // b  # most row blocks of every head share one group
+    calls = FlashCalls(monkeypatch)
+    fused, (q, k, v) = projected(1, heads, n, 8, seed=2)
+    out = block_attention(q, k, v, graph, softmax(), 0.35, block=b, budget=1 << 20)
+    refs = contiguous(q, k, v)
+    mask = graph.to_dense().view(1, heads, n, n)
+    scores = (refs[0] @ refs[1].transpose(-1, -2) * 0.35).masked_fill(~mask, -math.inf)
+    ref = torch.softmax(scores, -1) @ refs[2]
+    assert_close_with_grads(out, ref, (q, k, v), (1e-10, 1e-10), (1e-9, 1e-9), ref_inputs=refs)
+    if q.device.type == "cpu":  # the split path: a band call and a gathered call per segment
+        assert calls.count <= 2 * len(runs)
