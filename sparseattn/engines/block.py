@@ -112,6 +112,14 @@ class _Runner:
         picked = select_blocks(x, keys.reshape(-1))
         return picked.reshape(x.shape[0], m, c * self.plan.block, -1)
 
+    def extra_blocks(self, x: Tensor, chunk: BlockChunk) -> Tensor:
+        """The chunk's gathered full blocks (L, m, Ce·b, e): those of its first row expanded
+        (stride 0, no copy per row) when every row has the same."""
+        if not chunk.extra_shared:
+            return self.gather(x, chunk.extra)
+        one = self.gather(x, chunk.extra[:1])
+        return one.expand(one.shape[0], chunk.extra.shape[0], *one.shape[2:])
+
     def full_blocks(self, x: Tensor, chunk: BlockChunk) -> Tensor:
         """The chunk's full key blocks of x (L, G·nbk, b, e) (:func:`_blocked`'s layout): a
         strided view (no copy) when they are one run of consecutive blocks moving by a fixed
@@ -333,7 +341,7 @@ def _split_forward(run, qc, kp, vp, ch, run_part=None, dst=None):
         o, lse = _flash(qc, kf, vf, 0.0, False, attn_mask=_bias(ch.bias, qc), scale=run.scale)
         halves.append((o, lse, lse))
     if ch.extra is not None:
-        kx, vx = run.gather(kp, ch.extra), run.gather(vp, ch.extra)
+        kx, vx = run.extra_blocks(kp, ch), run.extra_blocks(vp, ch)
         o, lse = _flash(qc, kx, vx, 0.0, False, scale=run.scale)
         halves.append((o, lse, lse))
     if ch.part.shape[1]:
@@ -428,7 +436,7 @@ def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
         dk.index_add_(1, full.reshape(-1), _per_block(dk1, b))
         dv.index_add_(1, full.reshape(-1), _per_block(dv1, b))
     if ch.extra is not None:
-        kc, vc = run.gather(kp, ch.extra), run.gather(vp, ch.extra)
+        kc, vc = run.extra_blocks(kp, ch), run.extra_blocks(vp, ch)
         dq2, dk1, dv1 = _full_backward(run, qc, go, oc, delta, lse, kc, vc, None)
         dqc = dq2 if dqc is None else dqc.add_(dq2)
         dk.index_add_(1, ch.extra.reshape(-1), _per_block(dk1, b))

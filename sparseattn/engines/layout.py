@@ -57,6 +57,7 @@ class BlockChunk:
     extra: Tensor | None = None  # LongTensor[m, Ce]: full blocks off the run (split path)
     first: int | None = None  # rows == first + arange(m): row slices are views
     cols: Tensor | None = None  # shared: the offsets in its Cp·b keys that some row uses
+    extra_shared: bool = False  # every row block has the same ``extra`` (gathered once)
 
     def take(self, x: Tensor) -> Tensor:
         """The chunk's row blocks of x (L, G·nb, ...): a view when they are consecutive."""
@@ -274,7 +275,9 @@ class BlockPlan:
                     cols = whole.part.shape[1] * self.block if whole.cols is None else None
                     complete = (cols or whole.cols.numel()) <= width
                 if whole is not None and not complete:  # the run alone; chunks do the rest
-                    whole = dataclasses.replace(whole, part=whole.part[:, :0], keep=None, cols=None)
+                    whole = dataclasses.replace(
+                        whole, part=whole.part[:, :0], keep=None, cols=None, extra=None
+                    )
                 out.append(SegmentRun(whole, pieces, complete))
             return out
 
@@ -315,8 +318,11 @@ class BlockPlan:
                 out.extend(cut)
                 whole, complete = None, False
                 if split and run is not None and cf and len(cut) > 1:
-                    whole = _chunk(rows, full, part, keep, run, bias, None, 0, m, True)
-                    complete = not ce and (not cp or whole.shared)
+                    # gathered blocks that every row holds (BigBird's global blocks): the
+                    # whole segment's forward takes them too, gathered once and expanded
+                    common = bool(ce) and bool((extra == extra[:1]).all())
+                    whole = _chunk(rows, full, part, keep, run, bias, extra, 0, m, True)
+                    complete = (not ce or common) and (not cp or whole.shared)
                 segments.append((whole, cut, complete))
         return out, segments
 
@@ -355,7 +361,7 @@ def _used_columns(keep: Tensor) -> tuple[Tensor | None, Tensor | None]:
 def _chunk(rows, full, part, keep, run, bias, extra, s, e, split) -> BlockChunk:
     """Row blocks [s, e) of a segment (its row blocks ``rows``, its blocks and run) as a
     chunk; on the split path a partial block shared by all its rows is marked, scored only
-    on the columns some row uses."""
+    on the columns some row uses, and gathered blocks shared by all its rows are marked."""
     pt = part[s:e]
     shared = split and e - s > 1 and bool((pt == pt[:1]).all()) and pt.shape[1] > 0
     kp, cols = None if keep is None else keep[s:e], None
@@ -363,6 +369,7 @@ def _chunk(rows, full, part, keep, run, bias, extra, s, e, split) -> BlockChunk:
         kp, cols = _used_columns(kp)
     ids = rows[s:e]
     first = int(ids[0]) if int(ids[-1] - ids[0]) == e - s - 1 else None
+    ex = None if extra is None else extra[s:e]
     return BlockChunk(
         ids,
         full[s:e],
@@ -371,9 +378,10 @@ def _chunk(rows, full, part, keep, run, bias, extra, s, e, split) -> BlockChunk:
         None if run is None else (run[0] + s * run[1], run[1]),
         bias,
         shared,
-        None if extra is None else extra[s:e],
+        ex,
         first,
         cols=cols,
+        extra_shared=ex is not None and e - s > 1 and bool((ex == ex[:1]).all()),
     )
 
 

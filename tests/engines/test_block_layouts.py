@@ -104,10 +104,11 @@ def test_one_flash_call_per_band_and_global_columns_once(monkeypatch):
 
 
 def test_wide_global_columns_and_gathered_blocks_stay_with_the_chunks():
-    # 6 global keys against d = 4: the shared columns' scores would outgrow the output, so
-    # only the run is one call; BigBird's random blocks are gathered chunk by chunk
+    # 6 global keys in a partial block of 8 against d = 4: the shared columns' scores would
+    # outgrow the output, so only the run is one call; BigBird's random blocks are gathered
+    # chunk by chunk
     n = 160
-    for pattern, d, block in ((sa.longformer(24, 6), 4, 4), (sa.bigbird(24, 2, 1, 8), 4, 8)):
+    for pattern, d, block in ((sa.longformer(24, 6), 4, 8), (sa.bigbird(24, 2, 1, 8), 4, 8)):
         plan = block_plan(pattern.graph(n), block)
         runs = plan.runs(2, 300, d)
         assert any(r.whole is not None and not r.complete for r in runs)
@@ -166,3 +167,25 @@ def test_per_head_random_blocks_keep_each_heads_band_in_one_segment(monkeypatch)
     assert_close_with_grads(out, ref, (q, k, v), (1e-10, 1e-10), (1e-9, 1e-9), ref_inputs=refs)
     if q.device.type == "cpu":  # the split path: a band call and a gathered call per segment
         assert calls.count <= 2 * len(runs)
+
+
+def test_full_blocks_every_row_holds_are_gathered_once_for_the_segment(monkeypatch):
+    # 8 global tokens at block 4: two full key blocks that every row holds beside its band.
+    # They are gathered once and expanded over the segment's row blocks (no copy per row),
+    # and the whole band with them is one call; exact with gradients
+    n, pattern, b = 160, sa.longformer(24, 8), 4
+    plan = block_plan(pattern.graph(n), b)
+    runs = plan.runs(2, 300, 8)
+    whole = [r.whole for r in runs if r.whole is not None and r.complete]
+    assert whole and all(w.extra_shared and w.extra[0].tolist() == [0, 1] for w in whole)
+    gathered = []
+    real = block_module.select_blocks
+    monkeypatch.setattr(
+        block_module, "select_blocks", lambda x, i: gathered.append(i.numel()) or real(x, i)
+    )
+    fused, (q, k, v) = projected(1, 2, n, 8, seed=3)
+    out = block_attention(q, k, v, pattern.graph(n), softmax(), 0.3, block=b, budget=300)
+    assert 2 in gathered  # the two global blocks, once for a whole segment
+    refs = contiguous(q, k, v)
+    ref = reference(*refs, pattern, n, 0.3)
+    assert_close_with_grads(out, ref, (q, k, v), (1e-10, 1e-10), (1e-9, 1e-9), ref_inputs=refs)
