@@ -276,7 +276,12 @@ class BlockPlan:
                     complete = (cols or whole.cols.numel()) <= width
                 if whole is not None and not complete:  # the run alone; chunks do the rest
                     whole = dataclasses.replace(
-                        whole, part=whole.part[:, :0], keep=None, cols=None, extra=None
+                        whole,
+                        part=whole.part[:, :0],
+                        keep=None,
+                        cols=None,
+                        extra=None,
+                        extra_shared=False,
                     )
                 out.append(SegmentRun(whole, pieces, complete))
             return out
@@ -320,9 +325,8 @@ class BlockPlan:
                 if split and run is not None and cf and len(cut) > 1:
                     # gathered blocks that every row holds (BigBird's global blocks): the
                     # whole segment's forward takes them too, gathered once and expanded
-                    common = bool(ce) and bool((extra == extra[:1]).all())
                     whole = _chunk(rows, full, part, keep, run, bias, extra, 0, m, True)
-                    complete = (not ce or common) and (not cp or whole.shared)
+                    complete = (not ce or whole.extra_shared) and (not cp or whole.shared)
                 segments.append((whole, cut, complete))
         return out, segments
 
