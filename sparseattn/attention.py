@@ -403,8 +403,13 @@ def _runner(
             if reason:
                 raise ValueError(f"engine={engine!r} cannot run this call: {reason}")
 
-        def compute(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return ENGINES[engine](q, k, v, graph, rho, scale, valid, dropout_p, **extra)
+        bind = SPECS[engine].bind
+        if bind is not None:  # the engine's own decisions made once, here
+            compute = bind(q, k, v, graph, rho, scale, valid, dropout_p, **extra)
+        else:
+
+            def compute(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                return ENGINES[engine](q, k, v, graph, rho, scale, valid, dropout_p, **extra)
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         try:

@@ -28,7 +28,7 @@ from . import costs
 from ._entmax_args import triton_map_reason, triton_mod_reason
 from .block import block_attention
 from .dense import dense_attention
-from .flex import FLEX_BLOCK, flex_available, flex_engine, flex_refuses
+from .flex import FLEX_BLOCK, bind_flex, flex_available, flex_engine, flex_refuses
 from .gather import gather_attention
 from .layout import choose_block, count_pairs
 from .rows import full_rows_attention, rows_attention
@@ -160,6 +160,9 @@ class EngineSpec:
             pick it (``graph`` None for the dense pattern, ``memo`` a dict kept on the graph).
         full_rows: ``full_rows(q, k, v, prob_map, scale, key_valid, dropout_p, causal,
             score_mod)`` serving the dense pattern without a graph, or None.
+        bind: ``run``'s arguments → a call ``(q, k, v) → out`` for inputs of these shapes,
+            dtypes and device with what ``run`` decides from them decided once (what
+            ``sparse_attention`` keeps per call signature), or None: ``run`` each call.
     """
 
     name: str
@@ -178,6 +181,7 @@ class EngineSpec:
     refuses: Callable[..., str | None] | None = None
     cost: Callable[[Request, AttentionGraph | None, dict], Cost | None] = lambda *_: None
     full_rows: Callable[..., Tensor] | None = None
+    bind: Callable[..., Callable[[Tensor, Tensor, Tensor], Tensor]] | None = None
 
     def not_supported_reasons(self, req: Request) -> list[str]:
         """Why this engine cannot compute ``req``, one sentence each; empty if it can."""
@@ -333,6 +337,7 @@ SPECS: dict[str, EngineSpec] = {
             available=flex_available,
             refuses=flex_refuses,
             cost=_flex_cost,
+            bind=bind_flex,
         ),
         EngineSpec(
             "triton",

@@ -25,6 +25,7 @@ from ..validate import all_finite
 from .layout import block_pairs
 
 __all__ = [
+    "bind_flex",
     "cached_block_mask",
     "flex_engine",
     "flex_available",
@@ -371,19 +372,44 @@ def flex_engine(
     (NonFiniteScoresError for NaN or inf: the CPU kernel would give such rows zeros), and head
     dims that would take the faulty tail branch (:data:`_TILE_KEYS`) get a zero column.
     """
+    run = bind_flex(q, k, v, graph, prob_map, scale, key_valid, dropout_p, block, score_mod)
+    return run(q, k, v)
+
+
+def bind_flex(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    graph: AttentionGraph,
+    prob_map: ProbabilityMap,
+    scale: float,
+    key_valid: Tensor | None = None,
+    dropout_p: float = 0.0,
+    block: int = FLEX_BLOCK,
+    score_mod: Callable | None = None,
+) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """:func:`flex_engine` with all it decides from the inputs' metadata decided now: a call
+    ``run(q, k, v)`` for inputs of these shapes, dtype and device that holds the BlockMask,
+    the compiled function and its arguments, and no tensor of this call but ``key_valid``.
+    ``sparse_attention`` keeps it per call signature: a repeated call is then a look-up and
+    the compiled call (on CPU also the read of k). The kernel's ``dynamic`` is decided here,
+    once per kept call (:func:`_dynamic`)."""
     block_mask, generic = _cached_block_mask(graph, block, q.device)
     if key_valid is not None:
         block_mask, generic = _padded_block_mask(graph, block_mask, key_valid), False
-    if q.device.type == "cpu":
-        if not all_finite(k):  # the kernel returns zeros for the rows that read such a key
-            raise NonFiniteScoresError("k holds NaN or inf, which FlexAttention would hide")
-        d = _cpu_safe_head_dim(q.shape[-1], k.shape[-2], block)
-        if d != q.shape[-1]:  # the padded columns add 0 to every score
-            q, k = (torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (q, k))
+    cpu, gqa = q.device.type == "cpu", k.shape[1] != q.shape[1]
+    pad = _cpu_safe_head_dim(q.shape[-1], k.shape[-2], block) - q.shape[-1] if cpu else 0
     # a score_mod's Python constants (softcap's c) fail as dynamic floats: one kernel per
     # shape there
-    dynamic = _dynamic(q, k, v, generic and score_mod is None)
-    out = _compiled(dynamic)(q, k, v, score_mod, block_mask, scale, k.shape[1] != q.shape[1])
-    if key_valid is not None:  # rows whose keys are all padding: zeros (maps' rule)
-        out = out.nan_to_num(0.0)
-    return out
+    compiled = _compiled(_dynamic(q, k, v, generic and score_mod is None))
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if cpu and not all_finite(k):  # the kernel returns zeros for the rows that read it
+            raise NonFiniteScoresError("k holds NaN or inf, which FlexAttention would hide")
+        if pad:  # the padded columns add 0 to every score
+            q, k = (torch.nn.functional.pad(t, (0, pad)) for t in (q, k))
+        out = compiled(q, k, v, score_mod, block_mask, scale, gqa)
+        # rows whose keys are all padding: zeros (maps' rule)
+        return out if key_valid is None else out.nan_to_num(0.0)
+
+    return run

@@ -150,6 +150,32 @@ def test_a_repeated_call_is_checked_and_resolved_once(monkeypatch, engine, kv_he
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(flex_available() is not None, reason=str(flex_available()))
+def test_a_kept_flex_call_decides_its_kernel_once(monkeypatch):
+    """The flex engine's own decisions (the cached BlockMask, the kernel's ``dynamic``, the
+    compiled function) are made when a call is resolved: a kept call is the look-up and the
+    compiled call, with the same output; on CPU a key holding inf is still refused."""
+    from sparseattn.engines import flex
+
+    decided = []
+    real = flex._dynamic
+    monkeypatch.setattr(flex, "_dynamic", lambda *a: decided.append(1) or real(*a))
+    pattern = sa.longformer(8, 2)
+    q, k, v = _qkv(40, d=16, dtype=torch.float32)  # d >= 16: FlexAttention's GPU kernels
+    with torch.no_grad():
+        outs = [sa.sparse_attention(q, k, v, pattern, engine="flex") for _ in range(3)]
+        dense = sa.sparse_attention(q, k, v, pattern, engine="dense")
+    assert len(decided) == 1
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+    torch.testing.assert_close(outs[0], dense)
+    if q.device.type == "cpu":
+        bad = k.clone()
+        bad[0, 1, 5, 2] = float("inf")
+        with pytest.raises(ValueError, match="k contains NaN or inf"):
+            sa.sparse_attention(q, bad, v, pattern, engine="flex")
+        assert len(decided) == 1
+
+
 def test_a_kept_call_still_refuses_bad_values_and_kinds(monkeypatch):
     """What the kept resolution skips depends on the signature alone: values are checked on
     every CPU call, and an argument of another kind takes the full checks."""
