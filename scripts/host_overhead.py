@@ -16,6 +16,7 @@ CPU the user path also checks the output finite and the engine k (GPU: skipped);
 picks the block engine on CPU at this size.
 
     python scripts/host_overhead.py --out docs/results/flex/host-overhead-cpu.json
+    python scripts/host_overhead.py --stubbed-only   # the stubbed rows alone, in seconds
     python3 scripts/host_overhead.py --device cuda --out "$OUT/host-overhead-cuda.json"
 """
 
@@ -96,8 +97,9 @@ def measure(args: argparse.Namespace) -> dict:
     }
     row: dict = {"n": n, "shape": [1, 1, n, 16], "dtype": str(dtype).removeprefix("torch.")}
     with torch.no_grad():
-        for name, us in per_call_us(calls, args.device, args.calls, args.repeats).items():
-            row[f"{name} us"] = us
+        if not args.stubbed_only:
+            for name, us in per_call_us(calls, args.device, args.calls, args.repeats).items():
+                row[f"{name} us"] = us
         compiled_call = flex_engine._compiled
         flex_engine._compiled = lambda dynamic: lambda q, k, v, *rest: q
         host_checks = attention._host_checks
@@ -114,6 +116,8 @@ def measure(args: argparse.Namespace) -> dict:
         finally:
             flex_engine._compiled = compiled_call
             attention._host_checks = host_checks
+    if args.stubbed_only:
+        return row
     row["flex over direct us"] = round(row["sparseattn flex us"] - row["flex direct us"], 1)
     its_call = row["engine's compiled call us"]
     row["engine over its call us"] = round(row["flex engine us"] - its_call, 1)
@@ -127,6 +131,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--stubbed-only",
+        action="store_true",
+        help="only the rows with the compiled call stubbed (seconds: to compare commits)",
+    )
     parser.add_argument("--out", default=None, help="JSON file for the row and machine facts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
