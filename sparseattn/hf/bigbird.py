@@ -46,10 +46,10 @@ through the state, not the model); if a model is switched back to ``block_sparse
 modules run transformers' code until :func:`sparsify` is called again.
 
 Not supported: ``output_attentions=True`` (refused: transformers returns an n × n matrix that
-keeps one copy's weight of a repeated block), persistence (``save_pretrained`` keeps no sparse
-configuration of a BigBird), :func:`~sparseattn.hf.capture_attention` and
-:func:`~sparseattn.hf.attention_sparsity`. :func:`restore` puts the original ``forward`` back:
-the model is the original one exactly.
+keeps one copy's weight of a repeated block), :func:`~sparseattn.hf.capture_attention` and
+:func:`~sparseattn.hf.attention_sparsity` (NotImplementedError: nothing here records or counts
+the weights). :func:`restore` puts the original ``forward`` back: the model is the original
+one exactly.
 
 One piece: BigBird's own block layout and its quirks (eval's block 0, the repeated blocks,
 the short-input switch) are one mapping from transformers' layer to the engines, read in the

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from torch import nn
 
 from ..validate import check_choice, check_model
+from . import bigbird, longformer
 from .registry import restore, sparsify
 from .state import AttentionRecord, Capture, check_layers, model_state
 
@@ -35,6 +36,7 @@ def attention_sparsity(
     Layers run by a method hook (e.g. MCA) report their graph's sparsity under both.
     """
     check_model(model)
+    _refuse_own_forwards(model, "attention_sparsity")
     check_choice("of", of, ["weights", "graph"])
     state = model_state(model)
     if state is None:
@@ -62,6 +64,7 @@ def capture_attention(
     (dense, softmax) for the duration of the block and restored afterwards.
     """
     check_model(model)
+    _refuse_own_forwards(model, "capture_attention")
     wanted_layers = check_layers(layers)
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
@@ -79,3 +82,14 @@ def capture_attention(
         state.capture = None
         if temporary:
             restore(model)
+
+
+def _refuse_own_forwards(model: nn.Module, what: str) -> None:
+    """NotImplementedError for Longformer, LED and BigBird: sparseattn runs them from forwards
+    of their own (docs/checkpoints.md), which neither record nor count what they attend to."""
+    if longformer.is_longformer(model) or bigbird.is_bigbird(model):
+        raise NotImplementedError(
+            f"{what} does not support {type(model).__name__} yet: sparseattn runs Longformer, "
+            "LED and BigBird attention from forwards of their own, which neither record nor "
+            "count the weights"
+        )

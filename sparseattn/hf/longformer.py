@@ -55,7 +55,7 @@ transformers' attention in its place.
 
 Not yet: ``output_attentions=True`` (refused: transformers returns the banded weights in its own
 layout), :func:`~sparseattn.hf.capture_attention` and :func:`~sparseattn.hf.attention_sparsity`
-(they see a Longformer as not sparsified).
+(NotImplementedError: nothing here records or counts the weights).
 :func:`restore` puts the original ``forward`` back: the model is the original one exactly.
 
 One piece: transformers' Longformer self-attention re-expressed on the engines — the

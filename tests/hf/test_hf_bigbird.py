@@ -23,7 +23,7 @@ import transformers
 from tiny_models import tiny_model
 
 import sparseattn as sa
-from sparseattn import sparse_attention, split_heads, window
+from sparseattn import hf, sparse_attention, split_heads, window
 from sparseattn.hf import bigbird as bb
 from sparseattn.maps import resolve_prob_map
 
@@ -566,6 +566,11 @@ def test_refusals():
     model = bb.sparsify(tiny_bigbird())
     with pytest.raises(ValueError, match="output_attentions"), torch.no_grad():
         model(**batch(48), output_attentions=True)
+    with pytest.raises(NotImplementedError, match="attention_sparsity does not support"):
+        hf.attention_sparsity(model)  # not {}: nothing was counted
+    refused = pytest.raises(NotImplementedError, match="capture_attention does not support")
+    with refused, hf.capture_attention(model):
+        pass
     with pytest.raises(ValueError, match="engine"):
         bb.sparsify(tiny_bigbird(), engine="nope")
     with pytest.raises(ValueError, match="layers"):

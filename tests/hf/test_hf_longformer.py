@@ -447,6 +447,11 @@ def test_refusals():
     inputs = batch(13)
     with pytest.raises(ValueError, match="output_attentions"):
         model(**inputs, output_attentions=True)
+    with pytest.raises(NotImplementedError, match="attention_sparsity does not support"):
+        hf.attention_sparsity(model)  # not {}: nothing was counted
+    refused = pytest.raises(NotImplementedError, match="capture_attention does not support")
+    with refused, hf.capture_attention(model):
+        pass
     with pytest.raises(ValueError, match="engine"):
         hf.sparsify(tiny_longformer(), engine="nope")
     with pytest.raises(ValueError, match="layers"):
