@@ -53,9 +53,11 @@ models (:mod:`sparseattn.hf.persist`), so ``save_pretrained`` keeps it and
 ``import sparseattn.hf``) makes a layer loaded without it raise instead of running
 transformers' attention in its place.
 
-Not yet: ``output_attentions=True`` (refused: transformers returns the banded weights in its own
-layout), :func:`~sparseattn.hf.capture_attention` and :func:`~sparseattn.hf.attention_sparsity`
-(NotImplementedError: nothing here records or counts the weights).
+``output_attentions=True``: the weights in transformers' layout, formed apart from the engine
+(:mod:`sparseattn.hf.longformer_weights`), for a layer on its own window without dropout or a
+method hook (else a ValueError says which). Not yet: :func:`~sparseattn.hf.capture_attention`
+and :func:`~sparseattn.hf.attention_sparsity` (NotImplementedError: nothing here records or
+counts the weights).
 :func:`restore` puts the original ``forward`` back: the model is the original one exactly.
 
 One piece: transformers' Longformer self-attention re-expressed on the engines — the
@@ -80,6 +82,7 @@ from ..graph import AttentionGraph, broadcast_or_none
 from ..maps import ProbabilityMap, resolve_prob_map
 from ..patterns import HeadSplit, Pattern, PatternCycle, dense, window
 from ..validate import check_model
+from .longformer_weights import global_weights, local_weights
 from .persist import forget_config, guard, record_config
 from .state import (
     LayerContext,
@@ -430,19 +433,15 @@ def _global_rows(
     ``_compute_global_attn_output_from_hidden``), folded into the projections'
     weights where that costs less (:func:`_fold_globals`), else one dense
     :func:`~sparseattn.sparse_attention` call."""
-    bsz, n, embed = hidden_states.shape
-    heads, head_dim = module.num_heads, module.head_dim
-    g = pos.shape[1]
-    picked = hidden_states.gather(1, pos[..., None].expand(bsz, g, embed))
-    q = _split(module.query_global(picked) / math.sqrt(head_dim), heads)
+    q = _global_queries(module, hidden_states, pos)
     # an item of padding only has no global token: its (unused) rows may read every key
     ignore = is_padding & (~is_padding).any(-1, keepdim=True)
     ignore = ignore if bool(ignore.any()) else None
-    if _fold_globals(module, g):
+    if _fold_globals(module, pos.shape[1]):
         valid = None if ignore is None else ~ignore[:, None, None, :]
         return _folded_global_rows(module, hidden_states, q, valid, prob_map, dropout)
-    k = _split(module.key_global(hidden_states), heads)
-    v = _split(module.value_global(hidden_states), heads)
+    k = _split(module.key_global(hidden_states), module.num_heads)
+    v = _split(module.value_global(hidden_states), module.num_heads)
     return sparse_attention(
         q,
         k,
@@ -453,6 +452,12 @@ def _global_rows(
         key_padding_mask=ignore,
         dropout_p=dropout,
     )
+
+
+def _global_queries(module: nn.Module, hidden_states: Tensor, pos: Tensor) -> Tensor:
+    """``query_global`` of the tokens at ``pos`` (B, g), divided by √d: (B, H, g, d)."""
+    picked = hidden_states.gather(1, pos[..., None].expand(*pos.shape, hidden_states.shape[-1]))
+    return _split(module.query_global(picked) / math.sqrt(module.head_dim), module.num_heads)
 
 
 def _scaled_query(query: nn.Module, hidden_states: Tensor, root_d: float) -> Tensor:
@@ -479,15 +484,14 @@ def longformer_forward(
     (B, n, E) with n the padded length; ``attention_mask`` (B, n) < 0 for padding, > 0 for
     global tokens, 0 for local ones (transformers' extended mask), or the two masks it derives
     (``is_index_masked``, ``is_index_global_attn``).
-    Returns ``(output (B, n, E),)``."""
+    Returns ``(output (B, n, E),)``; with ``output_attentions`` also transformers'
+    ``attn_probs`` and, where there are global tokens, ``global_attn_probs``
+    (:mod:`.longformer_weights`)."""
     state, layer = getattr(module, _KEY)
     spec = state.specs[layer]
+    dropout = module.dropout if module.training else 0.0
     if output_attentions:
-        raise ValueError(
-            "output_attentions is not supported by a sparsified Longformer (transformers "
-            "returns its banded weights in its own layout); call sparseattn.hf.restore(model) "
-            "for them"
-        )
+        _check_weights_wanted(module, spec, dropout)
     bsz, n, embed = hidden_states.shape
     heads, head_dim = module.num_heads, module.head_dim
     if is_index_masked is None:
@@ -506,7 +510,6 @@ def longformer_forward(
     q = _split(_scaled_query(module.query, hidden_states, math.sqrt(head_dim)), heads)
     k = _split(module.key(hidden_states), heads)
     v = _split(module.value(hidden_states), heads)
-    dropout = module.dropout if module.training else 0.0
     graph = _cached_local_graph(state, layer, spec, q, k, is_index_global_attn, is_index_masked)
     extra = {}
     if spec.wants_context:
@@ -537,4 +540,37 @@ def longformer_forward(
         flat.index_copy_(0, rows, glob.transpose(1, 2).reshape(-1, embed)[real.view(-1)])
     if padded:
         flat.masked_fill_(is_index_masked.reshape(bsz * n, 1), 0.0)
-    return (flat.view(bsz, n, embed),)
+    if not output_attentions:
+        return (flat.view(bsz, n, embed),)
+    pos, counts = _global_positions(is_index_global_attn)
+    w, dtype = module.one_sided_attn_window_size, hidden_states.dtype
+    weights = [
+        local_weights(q, k, pos, counts, is_index_global_attn, is_index_masked, w, spec.prob_map)
+    ]
+    if is_global_attn:  # the global rows' own weights, as transformers returns them
+        q_global = _global_queries(module, hidden_states, pos)
+        k_global = _split(module.key_global(hidden_states), heads)
+        weights.append(global_weights(q_global, k_global, counts, is_index_masked, spec.prob_map))
+    return (flat.view(bsz, n, embed), *(t.to(dtype) for t in weights))
+
+
+def _check_weights_wanted(module: nn.Module, spec: LayerSpec, dropout: float) -> None:
+    """``output_attentions=True`` gives transformers' layout (:mod:`.longformer_weights`),
+    which holds the layer's own window and ρ's exact weights: refuse another pattern, a
+    method hook (it does not compute those weights) and dropout (transformers returns the
+    weights after its random draw)."""
+    own = window(2 * module.one_sided_attn_window_size)
+    why = None
+    if spec.pattern != own:
+        why = (
+            f"the layer's pattern is {spec.pattern!r}, not its own {own!r}, which the layout holds"
+        )
+    elif spec.method is not sparse_attention:
+        why = "a method hook computes the layer, not the weights of its map"
+    elif dropout:
+        why = "attention dropout is on (transformers returns the weights after its draw)"
+    if why is not None:
+        raise ValueError(
+            f"output_attentions needs transformers' banded layout, which does not fit here: "
+            f"{why}; use sparseattn.hf.restore(model) or model.eval()"
+        )

@@ -201,7 +201,20 @@ def test_generate_gives_the_same_tokens(num_beams):
     assert torch.equal(out, ref)
 
 
-def test_output_attentions_is_refused():
-    model = hf.sparsify(tiny_led())
-    with pytest.raises(ValueError, match="output_attentions"):
-        model(**batch(13), output_attentions=True)
+@pytest.mark.parametrize("globals_", ["none", "mixed"])
+def test_output_attentions_equal_transformers(globals_):
+    """The encoder's ``encoder_attentions`` and ``encoder_global_attentions`` in transformers'
+    layout; the decoder's and the cross-attention's are transformers' own."""
+    model = tiny_led()
+    with torch.no_grad():
+        ref = model(**batch(13, globals_), output_attentions=True)
+        out = hf.sparsify(copy.deepcopy(model))(**batch(13, globals_), output_attentions=True)
+    names = ["encoder_attentions", "encoder_global_attentions", "decoder_attentions"]
+    for name in [*names, "cross_attentions"]:
+        for ours, theirs in zip(getattr(out, name) or (), getattr(ref, name) or (), strict=True):
+            if theirs is None:
+                assert ours is None
+                continue
+            assert ours.shape == theirs.shape
+            assert_close(ours, theirs)
+    assert_close(out.logits, ref.logits)

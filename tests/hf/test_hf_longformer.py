@@ -442,11 +442,95 @@ def test_the_local_graph_is_window_and_globals_without_padding():
 
 
 # ----------------------------------------------------------------------- refusals
+# ------------------------------------------------------------------ output_attentions
+def _attentions(out) -> list:
+    """Every layer's ``attentions`` and ``global_attentions`` (None where an item has none)."""
+    return [*out.attentions, *(out.global_attentions or ())]
+
+
+@pytest.mark.parametrize("n", [13, 37])
+@pytest.mark.parametrize("globals_", ["none", "mixed", "all"])
+def test_output_attentions_equal_transformers(n, globals_):
+    """transformers' layout: per layer ``attentions`` (B, H, n, g + 2w + 1: the item's global
+    keys, then the band) and, where an item has global tokens, ``global_attentions``
+    (B, H, n, g), with padding, per-layer windows and lengths transformers pads."""
+    model = tiny_longformer()
+    inputs = batch(n, globals_=globals_)
+    with torch.no_grad():
+        ref = model(**inputs, output_attentions=True)
+        out = hf.sparsify(copy.deepcopy(model))(**inputs, output_attentions=True)
+    assert_close(main_output(out), main_output(ref))
+    for ours, theirs in zip(_attentions(out), _attentions(ref), strict=True):
+        if theirs is None:
+            assert ours is None
+            continue
+        assert ours.shape == theirs.shape
+        assert_close(ours, theirs)
+
+
+def test_output_attentions_gradients_equal_transformers():
+    """In train mode (dropout 0) the weights are differentiable as transformers' are."""
+    model = tiny_longformer().train()
+    ours = hf.sparsify(copy.deepcopy(model))
+    inputs = batch(13)
+    grads = []
+    for m in (model, ours):
+        gen = torch.Generator().manual_seed(3)
+        out = m(**inputs, output_attentions=True)
+        loss = sum((a * torch.randn(a.shape, generator=gen)).sum() for a in _attentions(out))
+        loss.backward()
+        grads.append({name: p.grad for name, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    # relative to the largest gradient: key.bias's is float noise (softmax ignores a shift)
+    scale = max(float(g.abs().max()) for g in grads[0].values())
+    for name, ref in grads[0].items():
+        torch.testing.assert_close(grads[1][name], ref, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_output_attentions_of_another_map_are_its_weights_on_the_layers_rows():
+    """With 1.5-entmax the layout holds ρ's weights: laid back out as n × n they equal ρ on
+    the dense reference's rows (window ∪ global keys, no padding; global and padding rows 0),
+    and some are exactly 0."""
+    model = hf.sparsify(tiny_longformer(), prob_map="entmax15")
+    inputs = batch(16)  # a multiple of the windows: no padding inside transformers
+    with torch.no_grad():
+        out = model(**inputs, output_attentions=True, output_hidden_states=True)
+    module = self_attentions(model)[0]
+    hidden, weights = out.hidden_states[0], out.attentions[0]  # layer 0: window ±2
+    n, heads, d = 16, module.num_heads, module.head_dim
+    pad = inputs["attention_mask"] == 0
+    glob = inputs["global_attention_mask"].bool()
+    split = lambda x: x.view(BSZ, n, heads, d).transpose(1, 2)  # noqa: E731
+    with torch.no_grad():
+        scores = split(module.query(hidden)) @ split(module.key(hidden)).mT / math.sqrt(d)
+    allowed = (band(4)(n) & ~glob[:, None, None, :]) | glob[:, None, None, :]
+    allowed = (allowed & ~pad[:, None, None, :]).expand_as(scores)
+    probs = resolve_prob_map("entmax15")(scores, allowed)
+    probs = probs.masked_fill((glob | pad)[:, None, :, None], 0.0)
+    dense = torch.zeros(BSZ, heads, n, n)
+    g = int(glob.sum(-1).max())
+    for b in range(BSZ):
+        positions = glob[b].nonzero().flatten().tolist()
+        for s, j in enumerate(positions):
+            dense[b, :, :, j] += weights[b, :, :, s]
+        for t in range(5):  # the band: key i − 2 + t
+            for i in range(n):
+                if 0 <= i - 2 + t < n:
+                    dense[b, :, i, i - 2 + t] += weights[b, :, i, g + t]
+    assert_close(dense, probs)
+    assert bool((weights == 0).any()) and bool(((probs > 0) & allowed).any())
+
+
 def test_refusals():
     model = hf.sparsify(tiny_longformer())
     inputs = batch(13)
-    with pytest.raises(ValueError, match="output_attentions"):
-        model(**inputs, output_attentions=True)
+    for why, refused in {
+        "pattern": hf.sparsify(tiny_longformer(), pattern=window(6)),
+        "method hook": hf.sparsify(tiny_longformer(), method=lambda q, *a, **kw: q),
+        "dropout": hf.sparsify(tiny_longformer(attention_probs_dropout_prob=0.1).train()),
+    }.items():
+        with pytest.raises(ValueError, match=f"output_attentions needs.*{why}"):
+            refused(**inputs, output_attentions=True)
     with pytest.raises(NotImplementedError, match="attention_sparsity does not support"):
         hf.attention_sparsity(model)  # not {}: nothing was counted
     refused = pytest.raises(NotImplementedError, match="capture_attention does not support")
