@@ -17,6 +17,12 @@ from .state import AttentionRecord, Capture, check_layers, model_state
 
 __all__ = ["attention_sparsity", "capture_attention"]
 
+#: Longformer, LED and BigBird run from forwards of their own (docs/checkpoints.md).
+_NOT_YET = (
+    "{} does not support {} yet: sparseattn runs its attention from a forward of its own, "
+    "which does not record what it attends to"
+)
+
 
 def attention_sparsity(
     model: nn.Module, reset: bool = False, of: str = "weights"
@@ -33,12 +39,16 @@ def attention_sparsity(
       forward of the attention, without its P·V product). With softmax it equals "graph".
     * ``of="graph"``: 1 − (allowed pairs of the pattern's graph) / (all real pairs).
 
-    Layers run by a method hook (e.g. MCA) report their graph's sparsity under both.
+    Layers run by a method hook (e.g. MCA) report their graph's sparsity under both. A
+    Longformer or LED counts its local rows on their graph (the window, the call's global
+    keys) and its global rows on every real key; BigBird: NotImplementedError (not yet).
     """
     check_model(model)
-    _refuse_own_forwards(model, "attention_sparsity")
+    if bigbird.is_bigbird(model):
+        raise NotImplementedError(_NOT_YET.format("attention_sparsity", type(model).__name__))
     check_choice("of", of, ["weights", "graph"])
-    state = model_state(model)
+    own = longformer.is_longformer(model)
+    state = longformer.model_state(model) if own else model_state(model)
     if state is None:
         return {}
     used = state.nonzero if of == "weights" else state.edges
@@ -64,7 +74,8 @@ def capture_attention(
     (dense, softmax) for the duration of the block and restored afterwards.
     """
     check_model(model)
-    _refuse_own_forwards(model, "capture_attention")
+    if longformer.is_longformer(model) or bigbird.is_bigbird(model):
+        raise NotImplementedError(_NOT_YET.format("capture_attention", type(model).__name__))
     wanted_layers = check_layers(layers)
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
@@ -82,14 +93,3 @@ def capture_attention(
         state.capture = None
         if temporary:
             restore(model)
-
-
-def _refuse_own_forwards(model: nn.Module, what: str) -> None:
-    """NotImplementedError for Longformer, LED and BigBird: sparseattn runs them from forwards
-    of their own (docs/checkpoints.md), which neither record nor count what they attend to."""
-    if longformer.is_longformer(model) or bigbird.is_bigbird(model):
-        raise NotImplementedError(
-            f"{what} does not support {type(model).__name__} yet: sparseattn runs Longformer, "
-            "LED and BigBird attention from forwards of their own, which neither record nor "
-            "count the weights"
-        )

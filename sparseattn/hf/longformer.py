@@ -55,9 +55,10 @@ transformers' attention in its place.
 
 ``output_attentions=True``: the weights in transformers' layout, formed apart from the engine
 (:mod:`sparseattn.hf.longformer_weights`), for a layer on its own window without dropout or a
-method hook (else a ValueError says which). Not yet: :func:`~sparseattn.hf.capture_attention`
-and :func:`~sparseattn.hf.attention_sparsity` (NotImplementedError: nothing here records or
-counts the weights).
+method hook (else a ValueError says which). Each call adds its real-token counts to the
+layer's (:func:`_count`, read by :func:`~sparseattn.hf.attention_sparsity`). Not yet:
+:func:`~sparseattn.hf.capture_attention` (NotImplementedError: nothing here records the
+weights).
 :func:`restore` puts the original ``forward`` back: the model is the original one exactly.
 
 One piece: transformers' Longformer self-attention re-expressed on the engines — the
@@ -79,7 +80,7 @@ from torch import Tensor, nn
 
 from ..attention import resolve_graph, sparse_attention
 from ..graph import AttentionGraph, broadcast_or_none
-from ..maps import ProbabilityMap, resolve_prob_map
+from ..maps import ProbabilityMap, resolve_prob_map, support
 from ..patterns import HeadSplit, Pattern, PatternCycle, dense, window
 from ..validate import check_model
 from .longformer_weights import global_weights, local_weights
@@ -102,6 +103,7 @@ __all__ = [
     "layer_specs",
     "local_graph",
     "longformer_forward",
+    "model_state",
     "restore",
     "sparsify",
 ]
@@ -124,6 +126,11 @@ class LongformerState:
     #: global and padding masks: a model called again with the same masks (a batch shape, the
     #: question tokens of a task) reuses the graph and the engines' plans cached on it
     graphs: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+    #: per layer, the real-token counts since :func:`sparsify` behind
+    #: :func:`~sparseattn.hf.attention_sparsity` (:func:`_count`), as a model's ``State``
+    edges: dict[int, float] = dataclasses.field(default_factory=dict)
+    pairs: dict[int, float] = dataclasses.field(default_factory=dict)
+    nonzero: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def __getstate__(self) -> dict:
         """Pickles and copies hold the configuration, not the graphs."""
@@ -215,8 +222,12 @@ def layer_names(model: nn.Module) -> list[str]:
     return [name for name, _ in _named_modules(model)]
 
 
-def _state(model: nn.Module) -> LongformerState | None:
+def model_state(model: nn.Module) -> LongformerState | None:
+    """What :func:`sparsify` keeps on a Longformer or LED (None for an unmodified model)."""
     return getattr(model, _KEY, None)
+
+
+_state = model_state
 
 
 def sparsify(
@@ -526,6 +537,7 @@ def longformer_forward(
         dropout_p=dropout,
         **extra,
     )  # (B, H, n, d)
+    _count(state, layer, module, hidden_states, graph, q, k, is_index_global_attn, is_index_masked)
     flat = out.transpose(1, 2).reshape(bsz * n, embed)  # a copy (a view for H = 1)
     padded = bool(is_index_masked.any())
     if (is_global_attn or padded) and flat.data_ptr() == out.data_ptr():
@@ -552,6 +564,41 @@ def longformer_forward(
         k_global = _split(module.key_global(hidden_states), heads)
         weights.append(global_weights(q_global, k_global, counts, is_index_masked, spec.prob_map))
     return (flat.view(bsz, n, embed), *(t.to(dtype) for t in weights))
+
+
+def _count(state, layer, module, hidden_states, graph, q, k, is_global, is_padding) -> None:
+    """Add this call's real-token counts to the layer's (``attention_sparsity``): the pairs of
+    real tokens; the edges among them (a local row: its graph's keys, which hold no padding;
+    a global row: every real key); for a sparse ρ its non-zero weights among them — one more
+    pass of the engine with ρ's support and values of ones for the local rows, the global
+    rows' weights formed (:func:`global_weights`) — else the edges (softmax zeroes none)."""
+    spec, heads = state.specs[layer], q.shape[1]
+    real = ~is_padding
+    n_real = real.sum(-1).double()  # (B,)
+    local = (real & ~is_global).double()[:, None]  # (B, 1, n): the local rows of real tokens
+    g_b, g_h = graph.batch_shape
+    degrees = graph.degrees.view(g_b, g_h, -1).double()
+    global_edges = float((is_global.sum(-1) * n_real).sum()) * heads
+    edges = float((degrees * local).sum()) * heads / g_h + global_edges
+    nonzero = edges
+    if spec.prob_map.sparse and spec.method is sparse_attention:
+        with torch.no_grad():
+            q32, k32 = q.detach().float(), k.detach().float()
+            ones = k32.new_ones(*k32.shape[:-1], 1)
+            rho, engine = support(spec.prob_map), spec.engine
+            kept = sparse_attention(q32, k32, ones, graph, prob_map=rho, engine=engine, scale=1.0)
+            nonzero = float((kept[..., 0].double() * local).sum())
+            if bool(is_global.any()):
+                pos, counts = _global_positions(is_global)
+                q_global = _global_queries(module, hidden_states, pos)
+                k_global = _split(module.key_global(hidden_states), heads)
+                probs = global_weights(q_global, k_global, counts, is_padding, spec.prob_map)
+                slots = torch.arange(pos.shape[1], device=pos.device) < counts[:, None]
+                kept = (probs > 0) & real[:, None, None, :] & slots[:, None, :, None]
+                nonzero += float(kept.sum())
+    for name, value in (("pairs", float((n_real**2).sum()) * heads), ("edges", edges)):
+        getattr(state, name)[layer] = getattr(state, name).get(layer, 0.0) + value
+    state.nonzero[layer] = state.nonzero.get(layer, 0.0) + nonzero
 
 
 def _check_weights_wanted(module: nn.Module, spec: LayerSpec, dropout: float) -> None:

@@ -218,3 +218,15 @@ def test_output_attentions_equal_transformers(globals_):
             assert ours.shape == theirs.shape
             assert_close(ours, theirs)
     assert_close(out.logits, ref.logits)
+
+
+def test_attention_sparsity_counts_the_encoder_layers():
+    """The encoder's layers are counted as Longformer's (tests/hf/test_hf_longformer.py checks
+    the counts); the decoder keeps transformers' attention, uncounted."""
+    model = hf.sparsify(tiny_led())
+    with torch.no_grad():
+        model(**batch(16))
+    sparsity = hf.attention_sparsity(model)
+    assert sorted(sparsity) == [0, 1]
+    assert 1.0 > sparsity[0] > sparsity[1] > 0.0  # layer 0's window (±2) is the narrower
+    assert sparsity == hf.attention_sparsity(model, of="graph")  # softmax zeroes none

@@ -487,38 +487,89 @@ def test_output_attentions_gradients_equal_transformers():
         torch.testing.assert_close(grads[1][name], ref, rtol=1e-5, atol=1e-5 * scale)
 
 
+def sharpened(model, factor: float = 8.0):
+    """``model`` with its query and key projections scaled by ``factor``: peaked scores, so
+    that a sparse map zeroes some of the keys a row may read (a random tiny model has none)."""
+    with torch.no_grad():
+        for module in self_attentions(model):
+            for name in ("query", "key", "query_global", "key_global"):
+                getattr(module, name).weight.mul_(factor)
+    return model
+
+
+def dense_weights(model, layer: int, hidden, inputs: dict, allowed, prob_map: str):
+    """Layer ``layer``'s weights n × n from its input ``hidden`` (B, n, E) (no padding inside
+    transformers): local rows (regular projections) on ``allowed(n)`` ∪ the item's global keys
+    minus padding, global rows (global projections) on every real key, padding rows 0; and the
+    mask of the keys each row may read (B, H, n, n)."""
+    module = self_attentions(model)[layer]
+    bsz, n, _ = hidden.shape
+    heads, d = module.num_heads, module.head_dim
+    pad = inputs["attention_mask"] == 0
+    glob = inputs.get("global_attention_mask", torch.zeros(bsz, n)).bool()
+
+    def scores(query, key):
+        split = lambda x: x.view(bsz, n, heads, d).transpose(1, 2)  # noqa: E731
+        with torch.no_grad():
+            return split(query(hidden)) @ split(key(hidden)).mT / math.sqrt(d)
+
+    local_keys = ((allowed(n) | glob[:, None, None, :]) & ~pad[:, None, None, :]).expand(
+        bsz, heads, n, n
+    )
+    real_keys = (~pad)[:, None, None, :].expand(bsz, heads, n, n)
+    local_rows, global_rows = (~glob & ~pad)[:, None, :, None], glob[:, None, :, None]
+    rho = resolve_prob_map(prob_map)
+    local = rho(scores(module.query, module.key), local_keys).masked_fill(~local_rows, 0.0)
+    glob_w = rho(scores(module.query_global, module.key_global), real_keys)
+    weights = local + glob_w.masked_fill(~global_rows, 0.0)
+    return weights, (local_keys & local_rows) | (real_keys & global_rows)
+
+
 def test_output_attentions_of_another_map_are_its_weights_on_the_layers_rows():
     """With 1.5-entmax the layout holds ρ's weights: laid back out as n × n they equal ρ on
-    the dense reference's rows (window ∪ global keys, no padding; global and padding rows 0),
-    and some are exactly 0."""
-    model = hf.sparsify(tiny_longformer(), prob_map="entmax15")
+    the dense reference's local rows (window ∪ global keys, no padding), and
+    some of the keys a row may read get 0."""
+    model = hf.sparsify(sharpened(tiny_longformer()), prob_map="entmax15")
     inputs = batch(16)  # a multiple of the windows: no padding inside transformers
     with torch.no_grad():
         out = model(**inputs, output_attentions=True, output_hidden_states=True)
-    module = self_attentions(model)[0]
-    hidden, weights = out.hidden_states[0], out.attentions[0]  # layer 0: window ±2
-    n, heads, d = 16, module.num_heads, module.head_dim
-    pad = inputs["attention_mask"] == 0
+    weights = out.attentions[0]  # layer 0: window ±2
     glob = inputs["global_attention_mask"].bool()
-    split = lambda x: x.view(BSZ, n, heads, d).transpose(1, 2)  # noqa: E731
-    with torch.no_grad():
-        scores = split(module.query(hidden)) @ split(module.key(hidden)).mT / math.sqrt(d)
-    allowed = (band(4)(n) & ~glob[:, None, None, :]) | glob[:, None, None, :]
-    allowed = (allowed & ~pad[:, None, None, :]).expand_as(scores)
-    probs = resolve_prob_map("entmax15")(scores, allowed)
-    probs = probs.masked_fill((glob | pad)[:, None, :, None], 0.0)
-    dense = torch.zeros(BSZ, heads, n, n)
-    g = int(glob.sum(-1).max())
+    probs, reads = dense_weights(model, 0, out.hidden_states[0], inputs, band(4), "entmax15")
+    probs = probs.masked_fill(glob[:, None, :, None], 0.0)  # global rows: 0 in this layout
+    n, g = 16, int(glob.sum(-1).max())
+    dense = torch.zeros_like(probs)
     for b in range(BSZ):
-        positions = glob[b].nonzero().flatten().tolist()
-        for s, j in enumerate(positions):
+        for s, j in enumerate(glob[b].nonzero().flatten().tolist()):
             dense[b, :, :, j] += weights[b, :, :, s]
         for t in range(5):  # the band: key i − 2 + t
-            for i in range(n):
-                if 0 <= i - 2 + t < n:
-                    dense[b, :, i, i - 2 + t] += weights[b, :, i, g + t]
+            for i in range(max(0, 2 - t), min(n, n + 2 - t)):
+                dense[b, :, i, i - 2 + t] += weights[b, :, i, g + t]
     assert_close(dense, probs)
-    assert bool((weights == 0).any()) and bool(((probs > 0) & allowed).any())
+    assert bool(((dense == 0) & reads & ~glob[:, None, :, None]).any())
+
+
+@pytest.mark.parametrize("prob_map", ["softmax", "entmax15"])
+def test_attention_sparsity_counts_as_the_dense_reference(prob_map):
+    """``hf.attention_sparsity``: per layer, 1 − (the keys the rows may read, or ρ's non-zero
+    weights) / (pairs of real tokens), over the calls since sparsify; ``reset`` starts again."""
+    model = hf.sparsify(sharpened(tiny_longformer()), prob_map=prob_map)
+    inputs = batch(16, globals_="all")
+    for _ in range(2):  # counts add up over calls: the ratios stay
+        with torch.no_grad():
+            out = model(**inputs, output_hidden_states=True)
+    graph = hf.attention_sparsity(model, of="graph")
+    weights = hf.attention_sparsity(model, reset=True)
+    real = inputs["attention_mask"].sum(-1).double()
+    pairs = float((real**2).sum()) * LONGFORMER["num_attention_heads"]
+    for layer, w in enumerate([4, 8]):
+        probs, reads = dense_weights(
+            model, layer, out.hidden_states[layer], inputs, band(w), prob_map
+        )
+        assert graph[layer] == pytest.approx(1 - float(reads.sum()) / pairs)
+        assert weights[layer] == pytest.approx(1 - float((probs > 0).sum()) / pairs)
+    assert (weights == graph) == (prob_map == "softmax")
+    assert hf.attention_sparsity(model) == {}  # reset
 
 
 def test_refusals():
@@ -531,8 +582,6 @@ def test_refusals():
     }.items():
         with pytest.raises(ValueError, match=f"output_attentions needs.*{why}"):
             refused(**inputs, output_attentions=True)
-    with pytest.raises(NotImplementedError, match="attention_sparsity does not support"):
-        hf.attention_sparsity(model)  # not {}: nothing was counted
     refused = pytest.raises(NotImplementedError, match="capture_attention does not support")
     with refused, hf.capture_attention(model):
         pass
