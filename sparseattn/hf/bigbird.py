@@ -45,9 +45,10 @@ original's. The dropped modules keep their patch until :func:`restore` (which re
 through the state, not the model); if a model is switched back to ``block_sparse``, its new
 modules run transformers' code until :func:`sparsify` is called again.
 
-Not supported: ``output_attentions=True`` (refused: transformers returns an n × n matrix that
-keeps one copy's weight of a repeated block), :func:`~sparseattn.hf.capture_attention` and
-:func:`~sparseattn.hf.attention_sparsity` (NotImplementedError: nothing here records or counts
+Each call adds its real-token counts to the layer's (:func:`_count`, read by
+:func:`~sparseattn.hf.attention_sparsity`). Not supported: ``output_attentions=True``
+(refused: transformers returns an n × n matrix that keeps one copy's weight of a repeated
+block) and :func:`~sparseattn.hf.capture_attention` (NotImplementedError: nothing here records
 the weights). :func:`restore` puts the original ``forward`` back: the model is the original
 one exactly.
 
@@ -68,7 +69,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..attention import sparse_attention
+from ..attention import resolve_graph, sparse_attention
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap, resolve_prob_map
 from ..memo import Memo
@@ -82,6 +83,8 @@ from ..patterns.bigbird_blocks import (
     bigbird_blocks,
 )
 from ..validate import check_model
+from .accounting import account, nonzero_weights
+from .mask import MaskView
 from .persist import forget_config, guard, record_config
 from .state import (
     LayerContext,
@@ -100,6 +103,7 @@ __all__ = [
     "is_bigbird",
     "layer_names",
     "layer_specs",
+    "model_state",
     "repeat_columns",
     "restore",
     "sparsify",
@@ -136,6 +140,11 @@ class BigBirdState:
     original: str | None = None
     #: derived tensors (a memo: pickles and copies hold none)
     cache: Memo = dataclasses.field(default_factory=lambda: Memo(CACHED))
+    #: per layer, the real-token counts since :func:`sparsify` behind
+    #: :func:`~sparseattn.hf.attention_sparsity` (as a model's ``State``)
+    edges: dict[int, float] = dataclasses.field(default_factory=dict)
+    pairs: dict[int, float] = dataclasses.field(default_factory=dict)
+    nonzero: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- the modules
@@ -165,8 +174,12 @@ def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, classes)]
 
 
-def _state(model: nn.Module) -> BigBirdState | None:
+def model_state(model: nn.Module) -> BigBirdState | None:
+    """What :func:`sparsify` keeps on a BigBird (None for an unmodified model)."""
     return getattr(model, _KEY, None)
+
+
+_state = model_state
 
 
 def is_bigbird(model: nn.Module) -> bool:
@@ -466,6 +479,17 @@ def _key_padding(to_mask: Tensor | None, bsz: int, n: int) -> Tensor | None:
     return padding if bool(padding.any()) else None
 
 
+def _count(state, layer, spec, pattern, q, k, ignore, scale) -> None:
+    """Add this call's real-token counts to the layer's (``attention_sparsity``, as for other
+    models: :func:`~sparseattn.hf.accounting.account`): the layout's keys as a set (a block
+    listed twice is one block's keys), ρ's non-zero weights for a sparse map."""
+    view = MaskView(None if ignore is None else ~ignore, False, None, None)
+    edges = account(state, layer, resolve_graph(pattern, q, k), q, k, view, spec)
+    if spec.prob_map.sparse and spec.method is sparse_attention:
+        edges = nonzero_weights(spec, q, k, pattern, view, scale, q.shape[2])
+    state.nonzero[layer] = state.nonzero.get(layer, 0.0) + edges
+
+
 def bigbird_forward(
     module: nn.Module,
     hidden_states: Tensor,
@@ -500,6 +524,7 @@ def bigbird_forward(
     k = _split(module.key(hidden_states), heads)
     v = _split(module.value(hidden_states), heads)
     ignore = _key_padding(to_mask, bsz, n)
+    _count(state, layer, spec, pattern, q, k, ignore, scale)
     extra: dict = {}
     if spec.wants_context:
         extra["context"] = LayerContext(layer, module, hidden_states, module.value)

@@ -17,6 +17,17 @@ from .state import AttentionRecord, Capture, check_layers, model_state
 
 __all__ = ["attention_sparsity", "capture_attention"]
 
+
+def _counts_of(model: nn.Module):
+    """What holds a sparsified model's counts: Longformer, LED and BigBird keep their own
+    state (their forwards are their own, docs/checkpoints.md), other models a ``State``."""
+    if longformer.is_longformer(model):
+        return longformer.model_state(model)
+    if bigbird.is_bigbird(model):
+        return bigbird.model_state(model)
+    return model_state(model)
+
+
 #: Longformer, LED and BigBird run from forwards of their own (docs/checkpoints.md).
 _NOT_YET = (
     "{} does not support {} yet: sparseattn runs its attention from a forward of its own, "
@@ -41,14 +52,11 @@ def attention_sparsity(
 
     Layers run by a method hook (e.g. MCA) report their graph's sparsity under both. A
     Longformer or LED counts its local rows on their graph (the window, the call's global
-    keys) and its global rows on every real key; BigBird: NotImplementedError (not yet).
+    keys) and its global rows on every real key; a BigBird its layout's keys as a set.
     """
     check_model(model)
-    if bigbird.is_bigbird(model):
-        raise NotImplementedError(_NOT_YET.format("attention_sparsity", type(model).__name__))
     check_choice("of", of, ["weights", "graph"])
-    own = longformer.is_longformer(model)
-    state = longformer.model_state(model) if own else model_state(model)
+    state = _counts_of(model)
     if state is None:
         return {}
     used = state.nonzero if of == "weights" else state.edges

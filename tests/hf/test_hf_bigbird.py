@@ -561,13 +561,42 @@ def test_copies_and_pickles_stay_bound_to_their_own_modules():
     assert "forward" in vars(bb.attention_modules(model)[0])
 
 
+# ------------------------------------------------------------------ attention_sparsity
+@pytest.mark.parametrize("prob_map", ["softmax", "entmax15"])
+def test_attention_sparsity_counts_the_layout_as_a_set(prob_map):
+    """Per layer, 1 − (the keys of the eval layout each real row may read, a block listed
+    again counted once; or ρ's non-zero weights there) / (pairs of real tokens), against n × n
+    counts from the layout's dense mask and the layer's inputs."""
+    model = bb.sparsify(tiny_bigbird(), prob_map=prob_map)
+    with torch.no_grad():
+        for module in bb.attention_modules(model):  # peaked scores: entmax leaves some keys 0
+            module.query.weight.mul_(8.0)
+    inputs = batch(64)
+    with torch.no_grad():
+        out = model(**inputs, output_hidden_states=True)
+    graph, weights = hf.attention_sparsity(model, of="graph"), hf.attention_sparsity(model)
+    real = inputs["attention_mask"].bool()
+    heads, d = BIGBIRD["num_attention_heads"], BIGBIRD["hidden_size"] // 4
+    pairs = float((real.sum(-1).double() ** 2).sum()) * heads
+    layout = sa.bigbird_blocks(4, 2, training=False).graph(64).to_dense().bool()
+    reads = (layout & real[:, None, None, :] & real[:, None, :, None]).expand(-1, heads, -1, -1)
+    for layer, module in enumerate(bb.attention_modules(model)):
+        hidden = out.hidden_states[layer]
+        split = lambda x: x.view(BSZ, 64, heads, d).transpose(1, 2)  # noqa: E731
+        with torch.no_grad():
+            scores = split(module.query(hidden)) @ split(module.key(hidden)).mT / math.sqrt(d)
+        keys = (layout & real[:, None, None, :]).expand_as(scores)
+        probs = resolve_prob_map(prob_map)(scores, keys) * real[:, None, :, None]
+        assert graph[layer] == pytest.approx(1 - float(reads.sum()) / pairs)
+        assert weights[layer] == pytest.approx(1 - float((probs > 0).sum()) / pairs)
+    assert (weights == graph) == (prob_map == "softmax")
+
+
 # ----------------------------------------------------------------------- refusals
 def test_refusals():
     model = bb.sparsify(tiny_bigbird())
     with pytest.raises(ValueError, match="output_attentions"), torch.no_grad():
         model(**batch(48), output_attentions=True)
-    with pytest.raises(NotImplementedError, match="attention_sparsity does not support"):
-        hf.attention_sparsity(model)  # not {}: nothing was counted
     refused = pytest.raises(NotImplementedError, match="capture_attention does not support")
     with refused, hf.capture_attention(model):
         pass
