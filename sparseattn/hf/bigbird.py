@@ -46,9 +46,9 @@ through the state, not the model); if a model is switched back to ``block_sparse
 modules run transformers' code until :func:`sparsify` is called again.
 
 Each call adds its real-token counts to the layer's (:func:`_count`, read by
-:func:`~sparseattn.hf.attention_sparsity`). Not supported: ``output_attentions=True``
-(refused: transformers returns an n × n matrix that keeps one copy's weight of a repeated
-block) and :func:`~sparseattn.hf.capture_attention` (NotImplementedError: nothing here records
+:func:`~sparseattn.hf.attention_sparsity`). ``output_attentions=True``: transformers' n × n
+matrix, formed apart from the engine (:func:`dense_weights`; a method hook refuses it). Not
+supported: :func:`~sparseattn.hf.capture_attention` (NotImplementedError: nothing here records
 the weights). :func:`restore` puts the original ``forward`` back: the model is the original
 one exactly.
 
@@ -450,18 +450,46 @@ def _numpy_after_draw(state: BigBirdState, module: nn.Module, layer: int, n: int
 
 
 # ---------------------------------------------------------------------- the forward
-def _refuse_attentions() -> None:
-    """output_attentions: transformers records the module's second output; refuse it."""
+def _attentions_wanted() -> bool:
+    """Whether transformers records this call's attention weights (``output_attentions``: it
+    collects the module's second output)."""
     try:
         from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # another transformers: nothing to check against
-        return
+    except ImportError:  # another transformers: it asks for none this way
+        return False
     collected = _active_collector.get()
-    if collected is not None and "attentions" in collected:
-        raise ValueError(
-            "output_attentions is not supported by a sparsified BigBird (transformers returns "
-            "an n x n matrix of its block weights); call sparseattn.hf.restore(model) for them"
-        )
+    return collected is not None and "attentions" in collected
+
+
+def dense_weights(
+    q: Tensor,
+    k: Tensor,
+    graph: AttentionGraph,
+    repeats: Tensor | None,
+    prob_map: ProbabilityMap,
+    scale: float,
+    ignore: Tensor | None,
+) -> Tensor:
+    """The layer's weights as transformers returns them for ``output_attentions``: an n × n
+    matrix (B, H, n, n) per call, ρ on each row's listed keys (``graph``, without the
+    ``ignore`` (B, n) padding keys), 0 elsewhere and in the rows of padding tokens (whose
+    output is 0; transformers' hold weights on some of their keys there). ``repeats``
+    (G, nb, nb) (:func:`block_repeats`) or None: with softmax a block listed r times weighs
+    r times in its row's sum, and the matrix holds one copy's weight (transformers writes
+    each copy to the same entries), so p / r of ρ(scores + log r). q, k (B, H, n, d)."""
+    bsz, heads, n, _ = q.shape
+    scores = (q.float() @ k.float().mT) * scale
+    keys = graph.to_dense().bool()  # (n, n) or (H, n, n)
+    if ignore is not None:
+        keys = keys & ~ignore[:, None, None, :] & ~ignore[:, None, :, None]
+    keys = keys.expand_as(scores)
+    if repeats is None:
+        return prob_map(scores, keys).to(q.dtype)
+    g, nb, _ = repeats.shape
+    r = repeats.clamp(min=1).to(scores.dtype).view(1, g, nb, 1, nb, 1)
+    blocked = scores.view(bsz, heads, nb, n // nb, nb, n // nb)
+    probs = prob_map((blocked + r.log()).view_as(scores), keys)
+    return (probs.view_as(blocked) / r).view_as(scores).to(q.dtype)
 
 
 def _split(x: Tensor, heads: int) -> Tensor:
@@ -535,7 +563,12 @@ def bigbird_forward(
     no attention probabilities."""
     state, layer = getattr(module, _LAYER_KEY)
     spec = state.specs[layer]
-    _refuse_attentions()
+    wanted = _attentions_wanted()
+    if wanted and spec.method is not sparse_attention:
+        raise ValueError(
+            "output_attentions needs the weights of the layer's map, which a method hook "
+            "does not compute; call sparseattn.hf.restore(model) for transformers' own"
+        )
     bsz, n, _ = hidden_states.shape
     b, heads, d = module.block_size, module.num_attention_heads, module.attention_head_size
     if n % b:
@@ -552,6 +585,11 @@ def bigbird_forward(
     v = _split(module.value(hidden_states), heads)
     ignore = _key_padding(to_mask, bsz, n)
     _count(state, layer, spec, pattern, q, k, ignore, scale, b)
+    weights = None
+    if wanted:  # transformers' n × n matrix, the repeated blocks as its softmax weighs them
+        repeats = block_repeats(pattern, n) if own and spec.prob_map.is_softmax else None
+        graph = resolve_graph(pattern, q, k)
+        weights = dense_weights(q, k, graph, repeats, spec.prob_map, scale, ignore)
     extra: dict = {}
     if spec.wants_context:
         extra["context"] = LayerContext(layer, module, hidden_states, module.value)
@@ -585,4 +623,4 @@ def bigbird_forward(
         out = out * from_mask.to(out.dtype)
     if own and training and module.seed is not None:
         np.random.set_state(_numpy_after_draw(state, module, layer, n))
-    return out.transpose(1, 2).reshape(bsz, n, heads * d), None
+    return out.transpose(1, 2).reshape(bsz, n, heads * d), weights

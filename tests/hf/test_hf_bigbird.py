@@ -592,11 +592,54 @@ def test_attention_sparsity_counts_the_layout_as_a_set(prob_map):
     assert (weights == graph) == (prob_map == "softmax")
 
 
+# ------------------------------------------------------------------ output_attentions
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("model_class", ["BigBirdModel", "pegasus"])
+def test_output_attentions_equal_transformers_on_real_rows(model_class, train):
+    """transformers' n × n matrix per layer — a block listed twice holds one copy's weight
+    (eval mode: block 0) — on the rows of real tokens, to float rounding; the rows of padding
+    tokens 0 (transformers' hold weights its output then discards)."""
+    model = tiny_pegasus(train=train) if model_class == "pegasus" else tiny_bigbird(train=train)
+    inputs = batch(64)
+    if model_class == "pegasus":
+        inputs["decoder_input_ids"] = inputs["input_ids"][:, :5]
+    with torch.no_grad():
+        ref = model(**inputs, output_attentions=True)
+        out = bb.sparsify(copy.deepcopy(model))(**inputs, output_attentions=True)
+    name = "encoder_attentions" if model_class == "pegasus" else "attentions"
+    real = inputs["attention_mask"].bool()[:, None, :, None]
+    for ours, theirs in zip(getattr(out, name), getattr(ref, name), strict=True):
+        assert ours.shape == theirs.shape == (BSZ, 4, 64, 64)
+        assert_close(ours * real, theirs * real)
+        assert not bool((ours * ~real).any())
+    if model_class == "pegasus":  # the decoder's are transformers' own
+        for ours, theirs in zip(out.decoder_attentions, ref.decoder_attentions, strict=True):
+            assert_close(ours, theirs)
+
+
+def test_output_attentions_of_another_map_are_its_weights_on_the_layout():
+    """With 1.5-entmax the matrix is ρ's weights on each real row's layout keys (a set)."""
+    model = bb.sparsify(tiny_bigbird(), prob_map="entmax15")
+    inputs = batch(64)
+    with torch.no_grad():
+        out = model(**inputs, output_attentions=True, output_hidden_states=True)
+    module, hidden = bb.attention_modules(model)[0], out.hidden_states[0]
+    heads, d = BIGBIRD["num_attention_heads"], BIGBIRD["hidden_size"] // 4
+    split = lambda x: x.view(BSZ, 64, heads, d).transpose(1, 2)  # noqa: E731
+    with torch.no_grad():
+        scores = split(module.query(hidden)) @ split(module.key(hidden)).mT / math.sqrt(d)
+    real = inputs["attention_mask"].bool()
+    layout = sa.bigbird_blocks(4, 2, training=False).graph(64).to_dense().bool()
+    keys = (layout & real[:, None, None, :] & real[:, None, :, None]).expand_as(scores)
+    assert_close(out.attentions[0], resolve_prob_map("entmax15")(scores, keys))
+
+
 # ----------------------------------------------------------------------- refusals
 def test_refusals():
     model = bb.sparsify(tiny_bigbird())
-    with pytest.raises(ValueError, match="output_attentions"), torch.no_grad():
-        model(**batch(48), output_attentions=True)
+    hooked = bb.sparsify(tiny_bigbird(), method=lambda q, *a, **kw: q)
+    with pytest.raises(ValueError, match="output_attentions needs"), torch.no_grad():
+        hooked(**batch(48), output_attentions=True)
     refused = pytest.raises(NotImplementedError, match="capture_attention does not support")
     with refused, hf.capture_attention(model):
         pass
