@@ -479,14 +479,14 @@ def dense_weights(
     each copy to the same entries), so p / r of ρ(scores + log r). q, k (B, H, n, d)."""
     bsz, heads, n, _ = q.shape
     scores = (q.float() @ k.float().mT) * scale
-    keys = graph.to_dense().bool()  # (n, n) or (H, n, n)
+    keys = graph.to_dense().bool().to(q.device)  # (n, n) or (H, n, n)
     if ignore is not None:
         keys = keys & ~ignore[:, None, None, :] & ~ignore[:, None, :, None]
     keys = keys.expand_as(scores)
     if repeats is None:
         return prob_map(scores, keys).to(q.dtype)
     g, nb, _ = repeats.shape
-    r = repeats.clamp(min=1).to(scores.dtype).view(1, g, nb, 1, nb, 1)
+    r = repeats.clamp(min=1).to(scores.device, scores.dtype).view(1, g, nb, 1, nb, 1)
     blocked = scores.view(bsz, heads, nb, n // nb, nb, n // nb)
     probs = prob_map((blocked + r.log()).view_as(scores), keys)
     return (probs.view_as(blocked) / r).view_as(scores).to(q.dtype)
@@ -539,7 +539,7 @@ def _padded_edges(graph: AttentionGraph, real: Tensor, block: int, heads: int) -
     if not bool(found.full.all()):
         return None
     nb = n // block
-    per_block = real.view(real.shape[0], nb, block).sum(-1).double()  # (B, nb)
+    per_block = real.to(found.keys.device).view(real.shape[0], nb, block).sum(-1).double()
     rows, cols = (found.keys // nb) % nb, found.keys % nb
     edges = float((per_block[:, rows] * per_block[:, cols]).sum())
     return edges * heads / max(1, math.prod(graph.batch_shape))

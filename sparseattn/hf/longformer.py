@@ -577,9 +577,9 @@ def _count(state, layer, module, hidden_states, graph, q, k, is_global, is_paddi
     n_real = real.sum(-1).double()  # (B,)
     local = (real & ~is_global).double()[:, None]  # (B, 1, n): the local rows of real tokens
     g_b, g_h = graph.batch_shape
-    degrees = graph.degrees.view(g_b, g_h, -1).double()
+    degrees = graph.degrees.view(g_b, g_h, -1).double()  # where the graph lives (the host)
     global_edges = float((is_global.sum(-1) * n_real).sum()) * heads
-    edges = float((degrees * local).sum()) * heads / g_h + global_edges
+    edges = float((degrees * local.to(degrees.device)).sum()) * heads / g_h + global_edges
     nonzero = edges
     if spec.prob_map.sparse and spec.method is sparse_attention:
         with torch.no_grad():
