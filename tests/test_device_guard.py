@@ -122,6 +122,39 @@ def test_key_padding_and_the_module_stay_on_the_device(guard):
                 )
 
 
+@pytest.mark.parametrize("prob_map", ["softmax", "entmax15"])
+def test_checkpoint_models_weights_and_counts_stay_on_the_device(guard, prob_map):
+    """A sparsified Longformer and BigBird on the device, with padding (and global tokens):
+    ``output_attentions`` (formed apart from the engine) and ``attention_sparsity``'s counts
+    (the layer's graph on the host, the call's masks on the device)."""
+    pytest.importorskip("transformers")
+    from tiny_models import tiny_model
+
+    from sparseattn import hf
+
+    longformer = tiny_model(
+        "LongformerConfig", "LongformerModel", vocab_size=50, hidden_size=16,
+        num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        attention_window=[4], max_position_embeddings=64,
+    )  # fmt: skip
+    bigbird = tiny_model(
+        "BigBirdConfig", "BigBirdModel", vocab_size=50, hidden_size=16, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=16, block_size=4, num_random_blocks=1,
+        max_position_embeddings=128, attention_type="block_sparse",
+    )  # fmt: skip
+    mask = torch.ones(2, 40, dtype=torch.long).to(CUDA)
+    mask[1, 33:] = 0
+    glob = torch.zeros(2, 40, dtype=torch.long).to(CUDA)
+    glob[:, 0] = 1
+    ids = torch.randint(5, 50, (2, 40)).to(CUDA)
+    for model, extra in ((longformer, {"global_attention_mask": glob}), (bigbird, {})):
+        model = hf.sparsify(model.eval().to(CUDA), prob_map=prob_map)
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, output_attentions=True, **extra)
+        assert on_device(out.last_hidden_state) and all(map(on_device, out.attentions))
+        assert list(hf.attention_sparsity(model)) == [0]
+
+
 @pytest.mark.parametrize("engine", ["block", "gather", "dense", "flex"])
 @pytest.mark.parametrize("n_q", [1, 64])
 def test_grouped_query_calls_stay_on_the_device(guard, engine, n_q):
