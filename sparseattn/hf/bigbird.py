@@ -101,6 +101,7 @@ __all__ = [
     "attention_modules",
     "bigbird_forward",
     "block_repeats",
+    "dense_weights",
     "is_bigbird",
     "layer_names",
     "layer_specs",
