@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..attention import sparse_attention
+from ..engines.layout import block_pairs
 from ..graph import AttentionGraph
 from ..maps import support
 from .mask import MaskView
@@ -19,26 +20,47 @@ from .state import LayerSpec, State
 __all__ = ["account", "nonzero_weights"]
 
 
+#: The block size at which :func:`_real_key_counts` reads a graph: whole block pairs are
+#: counted per block, only the edges of partial pairs one by one.
+COUNT_BLOCK = 64
+
+
 def _real_key_counts(graph: AttentionGraph, key_valid: Tensor | None, bsz: int) -> Tensor:
-    """(batch, graph heads, n_q) float64: how many real keys each query may attend to."""
+    """(batch, graph heads, n_q) float64: how many real keys each query may attend to.
+
+    From the graph's block pairs at :data:`COUNT_BLOCK` (found once per graph, cached on it):
+    a whole pair adds its key block's real keys to each of its rows, a partial pair its edges
+    to real keys — O(pairs + partial edges) per call instead of O(B·E) (BigBird's training
+    layout at n = 4096: 30.6 M edges, all in whole pairs)."""
     shape = graph.batch_shape
     if len(shape) > 2:
         raise ValueError(f"graph batch_shape {shape} has more than (batch, heads) dims")
     g_b, g_h = (1,) * (2 - len(shape)) + shape
-    n_q = graph.n_q
+    n_q, n_k = graph.n_q, graph.n_k
     if key_valid is None:
-        counts = graph.degrees.double().reshape(g_b, g_h, n_q)
-    else:
-        rows = graph.row_indices()
-        weight = key_valid.cpu().double()
-        if g_b == 1:
-            counts = torch.zeros(bsz, graph.num_rows, dtype=torch.float64)
-            counts.index_add_(1, rows, weight[:, graph.col])
-        else:
-            counts = torch.zeros(graph.num_rows, dtype=torch.float64)
-            counts.index_add_(0, rows, weight[rows // (g_h * n_q), graph.col])
-        counts = counts.reshape(-1, g_h, n_q)
-    return counts.expand(bsz, g_h, n_q)
+        return graph.degrees.double().reshape(g_b, g_h, n_q).expand(bsz, g_h, n_q)
+    b = COUNT_BLOCK
+    pairs = graph.cached(("real_key_pairs", b), lambda: block_pairs(graph, b, partial=True))
+    nbq, nbk = -(-n_q // b), -(-n_k // b)
+    valid = key_valid.to(graph.device).double()  # (B, n_k)
+    items = valid.shape[0] if g_b == 1 else 1  # a graph per item: its own item's keys
+    valid = valid.view(items, g_b, n_k)
+    per_block = torch.nn.functional.pad(valid, (0, nbk * b - n_k)).view(items, g_b, nbk, b)
+    per_block = per_block.sum(-1)
+    graphs = g_b * g_h
+    g, rb, kb = pairs.keys // (nbq * nbk), (pairs.keys // nbk) % nbq, pairs.keys % nbk
+    whole = pairs.full
+    counts = torch.zeros(items, graphs * nbq, dtype=torch.float64, device=graph.device)
+    rows = (g * nbq + rb)[whole]
+    counts.index_add_(1, rows, per_block[:, (g // g_h)[whole], kb[whole]])
+    counts = counts.view(items, graphs, nbq).repeat_interleave(b, -1)[..., :n_q].contiguous()
+    pair = pairs.e_pair
+    if pair.numel():  # the partial pairs' edges, one by one
+        e_g = g[pair]
+        row, key = rb[pair] * b + pairs.e_q, kb[pair] * b + pairs.e_k
+        flat = counts.view(items, graphs * n_q)
+        flat.index_add_(1, e_g * n_q + row, valid[:, e_g // g_h, key])
+    return counts.view(-1, g_h, n_q).expand(bsz, g_h, n_q).cpu()
 
 
 def _possible_keys(view: MaskView, real: Tensor, n_q: int) -> Tensor:

@@ -70,7 +70,6 @@ import torch
 from torch import Tensor, nn
 
 from ..attention import resolve_graph, sparse_attention
-from ..engines.layout import block_pairs
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap, resolve_prob_map
 from ..memo import Memo
@@ -509,41 +508,18 @@ def _key_padding(to_mask: Tensor | None, bsz: int, n: int) -> Tensor | None:
     return padding if bool(padding.any()) else None
 
 
-def _count(state, layer, spec, pattern, q, k, ignore, scale, block) -> None:
+def _count(state, layer, spec, pattern, q, k, ignore, scale) -> AttentionGraph:
     """Add this call's real-token counts to the layer's (``attention_sparsity``, as for other
     models: :func:`~sparseattn.hf.accounting.account`): the layout's keys as a set (a block
-    listed twice is one block's keys), ρ's non-zero weights for a sparse map. With padding, a
-    layout of whole blocks is counted by its block pairs (:func:`_padded_edges`)."""
+    listed twice is one block's keys), ρ's non-zero weights for a sparse map. Returns the
+    layout's graph."""
     graph = resolve_graph(pattern, q, k)
     view = MaskView(None if ignore is None else ~ignore, False, None, None)
-    edges = None if ignore is None else _padded_edges(graph, ~ignore, block, q.shape[1])
-    if edges is None:
-        edges = account(state, layer, graph, q, k, view, spec)
-    else:
-        pairs = float((view.key_valid.sum(-1).double() ** 2).sum()) * q.shape[1]
-        for name, value in (("edges", edges), ("pairs", pairs)):
-            getattr(state, name)[layer] = getattr(state, name).get(layer, 0.0) + value
+    edges = account(state, layer, graph, q, k, view, spec)
     if spec.prob_map.sparse and spec.method is sparse_attention:
         edges = nonzero_weights(spec, q, k, pattern, view, scale, q.shape[2])
     state.nonzero[layer] = state.nonzero.get(layer, 0.0) + edges
-
-
-def _padded_edges(graph: AttentionGraph, real: Tensor, block: int, heads: int) -> float | None:
-    """The edges among real tokens (real (B, n) bool) of a graph made of whole
-    ``block`` × ``block`` pairs, from its block pairs (found once per graph): Σ over pairs of
-    the row block's real queries times the key block's real keys, O(pairs) per call instead
-    of O(B·E) (30 M edges at n = 4096 in the training layout); None for another graph."""
-    n = graph.n_q
-    if n % block or graph.n_k != n:
-        return None
-    found = graph.cached(("bigbird_pairs", block), lambda: block_pairs(graph, block))
-    if not bool(found.full.all()):
-        return None
-    nb = n // block
-    per_block = real.to(found.keys.device).view(real.shape[0], nb, block).sum(-1).double()
-    rows, cols = (found.keys // nb) % nb, found.keys % nb
-    edges = float((per_block[:, rows] * per_block[:, cols]).sum())
-    return edges * heads / max(1, math.prod(graph.batch_shape))
+    return graph
 
 
 def bigbird_forward(
@@ -585,11 +561,10 @@ def bigbird_forward(
     k = _split(module.key(hidden_states), heads)
     v = _split(module.value(hidden_states), heads)
     ignore = _key_padding(to_mask, bsz, n)
-    _count(state, layer, spec, pattern, q, k, ignore, scale, b)
+    graph = _count(state, layer, spec, pattern, q, k, ignore, scale)
     weights = None
     if wanted:  # transformers' n × n matrix, the repeated blocks as its softmax weighs them
         repeats = block_repeats(pattern, n) if own and spec.prob_map.is_softmax else None
-        graph = resolve_graph(pattern, q, k)
         weights = dense_weights(q, k, graph, repeats, spec.prob_map, scale, ignore)
     extra: dict = {}
     if spec.wants_context:

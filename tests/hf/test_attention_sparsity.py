@@ -108,3 +108,29 @@ def test_counting_under_autocast():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(input_ids=ids)
     assert hf.attention_sparsity(model) == pytest.approx(exact, abs=0.03)
+
+
+@pytest.mark.parametrize("n", [50, 64, 130])
+def test_real_key_counts_from_block_pairs_equal_an_edge_by_edge_count(n):
+    """The accounting counts each row's real keys from the graph's block pairs (whole pairs by
+    block, partial ones edge by edge): equal to counting every edge, for token-level and block
+    layouts, per-head and per-item graphs, queries at an offset, lengths off the block."""
+    from sparseattn.graph import AttentionGraph
+    from sparseattn.hf.accounting import _real_key_counts
+
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(1, 4, n, 8, generator=gen)
+    per_item = torch.rand(3, 1, n, n, generator=gen) < 0.1
+    graphs = [
+        *(p.build(q, q) for p in (sa.window(10), sa.longformer(16, 3), sa.strided(7))),
+        sa.bigbird_blocks(2, 1, heads=4, seed=1, max_seqlen=512).build(q, q),
+        sa.sliding_window(8, 2).build(q[:, :, :5], q),
+        AttentionGraph.from_dense(per_item | torch.eye(n, dtype=torch.bool)),
+    ]
+    for graph in graphs:
+        real = torch.rand(3, graph.n_k, generator=gen) < 0.8
+        g_b, g_h = (1,) * (2 - len(graph.batch_shape)) + graph.batch_shape
+        dense = graph.to_dense().reshape(g_b, g_h, graph.n_q, graph.n_k)
+        expected = (dense & real.view(-1 if g_b > 1 else 3, 1, 1, graph.n_k)).sum(-1)
+        got = _real_key_counts(graph, real, 3)
+        assert torch.equal(got, expected.double().expand(3, g_h, graph.n_q))
