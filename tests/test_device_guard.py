@@ -125,8 +125,9 @@ def test_key_padding_and_the_module_stay_on_the_device(guard):
 @pytest.mark.parametrize("prob_map", ["softmax", "entmax15"])
 def test_checkpoint_models_weights_and_counts_stay_on_the_device(guard, prob_map):
     """A sparsified Longformer and BigBird on the device, with padding (and global tokens):
-    ``output_attentions`` (formed apart from the engine) and ``attention_sparsity``'s counts
-    (the layer's graph on the host, the call's masks on the device)."""
+    ``output_attentions`` and ``capture_attention``'s records (formed apart from the engine)
+    and ``attention_sparsity``'s counts (the layer's graph on the host, the call's masks on
+    the device)."""
     pytest.importorskip("transformers")
     from tiny_models import tiny_model
 
@@ -149,10 +150,12 @@ def test_checkpoint_models_weights_and_counts_stay_on_the_device(guard, prob_map
     ids = torch.randint(5, 50, (2, 40)).to(CUDA)
     for model, extra in ((longformer, {"global_attention_mask": glob}), (bigbird, {})):
         model = hf.sparsify(model.eval().to(CUDA), prob_map=prob_map)
-        with torch.no_grad():
+        with torch.no_grad(), hf.capture_attention(model) as records:
             out = model(ids, attention_mask=mask, output_attentions=True, **extra)
         assert on_device(out.last_hidden_state) and all(map(on_device, out.attentions))
         assert list(hf.attention_sparsity(model)) == [0]
+        (record,) = records
+        assert all(on_device(t) for t in (record.scores, record.probs, record.allowed))
 
 
 @pytest.mark.parametrize("engine", ["block", "gather", "dense", "flex"])

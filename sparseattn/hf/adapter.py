@@ -22,7 +22,7 @@ from ..score_mods import bias, chain, softcap
 from .accounting import account, nonzero_weights
 from .mask import MaskView, mask_view
 from .persist import CONFIG_KEY, NotConfiguredError
-from .state import AttentionRecord, Capture, LayerContext, LayerSpec, declares
+from .state import Capture, LayerContext, LayerSpec, declares
 
 __all__ = ["attention_forward"]
 
@@ -133,23 +133,12 @@ def _record(
     scale: float,
     score_mod: Callable | None = None,
 ) -> None:
-    n_k = k.shape[-2]
-    allowed = graph.to_dense().to(q.device)
-    allowed = allowed.reshape(*((1,) * (4 - allowed.dim())), *allowed.shape)
-    if key_valid is None:
-        key_valid = torch.ones(q.shape[0], n_k, dtype=torch.bool, device=q.device)
-    allowed = allowed & key_valid[:, None, None, :]
     with torch.no_grad():
         scores = (q @ k.transpose(-1, -2)) * scale
         if score_mod is not None:
             rows = torch.arange(q.shape[-2], device=q.device)
-            scores = score_mod(scores, *grid_indices(*q.shape[:2], rows, n_k, q.device))
-        probs = spec.prob_map(scores, allowed)
-    record = AttentionRecord(layer, q.detach(), k.detach(), scores, probs, allowed, ~key_valid)
-    if capture.callback is None:
-        capture.records.append(record)
-    else:
-        capture.callback(record)
+            scores = score_mod(scores, *grid_indices(*q.shape[:2], rows, k.shape[-2], q.device))
+    capture.add(layer, q, k, scores, graph.to_dense(), key_valid, spec.prob_map)
 
 
 @functools.lru_cache(maxsize=64)
@@ -263,7 +252,7 @@ def attention_forward(
     hidden_states = getattr(module, "_sparseattn_input", None)
     module._sparseattn_input = None
     capture = state.capture
-    capturing = capture is not None and (capture.layers is None or layer in capture.layers)
+    capturing = capture is not None and capture.wants(layer)
     spec = state.specs.get(layer)
     view = mask_view(
         attention_mask, query, key, _is_causal(module, kwargs), kwargs.get("sliding_window")

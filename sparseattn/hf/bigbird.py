@@ -47,9 +47,10 @@ modules run transformers' code until :func:`sparsify` is called again.
 
 Each call adds its real-token counts to the layer's (:func:`_count`, read by
 :func:`~sparseattn.hf.attention_sparsity`). ``output_attentions=True``: transformers' n × n
-matrix, formed apart from the engine (:func:`dense_weights`; a method hook refuses it). Not
-supported: :func:`~sparseattn.hf.capture_attention` (NotImplementedError: nothing here records
-the weights). :func:`restore` puts the original ``forward`` back: the model is the original
+matrix, formed apart from the engine (:func:`dense_weights`; a method hook refuses it).
+Under :func:`~sparseattn.hf.capture_attention` each call of a recorded layer forms its n × n
+scores and weights (:func:`_record`); calls on transformers' full attention (short inputs)
+record nothing. :func:`restore` puts the original ``forward`` back: the model is the original
 one exactly.
 
 One piece: BigBird's own block layout and its quirks (eval's block 0, the repeated blocks,
@@ -87,6 +88,7 @@ from .accounting import account, nonzero_weights
 from .mask import MaskView
 from .persist import forget_config, guard, record_config
 from .state import (
+    Capture,
     LayerContext,
     LayerSpec,
     Method,
@@ -146,6 +148,12 @@ class BigBirdState:
     edges: dict[int, float] = dataclasses.field(default_factory=dict)
     pairs: dict[int, float] = dataclasses.field(default_factory=dict)
     nonzero: dict[int, float] = dataclasses.field(default_factory=dict)
+    #: the :func:`~sparseattn.hf.capture_attention` block in progress, if any
+    capture: Capture | None = None
+
+    def __getstate__(self) -> dict:
+        """Pickles and copies hold no capture."""
+        return {**self.__dict__, "capture": None}
 
 
 # ---------------------------------------------------------------------- the modules
@@ -492,6 +500,33 @@ def dense_weights(
     return (probs.view_as(blocked) / r).view_as(scores).to(q.dtype)
 
 
+def _record(
+    capture: Capture,
+    layer: int,
+    q: Tensor,
+    k: Tensor,
+    graph: AttentionGraph,
+    repeats: Tensor | None,
+    prob_map: ProbabilityMap,
+    scale: float,
+    ignore: Tensor | None,
+) -> None:
+    """The call as an :class:`~sparseattn.hf.state.AttentionRecord` (n × n, for analysis at
+    small n): scores scale·q kᵀ, the layout's keys as a set, and each key's total weight — a
+    block listed r times (``repeats`` (G, nb, nb), :func:`block_repeats`) weighs r times, so
+    ρ(scores + log r), what its values weigh in the output (``output_attentions`` holds one
+    copy's, :func:`dense_weights`). q, k (B, H, n, d) unscaled; ``ignore`` (B, n) padding."""
+    with torch.no_grad():
+        scores = (q @ k.mT) * scale
+    shift = None
+    if repeats is not None:
+        b = q.shape[2] // repeats.shape[-1]
+        log_r = repeats.clamp(min=1).double().log()
+        shift = log_r.repeat_interleave(b, 1).repeat_interleave(b, 2).to(scores)  # (G, n, n)
+    key_valid = None if ignore is None else ~ignore
+    capture.add(layer, q, k, scores, graph.to_dense().bool(), key_valid, prob_map, shift)
+
+
 def _split(x: Tensor, heads: int) -> Tensor:
     """(B, n, H·d) → (B, H, n, d)."""
     bsz, n, _ = x.shape
@@ -562,10 +597,14 @@ def bigbird_forward(
     v = _split(module.value(hidden_states), heads)
     ignore = _key_padding(to_mask, bsz, n)
     graph = _count(state, layer, spec, pattern, q, k, ignore, scale)
-    weights = None
-    if wanted:  # transformers' n × n matrix, the repeated blocks as its softmax weighs them
-        repeats = block_repeats(pattern, n) if own and spec.prob_map.is_softmax else None
+    weights = repeats = None
+    recording = state.capture is not None and state.capture.wants(layer)
+    if (wanted or recording) and own and spec.prob_map.is_softmax:
+        repeats = block_repeats(pattern, n)  # the repeated blocks as softmax weighs them
+    if wanted:  # transformers' n × n matrix
         weights = dense_weights(q, k, graph, repeats, spec.prob_map, scale, ignore)
+    if recording:
+        _record(state.capture, layer, q, k, graph, repeats, spec.prob_map, scale, ignore)
     extra: dict = {}
     if spec.wants_context:
         extra["context"] = LayerContext(layer, module, hidden_states, module.value)

@@ -18,9 +18,10 @@ from .state import AttentionRecord, Capture, check_layers, model_state
 __all__ = ["attention_sparsity", "capture_attention"]
 
 
-def _counts_of(model: nn.Module):
-    """What holds a sparsified model's counts: Longformer, LED and BigBird keep their own
-    state (their forwards are their own, docs/checkpoints.md), other models a ``State``."""
+def _state_of(model: nn.Module):
+    """What holds a sparsified model's counts and capture: Longformer, LED and BigBird keep
+    their own state (their forwards are their own, docs/checkpoints.md), other models a
+    ``State``."""
     if longformer.is_longformer(model):
         return longformer.model_state(model)
     if bigbird.is_bigbird(model):
@@ -28,11 +29,14 @@ def _counts_of(model: nn.Module):
     return model_state(model)
 
 
-#: Longformer, LED and BigBird run from forwards of their own (docs/checkpoints.md).
-_NOT_YET = (
-    "{} does not support {} yet: sparseattn runs its attention from a forward of its own, "
-    "which does not record what it attends to"
-)
+def _own_forward_layers(model: nn.Module) -> int | None:
+    """The layer count of a Longformer, LED or BigBird (whose sparsified layers run a forward
+    of sparseattn's, and the others transformers' own), None for other models."""
+    if longformer.is_longformer(model):
+        return len(longformer.attention_modules(model))
+    if bigbird.is_bigbird(model):
+        return len(bigbird.attention_modules(model))  # raises once switched to full attention
+    return None
 
 
 def attention_sparsity(
@@ -56,7 +60,7 @@ def attention_sparsity(
     """
     check_model(model)
     check_choice("of", of, ["weights", "graph"])
-    state = _counts_of(model)
+    state = _state_of(model)
     if state is None:
         return {}
     used = state.nonzero if of == "weights" else state.edges
@@ -78,26 +82,46 @@ def capture_attention(
 
     Yields a list that fills with one :class:`AttentionRecord` per layer and forward call (in
     call order), or stays empty when ``callback`` is given (each record is passed to it instead,
-    so long runs keep no tensors). An unmodified model is sparsified with exact attention
-    (dense, softmax) for the duration of the block and restored afterwards.
+    so long runs keep no tensors). An unmodified model is sparsified for the duration of the
+    block and restored afterwards: with exact attention (dense, softmax), or a Longformer, LED
+    or BigBird with its own configuration (``sparsify(model)``: its own attention, to float
+    rounding).
+
+    On a Longformer or LED each row is recorded as the layer computes it: a global token's row
+    holds the scores of the global projections (``query_global · key_global``) and attends to
+    every real key; ``q`` and ``k`` are the regular projections. On a BigBird a block the
+    layout lists r times weighs r times (its keys' probs are their total weight,
+    ρ(scores + log r)); calls that transformers switched to full attention (short inputs) are
+    not recorded. On these models only the layers sparseattn runs can be recorded: asking for
+    another (``layers``, or all by default) raises a ValueError naming them.
     """
     check_model(model)
-    if longformer.is_longformer(model) or bigbird.is_bigbird(model):
-        raise NotImplementedError(_NOT_YET.format("capture_attention", type(model).__name__))
     wanted_layers = check_layers(layers)
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
-    temporary = model_state(model) is None
+    num_layers = _own_forward_layers(model)
+    temporary = _state_of(model) is None
     if temporary:
-        sparsify(model, layers=[])
-    state = model_state(model)
-    if state.capture is not None:
-        raise RuntimeError("capture_attention is already active on this model")
-    wanted = None if wanted_layers is None else frozenset(wanted_layers)
-    state.capture = Capture(wanted, callback, [])
+        sparsify(model, layers=[] if num_layers is None else None)
     try:
-        yield state.capture.records
+        state = _state_of(model)
+        if state.capture is not None:
+            raise RuntimeError("capture_attention is already active on this model")
+        wanted = None if wanted_layers is None else frozenset(wanted_layers)
+        if num_layers is not None:
+            asked = range(num_layers) if wanted is None else sorted(wanted)
+            missing = [layer for layer in asked if layer not in state.specs]
+            if missing:
+                raise ValueError(
+                    f"capture_attention records the layers sparseattn runs; layers {missing} "
+                    f"of this {type(model).__name__} run transformers' own attention: sparsify "
+                    f"them too, or pass layers= among {sorted(state.specs)}"
+                )
+        state.capture = Capture(wanted, callback, [])
+        try:
+            yield state.capture.records
+        finally:
+            state.capture = None
     finally:
-        state.capture = None
         if temporary:
             restore(model)

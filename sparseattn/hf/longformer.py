@@ -56,9 +56,9 @@ transformers' attention in its place.
 ``output_attentions=True``: the weights in transformers' layout, formed apart from the engine
 (:mod:`sparseattn.hf.longformer_weights`), for a layer on its own window without dropout or a
 method hook (else a ValueError says which). Each call adds its real-token counts to the
-layer's (:func:`_count`, read by :func:`~sparseattn.hf.attention_sparsity`). Not yet:
-:func:`~sparseattn.hf.capture_attention` (NotImplementedError: nothing here records the
-weights).
+layer's (:func:`_count`, read by :func:`~sparseattn.hf.attention_sparsity`). Under
+:func:`~sparseattn.hf.capture_attention` each call of a recorded layer also forms its n × n
+scores and weights, every row as the layer computes it (:func:`_record`).
 :func:`restore` puts the original ``forward`` back: the model is the original one exactly.
 
 One piece: transformers' Longformer self-attention re-expressed on the engines — the
@@ -86,6 +86,7 @@ from ..validate import check_model
 from .longformer_weights import global_weights, local_weights
 from .persist import forget_config, guard, record_config
 from .state import (
+    Capture,
     LayerContext,
     LayerSpec,
     Method,
@@ -131,10 +132,12 @@ class LongformerState:
     edges: dict[int, float] = dataclasses.field(default_factory=dict)
     pairs: dict[int, float] = dataclasses.field(default_factory=dict)
     nonzero: dict[int, float] = dataclasses.field(default_factory=dict)
+    #: the :func:`~sparseattn.hf.capture_attention` block in progress, if any
+    capture: Capture | None = None
 
     def __getstate__(self) -> dict:
-        """Pickles and copies hold the configuration, not the graphs."""
-        return {**self.__dict__, "graphs": OrderedDict()}
+        """Pickles and copies hold the configuration, not the graphs or a capture."""
+        return {**self.__dict__, "graphs": OrderedDict(), "capture": None}
 
 
 #: How many local graphs a sparsified Longformer keeps (all layers together).
@@ -522,6 +525,19 @@ def longformer_forward(
     k = _split(module.key(hidden_states), heads)
     v = _split(module.value(hidden_states), heads)
     graph = _cached_local_graph(state, layer, spec, q, k, is_index_global_attn, is_index_masked)
+    if state.capture is not None and state.capture.wants(layer):
+        _record(
+            state.capture,
+            layer,
+            module,
+            hidden_states,
+            q,
+            k,
+            graph,
+            is_index_global_attn,
+            is_index_masked,
+            spec.prob_map,
+        )
     extra = {}
     if spec.wants_context:
         extra["context"] = LayerContext(layer, module, hidden_states, module.value)
@@ -564,6 +580,35 @@ def longformer_forward(
         k_global = _split(module.key_global(hidden_states), heads)
         weights.append(global_weights(q_global, k_global, counts, is_index_masked, spec.prob_map))
     return (flat.view(bsz, n, embed), *(t.to(dtype) for t in weights))
+
+
+def _record(
+    capture: Capture,
+    layer: int,
+    module: nn.Module,
+    hidden_states: Tensor,
+    q: Tensor,
+    k: Tensor,
+    graph: AttentionGraph,
+    is_global: Tensor,
+    is_padding: Tensor,
+    prob_map: ProbabilityMap,
+) -> None:
+    """The call as an :class:`~sparseattn.hf.state.AttentionRecord` (n × n, for analysis at
+    small n): q (the regular queries, unscaled) and k; the scores and allowed keys of each row
+    as the layer computes it — a local row its regular projections on its graph, a global row
+    its global projections (``query_global``, ``key_global``) on every real key — and ρ's
+    weights there. q (B, H, n, d) is already divided by √d."""
+    root_d = math.sqrt(module.head_dim)
+    with torch.no_grad():
+        scores = q @ k.mT
+        allowed = graph.to_dense().to(q.device) | is_global[:, None, :, None]
+        if bool(is_global.any()):
+            heads = module.num_heads
+            q_global = _split(module.query_global(hidden_states) / root_d, heads)
+            k_global = _split(module.key_global(hidden_states), heads)
+            scores = torch.where(is_global[:, None, :, None], q_global @ k_global.mT, scores)
+    capture.add(layer, q * root_d, k, scores, allowed, ~is_padding, prob_map)
 
 
 def _count(state, layer, module, hidden_states, graph, q, k, is_global, is_padding) -> None:

@@ -10,6 +10,7 @@ import dataclasses
 import inspect
 from collections.abc import Callable, Iterable
 
+import torch
 from torch import Tensor, nn
 
 from ..engines import ENGINES
@@ -115,9 +116,43 @@ class AttentionRecord:
 
 @dataclasses.dataclass
 class Capture:
+    """A :func:`~sparseattn.hf.capture_attention` block in progress: the layers it records
+    (None: all), and where each record goes (``callback``, else ``records``)."""
+
     layers: frozenset[int] | None
     callback: Callable[[AttentionRecord], None] | None
     records: list[AttentionRecord]
+
+    def wants(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def add(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        scores: Tensor,
+        allowed: Tensor,
+        key_valid: Tensor | None,
+        prob_map: ProbabilityMap,
+        shift: Tensor | None = None,
+    ) -> None:
+        """Record one call of ``layer``: q, k (B, H, n, d) before scaling, ``scores``
+        (B, H, n, n_k) as :class:`AttentionRecord` defines them, ``allowed`` the layer's graph
+        as a bool mask broadcastable to them, ``key_valid`` (B, n_k) True for real keys (None:
+        all). The weights are ρ(scores + shift) on ``allowed`` ∩ the real keys (``shift``
+        broadcastable to ``scores``, e.g. log r for a block listed r times; None: 0)."""
+        allowed = allowed.reshape(*((1,) * (4 - allowed.dim())), *allowed.shape)
+        if key_valid is None:
+            key_valid = torch.ones(q.shape[0], scores.shape[-1], dtype=torch.bool, device=q.device)
+        allowed = allowed.to(q.device) & key_valid[:, None, None, :]
+        with torch.no_grad():
+            probs = prob_map(scores if shift is None else scores + shift, allowed)
+        record = AttentionRecord(layer, q.detach(), k.detach(), scores, probs, allowed, ~key_valid)
+        if self.callback is None:
+            self.records.append(record)
+        else:
+            self.callback(record)
 
 
 @dataclasses.dataclass

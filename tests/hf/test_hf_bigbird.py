@@ -634,15 +634,54 @@ def test_output_attentions_of_another_map_are_its_weights_on_the_layout():
     assert_close(out.attentions[0], resolve_prob_map("entmax15")(scores, keys))
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_capture_attention_records_each_keys_total_weight(train):
+    """``hf.capture_attention`` on BigBird: scores scale·q kᵀ, the layout's keys as a set, and
+    each key's total weight — transformers' weight of one copy (``output_attentions``, equal
+    on real rows) times the times its block is listed (eval mode: block 0, r + 1 times), so
+    that each real row sums to 1. An unmodified model is sparsified for the block only."""
+    model, inputs = tiny_bigbird(train=train), batch(64)
+    with torch.no_grad():
+        ref = model(**inputs, output_attentions=True, output_hidden_states=True)
+        with hf.capture_attention(model) as records:
+            model(**inputs)
+    assert bb.model_state(model) is None
+    assert [r.layer for r in records] == [0, 1, 2]
+    real = inputs["attention_mask"].bool()
+    rows = real[:, None, :, None]
+    heads, d = BIGBIRD["num_attention_heads"], BIGBIRD["hidden_size"] // 4
+    split = lambda x: x.view(BSZ, 64, heads, d).transpose(1, 2)  # noqa: E731
+    for record in records:
+        module, hidden = bb.attention_modules(model)[record.layer], ref.hidden_states[record.layer]
+        with torch.no_grad():
+            q, k = split(module.query(hidden)), split(module.key(hidden))
+        assert_close(record.scores, q @ k.mT / math.sqrt(d))
+        layout = sa.bigbird_blocks(4, 2, heads, seed=record.layer, training=train)
+        repeats = bb.block_repeats(layout, 64).repeat_interleave(4, 1).repeat_interleave(4, 2)
+        keys = (repeats > 0) & real[:, None, None, :]
+        assert torch.equal(record.allowed.expand(BSZ, heads, 64, 64) & rows, keys & rows)
+        theirs = ref.attentions[record.layer] * repeats
+        assert_close(record.probs * rows, theirs * rows)
+        sums = record.probs.sum(-1)[real[:, None, :].expand(BSZ, heads, 64)]
+        torch.testing.assert_close(sums, torch.ones_like(sums))
+        assert bool((repeats > 1).any()) != train
+
+
+def test_capture_attention_of_another_map_is_its_weights_on_the_layout():
+    model = bb.sparsify(tiny_bigbird(), prob_map="entmax15")
+    inputs = batch(64)
+    with torch.no_grad(), hf.capture_attention(model, layers=[1]) as records:
+        out = model(**inputs, output_attentions=True)
+    (record,) = records
+    real = inputs["attention_mask"].bool()[:, None, :, None]
+    assert_close(record.probs * real, out.attentions[1])
+
+
 # ----------------------------------------------------------------------- refusals
 def test_refusals():
-    model = bb.sparsify(tiny_bigbird())
     hooked = bb.sparsify(tiny_bigbird(), method=lambda q, *a, **kw: q)
     with pytest.raises(ValueError, match="output_attentions needs"), torch.no_grad():
         hooked(**batch(48), output_attentions=True)
-    refused = pytest.raises(NotImplementedError, match="capture_attention does not support")
-    with refused, hf.capture_attention(model):
-        pass
     with pytest.raises(ValueError, match="engine"):
         bb.sparsify(tiny_bigbird(), engine="nope")
     with pytest.raises(ValueError, match="layers"):

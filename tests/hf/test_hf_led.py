@@ -230,3 +230,22 @@ def test_attention_sparsity_counts_the_encoder_layers():
     assert sorted(sparsity) == [0, 1]
     assert 1.0 > sparsity[0] > sparsity[1] > 0.0  # layer 0's window (±2) is the narrower
     assert sparsity == hf.attention_sparsity(model, of="graph")  # softmax zeroes none
+
+
+def test_capture_attention_records_the_encoder_layers():
+    """``hf.capture_attention`` on an unmodified LED: the encoder's layers, as Longformer's
+    (tests/hf/test_hf_longformer.py checks the records); the model's output unchanged, and its
+    own attention back afterwards."""
+    model, inputs = tiny_led(), batch(16)
+    with torch.no_grad():
+        ref = model(**inputs).logits
+        with hf.capture_attention(model) as records:
+            out = model(**inputs).logits
+    assert lf.model_state(model) is None
+    assert_close(out, ref)
+    assert [r.layer for r in records] == [0, 1]
+    real = inputs["attention_mask"].bool()
+    for record in records:
+        assert record.probs.shape == (BSZ, 4, 16, 16)
+        sums = record.probs.sum(-1).transpose(1, 2)[real]
+        torch.testing.assert_close(sums, torch.ones_like(sums))

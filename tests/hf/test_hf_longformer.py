@@ -572,8 +572,57 @@ def test_attention_sparsity_counts_as_the_dense_reference(prob_map):
     assert hf.attention_sparsity(model) == {}  # reset
 
 
+@pytest.mark.parametrize("prob_map", ["softmax", "entmax15"])
+def test_capture_attention_records_each_row_as_the_layer_computes_it(prob_map):
+    """``hf.capture_attention``: per layer and call, q and k (the regular projections,
+    unscaled), the scores and the keys each real row may read — local rows the regular
+    projections on their window ∪ global keys, global rows the global projections on every
+    real key — and ρ's weights there, equal to the dense reference's."""
+    model = hf.sparsify(sharpened(tiny_longformer()), prob_map=prob_map)
+    inputs = batch(16)
+    with torch.no_grad(), hf.capture_attention(model) as records:
+        out = model(**inputs, output_hidden_states=True)
+    assert [r.layer for r in records] == [0, 1]
+    real = inputs["attention_mask"].bool()
+    rows = real[:, None, :, None]
+    heads, d = LONGFORMER["num_attention_heads"], LONGFORMER["hidden_size"] // 4
+    for record, w in zip(records, [4, 8], strict=True):
+        hidden, module = out.hidden_states[record.layer], self_attentions(model)[record.layer]
+        probs, reads = dense_weights(model, record.layer, hidden, inputs, band(w), prob_map)
+        assert_close(record.probs * rows, probs)
+        assert torch.equal(record.allowed.expand_as(reads) & rows, reads)
+        assert torch.equal(record.key_padding_mask, ~real)
+        split = lambda x: x.view(BSZ, 16, heads, d).transpose(1, 2)  # noqa: E731
+        assert_close(record.q, split(module.query(hidden)))
+        assert_close(record.k, split(module.key(hidden)))
+        glob = inputs["global_attention_mask"].bool()[:, None, :, None]
+        projected = split(module.query_global(hidden)) @ split(module.key_global(hidden)).mT
+        scores = torch.where(glob, projected, record.q @ record.k.mT) / math.sqrt(d)
+        assert_close(record.scores, scores)
+    assert hf.attention_sparsity(model)  # the forward still counts
+
+
+def test_capture_attention_sparsifies_an_unmodified_model_for_the_block_only():
+    """An unmodified Longformer runs its own configuration for the block and is restored after;
+    a sparsified one records only the layers sparseattn runs (others: a ValueError)."""
+    model, inputs = tiny_longformer(), batch(16)
+    with torch.no_grad():
+        ref = model(**inputs).last_hidden_state
+        with hf.capture_attention(model, layers=[1]) as records:
+            out = model(**inputs).last_hidden_state
+    assert [r.layer for r in records] == [1]
+    assert lf.model_state(model) is None
+    assert_close(out, ref)
+    partial = hf.sparsify(tiny_longformer(), layers=[0])
+    unrecorded = pytest.raises(ValueError, match=r"layers \[1\] .* run transformers' own")
+    with unrecorded, hf.capture_attention(partial):
+        pass
+    with torch.no_grad(), hf.capture_attention(partial, layers=[0]) as records:
+        partial(**inputs)
+    assert [r.layer for r in records] == [0]
+
+
 def test_refusals():
-    model = hf.sparsify(tiny_longformer())
     inputs = batch(13)
     for why, refused in {
         "pattern": hf.sparsify(tiny_longformer(), pattern=window(6)),
@@ -582,9 +631,6 @@ def test_refusals():
     }.items():
         with pytest.raises(ValueError, match=f"output_attentions needs.*{why}"):
             refused(**inputs, output_attentions=True)
-    refused = pytest.raises(NotImplementedError, match="capture_attention does not support")
-    with refused, hf.capture_attention(model):
-        pass
     with pytest.raises(ValueError, match="engine"):
         hf.sparsify(tiny_longformer(), engine="nope")
     with pytest.raises(ValueError, match="layers"):
