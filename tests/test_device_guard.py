@@ -149,7 +149,7 @@ def test_checkpoint_models_weights_and_counts_stay_on_the_device(guard, prob_map
     glob[:, 0] = 1
     ids = torch.randint(5, 50, (2, 40)).to(CUDA)
     for model, extra in ((longformer, {"global_attention_mask": glob}), (bigbird, {})):
-        model = hf.sparsify(model.eval().to(CUDA), prob_map=prob_map)
+        model = hf.sparsify(model.eval().to(CUDA), prob_map=prob_map, count_weights=True)
         with torch.no_grad(), hf.capture_attention(model) as records:
             out = model(ids, attention_mask=mask, output_attentions=True, **extra)
         assert on_device(out.last_hidden_state) and all(map(on_device, out.attentions))

@@ -299,13 +299,15 @@ def attention_forward(
         dropout_p=dropout,
         **extra,
     )
-    if spec.prob_map.sparse and spec.method is sparse_attention:  # exact zeros of the map
+    if not spec.zeroes_weights:
+        state.nonzero[layer] = state.nonzero.get(layer, 0.0) + edges
+    elif state.count_weights:  # exact zeros of the map, one more pass
         target = graph if free is None else free
         gqa = extra.get("enable_gqa", False)
         edges = nonzero_weights(
             spec, query, key, target, view, scale, query.shape[-2], gqa, score_mod
         )
-    state.nonzero[layer] = state.nonzero.get(layer, 0.0) + edges
+        state.nonzero[layer] = state.nonzero.get(layer, 0.0) + edges
     if capturing:
         _record(capture, layer, graph, query, key, view.key_valid, spec, scale, score_mod)
     return out.transpose(1, 2).contiguous(), None

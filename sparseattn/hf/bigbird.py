@@ -96,6 +96,7 @@ from .state import (
     declares,
     per_layer,
     resolve_method,
+    set_count_weights,
 )
 
 __all__ = [
@@ -148,6 +149,7 @@ class BigBirdState:
     edges: dict[int, float] = dataclasses.field(default_factory=dict)
     pairs: dict[int, float] = dataclasses.field(default_factory=dict)
     nonzero: dict[int, float] = dataclasses.field(default_factory=dict)
+    count_weights: bool = False
     #: the :func:`~sparseattn.hf.capture_attention` block in progress, if any
     capture: Capture | None = None
 
@@ -245,6 +247,7 @@ def sparsify(
     engine: str = "auto",
     method: Method | str | None = None,
     layers: Iterable[int] | None = None,
+    count_weights: bool | None = None,
     **method_options,
 ) -> nn.Module:
     """:func:`sparseattn.hf.sparsify` for a model holding BigBird's block-sparse modules (the
@@ -257,9 +260,10 @@ def sparsify(
     ``split_heads`` or an AttentionGraph of the padded length (a multiple of ``block_size``)
     replaces it in both modes (as a set: no block counted twice); padding keys are taken out,
     as for the layout. ``prob_map``, ``engine``, ``method`` and ``layers`` as for other
-    models; calling it again changes only ``layers``; layers never configured keep
-    transformers' own code. Modifies ``model`` in place and returns it; :func:`restore` undoes
-    it. The configuration is written to ``model.config`` (``save_pretrained`` keeps it).
+    models, and ``count_weights``; calling it again changes only ``layers``; layers never
+    configured keep transformers' own code. Modifies ``model`` in place and returns it;
+    :func:`restore` undoes it. The configuration is written to ``model.config``
+    (``save_pretrained`` keeps it).
     """
     modules = attention_modules(model)
     num_layers = len(modules)
@@ -304,6 +308,7 @@ def sparsify(
             # a partial of a module-level function: deepcopy and pickle keep it bound right
             module.forward = functools.partial(bigbird_forward, module)
     state.specs.update(specs)
+    set_count_weights(state, count_weights)
     original = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if hasattr(model, "config"):
         if state.original is None:
@@ -546,12 +551,14 @@ def _key_padding(to_mask: Tensor | None, bsz: int, n: int) -> Tensor | None:
 def _count(state, layer, spec, pattern, q, k, ignore, scale) -> AttentionGraph:
     """Add this call's real-token counts to the layer's (``attention_sparsity``, as for other
     models: :func:`~sparseattn.hf.accounting.account`): the layout's keys as a set (a block
-    listed twice is one block's keys), ρ's non-zero weights for a sparse map. Returns the
-    layout's graph."""
+    listed twice is one block's keys), ρ's non-zero weights for a sparse map when the model
+    counts them (``count_weights``). Returns the layout's graph."""
     graph = resolve_graph(pattern, q, k)
     view = MaskView(None if ignore is None else ~ignore, False, None, None)
     edges = account(state, layer, graph, q, k, view, spec)
-    if spec.prob_map.sparse and spec.method is sparse_attention:
+    if spec.zeroes_weights:
+        if not state.count_weights:
+            return graph
         edges = nonzero_weights(spec, q, k, pattern, view, scale, q.shape[2])
     state.nonzero[layer] = state.nonzero.get(layer, 0.0) + edges
     return graph

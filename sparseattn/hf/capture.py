@@ -48,10 +48,12 @@ def attention_sparsity(
     allows, j ≤ i in a decoder):
 
     * ``of="weights"``: 1 − (non-zero attention weights) / (all real pairs). A sparse map
-      (α-entmax, sparsemax, …) also zeroes allowed pairs: its non-zeros are counted exactly,
-      by one more pass of the layer's engine under no_grad with values of ones (the support
-      indicator :func:`sparseattn.maps.support` gives each query's count; about one more
-      forward of the attention, without its P·V product). With softmax it equals "graph".
+      (α-entmax, sparsemax, …) also zeroes allowed pairs: its non-zeros are counted exactly
+      on a model sparsified with ``count_weights=True``, by one more pass of the layer's
+      engine under no_grad with values of ones per call (the support indicator
+      :func:`sparseattn.maps.support` gives each query's count; about one more forward of
+      the attention); without it such a layer raises a ValueError here. With softmax it
+      equals "graph".
     * ``of="graph"``: 1 − (allowed pairs of the pattern's graph) / (all real pairs).
 
     Layers run by a method hook (e.g. MCA) report their graph's sparsity under both. A
@@ -64,6 +66,15 @@ def attention_sparsity(
     if state is None:
         return {}
     used = state.nonzero if of == "weights" else state.edges
+    uncounted = [layer for layer in sorted(state.pairs) if layer not in used]
+    if uncounted:
+        raise ValueError(
+            f"layers {uncounted} use a map that zeroes weights, whose non-zero weights are "
+            "counted only on a model sparsified with count_weights=True (one more pass of the "
+            "attention per call; on a sparsified model hf.sparsify(model, layers=[], "
+            "count_weights=True) starts counting); "
+            'of="graph" counts the keys each row may read'
+        )
     out = {layer: 1.0 - used[layer] / state.pairs[layer] for layer in sorted(state.pairs)}
     if reset:
         state.edges.clear()

@@ -94,6 +94,7 @@ from .state import (
     declares,
     per_layer,
     resolve_method,
+    set_count_weights,
 )
 
 __all__ = [
@@ -132,6 +133,7 @@ class LongformerState:
     edges: dict[int, float] = dataclasses.field(default_factory=dict)
     pairs: dict[int, float] = dataclasses.field(default_factory=dict)
     nonzero: dict[int, float] = dataclasses.field(default_factory=dict)
+    count_weights: bool = False
     #: the :func:`~sparseattn.hf.capture_attention` block in progress, if any
     capture: Capture | None = None
 
@@ -240,6 +242,7 @@ def sparsify(
     engine: str = "auto",
     method: Method | str | None = None,
     layers: Iterable[int] | None = None,
+    count_weights: bool | None = None,
     **method_options,
 ) -> nn.Module:
     """:func:`sparseattn.hf.sparsify` for a model holding ``LongformerSelfAttention`` modules,
@@ -252,9 +255,10 @@ def sparsify(
     AttentionGraph of the padded length (a multiple of ``max(attention_window)``) replaces the
     window; the global tokens of each call (``global_attention_mask``) are added to it, and the
     padding taken out, as for the window. ``prob_map``, ``engine``, ``method`` and ``layers``
-    as there; calling it again changes only ``layers``; layers never configured keep
-    transformers' own code. Modifies ``model`` in place and returns it; :func:`restore` undoes
-    it. The configuration is written to ``model.config`` (``save_pretrained`` keeps it).
+    as there, and ``count_weights``; calling it again changes only ``layers``; layers never
+    configured keep transformers' own code. Modifies ``model`` in place and returns it;
+    :func:`restore` undoes it. The configuration is written to ``model.config``
+    (``save_pretrained`` keeps it).
     """
     modules = attention_modules(model)
     num_layers = len(modules)
@@ -286,6 +290,7 @@ def sparsify(
             # a partial of a module-level function: deepcopy and pickle keep it bound right
             module.forward = functools.partial(longformer_forward, module)
     state.specs.update(specs)
+    set_count_weights(state, count_weights)
     if hasattr(model, "config"):
         record_config(model, state.specs, state.original, _named_modules(model))
     return model
@@ -614,9 +619,10 @@ def _record(
 def _count(state, layer, module, hidden_states, graph, q, k, is_global, is_padding) -> None:
     """Add this call's real-token counts to the layer's (``attention_sparsity``): the pairs of
     real tokens; the edges among them (a local row: its graph's keys, which hold no padding;
-    a global row: every real key); for a sparse ρ its non-zero weights among them — one more
-    pass of the engine with ρ's support and values of ones for the local rows, the global
-    rows' weights formed (:func:`global_weights`) — else the edges (softmax zeroes none)."""
+    a global row: every real key); for a sparse ρ, when the model counts them
+    (``count_weights``), its non-zero weights among them — one more pass of the engine with ρ's
+    support and values of ones for the local rows, the global rows' weights formed
+    (:func:`global_weights`) — else the edges (softmax zeroes none)."""
     spec, heads = state.specs[layer], q.shape[1]
     real = ~is_padding
     n_real = real.sum(-1).double()  # (B,)
@@ -626,7 +632,7 @@ def _count(state, layer, module, hidden_states, graph, q, k, is_global, is_paddi
     global_edges = float((is_global.sum(-1) * n_real).sum()) * heads
     edges = float((degrees * local.to(degrees.device)).sum()) * heads / g_h + global_edges
     nonzero = edges
-    if spec.prob_map.sparse and spec.method is sparse_attention:
+    if spec.zeroes_weights and state.count_weights:
         with torch.no_grad():
             q32, k32 = q.detach().float(), k.detach().float()
             ones = k32.new_ones(*k32.shape[:-1], 1)
@@ -643,7 +649,8 @@ def _count(state, layer, module, hidden_states, graph, q, k, is_global, is_paddi
                 nonzero += float(kept.sum())
     for name, value in (("pairs", float((n_real**2).sum()) * heads), ("edges", edges)):
         getattr(state, name)[layer] = getattr(state, name).get(layer, 0.0) + value
-    state.nonzero[layer] = state.nonzero.get(layer, 0.0) + nonzero
+    if state.count_weights or not spec.zeroes_weights:
+        state.nonzero[layer] = state.nonzero.get(layer, 0.0) + nonzero
 
 
 def _check_weights_wanted(module: nn.Module, spec: LayerSpec, dropout: float) -> None:

@@ -31,6 +31,7 @@ from .state import (
     model_state,
     per_layer,
     resolve_method,
+    set_count_weights,
 )
 
 __all__ = ["attention_modules", "layer_names", "layer_specs", "register", "restore", "sparsify"]
@@ -138,6 +139,7 @@ def sparsify(
     engine: str = "auto",
     method: Method | str | None = None,
     layers: Iterable[int] | None = None,
+    count_weights: bool | None = None,
     **method_options,
 ) -> nn.Module:
     """Give ``layers`` (default all) of a Hugging Face model the attention (pattern, ρ, engine).
@@ -152,7 +154,10 @@ def sparsify(
     only ``layers``; layers never configured keep exact attention (torch SDPA). Modifies
     ``model`` in place and returns it; :func:`restore` undoes it. A method may also be named:
     ``method="mca"`` with ``method_options`` for :class:`sparseattn.methods.mca.MCAMethod`
-    (e.g. ``alpha=0.2``).
+    (e.g. ``alpha=0.2``). ``count_weights=True``: each call of a layer whose map zeroes weights
+    (α-entmax, sparsemax, …) also counts its non-zero weights for :func:`attention_sparsity`,
+    one more pass of the attention per call (False, the default for a new model: only the
+    graph is counted; None keeps the model's setting; a change starts the counts again).
 
     In a decoder (a causal attention module) the pattern is applied causally: a non-causal
     pattern is intersected with the lower triangle (``pattern.causal()``; note that Yun's
@@ -173,10 +178,12 @@ def sparsify(
     """
     if longformer.is_longformer(model):
         return longformer.sparsify(
-            model, pattern, prob_map, engine, method, layers, **method_options
+            model, pattern, prob_map, engine, method, layers, count_weights, **method_options
         )
     if bigbird.is_bigbird(model):
-        return bigbird.sparsify(model, pattern, prob_map, engine, method, layers, **method_options)
+        return bigbird.sparsify(
+            model, pattern, prob_map, engine, method, layers, count_weights, **method_options
+        )
     modules = attention_modules(model)
     num_layers = len(modules)
     pattern_of = per_layer(pattern, lambda _layer: dense())
@@ -215,6 +222,7 @@ def sparsify(
         for _, module in _named_attention(model, cross=True):
             module._sparseattn = None  # exact attention, by design
     state.specs.update(specs)
+    set_count_weights(state, count_weights)
     record_config(model, state.specs, state.original, _named_attention(model))
     return model
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
+from ..attention import sparse_attention
 from ..engines import ENGINES
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap
@@ -29,6 +30,7 @@ __all__ = [
     "Method",
     "State",
     "check_layers",
+    "set_count_weights",
     "declares",
     "model_state",
 ]
@@ -82,6 +84,13 @@ class LayerSpec:
     def __post_init__(self) -> None:
         if self.causal_pattern is None:
             object.__setattr__(self, "causal_pattern", _causal_variant(self.pattern))
+
+    @property
+    def zeroes_weights(self) -> bool:
+        """Whether the layer's map zeroes weights its graph allows (α-entmax, sparsemax, … run
+        by :func:`~sparseattn.sparse_attention`; a method hook's layer reports its graph):
+        counting its non-zeros takes one more pass of the attention."""
+        return self.prob_map.sparse and self.method is sparse_attention
 
 
 def _causal_variant(pattern: Pattern | AttentionGraph) -> Pattern | AttentionGraph:
@@ -166,7 +175,23 @@ class State:
     edges: dict[int, float] = dataclasses.field(default_factory=dict)
     pairs: dict[int, float] = dataclasses.field(default_factory=dict)
     nonzero: dict[int, float] = dataclasses.field(default_factory=dict)
+    #: whether the layers whose map zeroes weights count them (``sparsify(count_weights=)``)
+    count_weights: bool = False
     capture: Capture | None = None
+
+
+def set_count_weights(state, count_weights: bool | None) -> None:
+    """``sparsify``'s ``count_weights`` on a model's state (a ``State``, or Longformer's and
+    BigBird's own): None keeps the state's; a change starts the counts again, so that the
+    ratios of :func:`~sparseattn.hf.attention_sparsity` cover the same calls."""
+    if count_weights is None:
+        return
+    if not isinstance(count_weights, bool):
+        raise TypeError(f"count_weights must be a bool or None, got {type(count_weights).__name__}")
+    if count_weights != state.count_weights:
+        state.count_weights = count_weights
+        for counts in (state.edges, state.pairs, state.nonzero):
+            counts.clear()
 
 
 def declares(method: Method, parameter: str) -> bool:
@@ -226,8 +251,6 @@ def resolve_method(method: Method | str | None, options: dict, engine: str) -> M
     if options:
         raise TypeError(f"options {sorted(options)} need a named method, e.g. method='mca'")
     if method is None:
-        from ..attention import sparse_attention
-
         return sparse_attention
     if not callable(method):
         raise TypeError(

@@ -220,7 +220,7 @@ def evaluate(
 
     @contextlib.contextmanager
     def measured():
-        hf.attention_sparsity(model, reset=True)
+        hf.attention_sparsity(model, reset=True, of="graph")
         with (
             hf.capture_attention(model, callback=count_zeros)
             if count_weights

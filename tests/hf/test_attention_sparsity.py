@@ -61,7 +61,7 @@ def test_an_encoder_counts_the_zeros_of_a_sparse_map(pattern, rho, engine):
     ids = torch.randint(1, 100, (2, 48), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 48, dtype=torch.long)
     mask[1, 30:] = 0
-    hf.sparsify(model, pattern, rho, engine=engine)
+    hf.sparsify(model, pattern, rho, engine=engine, count_weights=True)
     with torch.no_grad(), hf.capture_attention(model) as records:
         model(input_ids=ids, attention_mask=mask)
     weights = hf.attention_sparsity(model)
@@ -78,7 +78,7 @@ def test_a_decoder_with_grouped_queries_counts_the_zeros():
     window and 1.5-entmax."""
     model = tiny_llama()
     ids = torch.randint(1, 100, (2, 64), generator=torch.Generator().manual_seed(0))
-    hf.sparsify(model, sa.sliding_window(16, 2), "entmax15", engine="block")
+    hf.sparsify(model, sa.sliding_window(16, 2), "entmax15", engine="block", count_weights=True)
     with torch.no_grad(), hf.capture_attention(model) as records:
         model(input_ids=ids)
     expected = _expected(records, "entmax15", causal=True)
@@ -96,12 +96,42 @@ def test_softmax_weights_and_graph_agree_and_of_is_checked():
         hf.attention_sparsity(model, of="edges")
 
 
+def test_the_zeros_of_a_sparse_map_are_counted_only_when_asked(monkeypatch):
+    """Counting a sparse map's non-zeros costs one more pass of the attention per call, so a
+    model counts them only with ``count_weights=True``: without it the pass never runs, the
+    graph is still counted, and ``of="weights"`` refuses the layers it could not count (a
+    softmax layer's weights are its graph's); switching the count on starts the counts again."""
+    from sparseattn.hf import adapter
+
+    model = _bert(spread=30.0)
+    ids = torch.randint(1, 100, (2, 48), generator=torch.Generator().manual_seed(0))
+    hf.sparsify(model, sa.window(16))
+    hf.sparsify(model, sa.dense(), "entmax15", layers=[1])
+    with monkeypatch.context() as patched, torch.no_grad():
+        patched.setattr(adapter, "nonzero_weights", lambda *a, **k: pytest.fail("a pass ran"))
+        model(input_ids=ids)
+    graph = hf.attention_sparsity(model, of="graph")
+    assert sorted(graph) == [0, 1] and graph[1] == 0.0
+    with pytest.raises(ValueError, match=r"layers \[1\] .*count_weights=True"):
+        hf.attention_sparsity(model)
+    hf.sparsify(model, layers=[], count_weights=True)
+    assert hf.attention_sparsity(model, of="graph") == {}  # started again
+    with torch.no_grad():
+        model(input_ids=ids)
+    weights = hf.attention_sparsity(model)
+    assert weights[0] == graph[0] and weights[1] > 0.5
+    hf.sparsify(model, layers=[])  # None: the setting stays
+    assert hf.attention_sparsity(model) == weights
+    with pytest.raises(TypeError, match="count_weights"):
+        hf.sparsify(model, layers=[], count_weights=1)
+
+
 def test_counting_under_autocast():
     """Under bf16 autocast the layers run in bf16; the support counts stay float32 (exact
     integers), so the sparsity is that of the bf16 weights: close to the float32 run's."""
     model = _bert(spread=30.0)
     ids = torch.randint(1, 100, (2, 48), generator=torch.Generator().manual_seed(0))
-    hf.sparsify(model, sa.dense(), "entmax15")
+    hf.sparsify(model, sa.dense(), "entmax15", count_weights=True)
     with torch.no_grad():
         model(input_ids=ids)
         exact = hf.attention_sparsity(model, reset=True)

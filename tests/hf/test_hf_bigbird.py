@@ -567,7 +567,7 @@ def test_attention_sparsity_counts_the_layout_as_a_set(prob_map):
     """Per layer, 1 − (the keys of the eval layout each real row may read, a block listed
     again counted once; or ρ's non-zero weights there) / (pairs of real tokens), against n × n
     counts from the layout's dense mask and the layer's inputs."""
-    model = bb.sparsify(tiny_bigbird(), prob_map=prob_map)
+    model = bb.sparsify(tiny_bigbird(), prob_map=prob_map, count_weights=True)
     with torch.no_grad():
         for module in bb.attention_modules(model):  # peaked scores: entmax leaves some keys 0
             module.query.weight.mul_(8.0)

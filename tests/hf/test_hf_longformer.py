@@ -553,7 +553,7 @@ def test_output_attentions_of_another_map_are_its_weights_on_the_layers_rows():
 def test_attention_sparsity_counts_as_the_dense_reference(prob_map):
     """``hf.attention_sparsity``: per layer, 1 − (the keys the rows may read, or ρ's non-zero
     weights) / (pairs of real tokens), over the calls since sparsify; ``reset`` starts again."""
-    model = hf.sparsify(sharpened(tiny_longformer()), prob_map=prob_map)
+    model = hf.sparsify(sharpened(tiny_longformer()), prob_map=prob_map, count_weights=True)
     inputs = batch(16, globals_="all")
     for _ in range(2):  # counts add up over calls: the ratios stay
         with torch.no_grad():
@@ -599,7 +599,7 @@ def test_capture_attention_records_each_row_as_the_layer_computes_it(prob_map):
         projected = split(module.query_global(hidden)) @ split(module.key_global(hidden)).mT
         scores = torch.where(glob, projected, record.q @ record.k.mT) / math.sqrt(d)
         assert_close(record.scores, scores)
-    assert hf.attention_sparsity(model)  # the forward still counts
+    assert hf.attention_sparsity(model, of="graph")  # the forward still counts
 
 
 def test_capture_attention_sparsifies_an_unmodified_model_for_the_block_only():

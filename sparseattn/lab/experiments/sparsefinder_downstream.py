@@ -64,7 +64,7 @@ def downstream(
         model, list(pattern) if isinstance(pattern, Sequence) else pattern, prob_map, engine
     )
     try:
-        hf.attention_sparsity(model, reset=True)
+        hf.attention_sparsity(model, reset=True, of="graph")
         emb = embed(model, sets["passages"])
         per_layer = hf.attention_sparsity(model, reset=True, of="graph")
         first, second = embed(model, sets["first"]), embed(model, sets["second"])
