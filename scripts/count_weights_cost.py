@@ -18,7 +18,7 @@ import transformers
 
 import sparseattn as sa
 from sparseattn import hf
-from sparseattn.lab.results import machine_facts
+from sparseattn.lab.results import machine_facts, write_json
 
 
 def main() -> None:
@@ -60,11 +60,9 @@ def main() -> None:
         "ratio": round(medians["count_weights=True"] / medians["count_weights=False"], 2),
         "forward ms, all": {key: [round(t, 1) for t in ts] for key, ts in times.items()},
     }
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result["forward ms, median"]), "ratio", result["ratio"])
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -490,7 +490,6 @@ def dense_weights(
     (G, nb, nb) (:func:`block_repeats`) or None: with softmax a block listed r times weighs
     r times in its row's sum, and the matrix holds one copy's weight (transformers writes
     each copy to the same entries), so p / r of ρ(scores + log r). q, k (B, H, n, d)."""
-    bsz, heads, n, _ = q.shape
     scores = (q.float() @ k.float().mT) * scale
     keys = graph.to_dense().bool().to(q.device)  # (n, n) or (H, n, n)
     if ignore is not None:
@@ -498,11 +497,16 @@ def dense_weights(
     keys = keys.expand_as(scores)
     if repeats is None:
         return prob_map(scores, keys).to(q.dtype)
-    g, nb, _ = repeats.shape
-    r = repeats.clamp(min=1).to(scores.device, scores.dtype).view(1, g, nb, 1, nb, 1)
-    blocked = scores.view(bsz, heads, nb, n // nb, nb, n // nb)
-    probs = prob_map((blocked + r.log()).view_as(scores), keys)
-    return (probs.view_as(blocked) / r).view_as(scores).to(q.dtype)
+    r = _listed(repeats, scores)
+    return (prob_map(scores + r.log(), keys) / r).to(q.dtype)
+
+
+def _listed(repeats: Tensor, scores: Tensor) -> Tensor:
+    """(G, n, n): how many times each key is listed in each query's row, at least 1 (from
+    :func:`block_repeats`' (G, nb, nb)), in ``scores``' dtype and device."""
+    b = scores.shape[-1] // repeats.shape[-1]
+    r = repeats.clamp(min=1).to(scores.device, scores.dtype)
+    return r.repeat_interleave(b, 1).repeat_interleave(b, 2)
 
 
 def _record(
@@ -523,11 +527,7 @@ def _record(
     copy's, :func:`dense_weights`). q, k (B, H, n, d) unscaled; ``ignore`` (B, n) padding."""
     with torch.no_grad():
         scores = (q @ k.mT) * scale
-    shift = None
-    if repeats is not None:
-        b = q.shape[2] // repeats.shape[-1]
-        log_r = repeats.clamp(min=1).double().log()
-        shift = log_r.repeat_interleave(b, 1).repeat_interleave(b, 2).to(scores)  # (G, n, n)
+    shift = None if repeats is None else _listed(repeats, scores).log()
     key_valid = None if ignore is None else ~ignore
     capture.add(layer, q, k, scores, graph.to_dense().bool(), key_valid, prob_map, shift)
 
