@@ -83,7 +83,7 @@ from ..patterns.bigbird_blocks import (
     _rand_mask_with_head,
     bigbird_blocks,
 )
-from ..validate import check_model
+from ..validate import check_bool, check_model
 from .accounting import account, nonzero_weights
 from .mask import MaskView
 from .persist import forget_config, guard, record_config
@@ -265,6 +265,8 @@ def sparsify(
     :func:`restore` undoes it. The configuration is written to ``model.config``
     (``save_pretrained`` keeps it).
     """
+    if count_weights is not None:
+        check_bool("count_weights", count_weights)
     modules = attention_modules(model)
     num_layers = len(modules)
     pattern_of = per_layer(pattern, lambda _layer: None)  # None: the model's own layouts

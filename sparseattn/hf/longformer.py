@@ -82,7 +82,7 @@ from ..attention import resolve_graph, sparse_attention
 from ..graph import AttentionGraph, broadcast_or_none
 from ..maps import ProbabilityMap, resolve_prob_map, support
 from ..patterns import HeadSplit, Pattern, PatternCycle, dense, window
-from ..validate import check_model
+from ..validate import check_bool, check_model
 from .longformer_weights import global_weights, local_weights
 from .persist import forget_config, guard, record_config
 from .state import (
@@ -260,6 +260,8 @@ def sparsify(
     :func:`restore` undoes it. The configuration is written to ``model.config``
     (``save_pretrained`` keeps it).
     """
+    if count_weights is not None:
+        check_bool("count_weights", count_weights)
     modules = attention_modules(model)
     num_layers = len(modules)
     pattern_of = per_layer(

@@ -16,7 +16,7 @@ from ..attention import sparse_attention
 from ..graph import AttentionGraph
 from ..maps import ProbabilityMap, resolve_prob_map
 from ..patterns import HeadSplit, Pattern, PatternCycle, dense
-from ..validate import check_model
+from ..validate import check_bool, check_model
 from . import bigbird, longformer
 from .adapter import attention_forward
 from .persist import forget_config, record_config
@@ -176,6 +176,8 @@ def sparsify(
     layer's own without ``pattern``) ∪ the call's global tokens, its global projections for the
     global rows.
     """
+    if count_weights is not None:
+        check_bool("count_weights", count_weights)
     if longformer.is_longformer(model):
         return longformer.sparsify(
             model, pattern, prob_map, engine, method, layers, count_weights, **method_options

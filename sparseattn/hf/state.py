@@ -30,9 +30,9 @@ __all__ = [
     "Method",
     "State",
     "check_layers",
-    "set_count_weights",
     "declares",
     "model_state",
+    "set_count_weights",
 ]
 
 #: The name under which the kernel and its mask function are registered with transformers.
@@ -184,11 +184,7 @@ def set_count_weights(state, count_weights: bool | None) -> None:
     """``sparsify``'s ``count_weights`` on a model's state (a ``State``, or Longformer's and
     BigBird's own): None keeps the state's; a change starts the counts again, so that the
     ratios of :func:`~sparseattn.hf.attention_sparsity` cover the same calls."""
-    if count_weights is None:
-        return
-    if not isinstance(count_weights, bool):
-        raise TypeError(f"count_weights must be a bool or None, got {type(count_weights).__name__}")
-    if count_weights != state.count_weights:
+    if count_weights is not None and count_weights != state.count_weights:
         state.count_weights = count_weights
         for counts in (state.edges, state.pairs, state.nonzero):
             counts.clear()
