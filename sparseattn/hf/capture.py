@@ -69,11 +69,10 @@ def attention_sparsity(
     uncounted = [layer for layer in sorted(state.pairs) if layer not in used]
     if uncounted:
         raise ValueError(
-            f"layers {uncounted} use a map that zeroes weights, whose non-zero weights are "
-            "counted only on a model sparsified with count_weights=True (one more pass of the "
-            "attention per call; on a sparsified model hf.sparsify(model, layers=[], "
-            "count_weights=True) starts counting); "
-            'of="graph" counts the keys each row may read'
+            f"layers {uncounted} use a map that zeroes weights; their non-zero weights are "
+            "counted only with count_weights=True (one more pass of the attention per call): "
+            "hf.sparsify(model, layers=[], count_weights=True) turns it on for this model and "
+            'starts the counts again; of="graph" counts the keys each row may read'
         )
     out = {layer: 1.0 - used[layer] / state.pairs[layer] for layer in sorted(state.pairs)}
     if reset:
