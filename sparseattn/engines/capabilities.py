@@ -27,7 +27,7 @@ from ..score_mods import steps
 from . import costs
 from ._entmax_args import triton_map_reason, triton_mod_reason
 from .block import block_attention
-from .dense import dense_attention
+from .dense import dense_attention, fused_with_padding
 from .flex import FLEX_BLOCK, bind_flex, flex_available, flex_engine, flex_refuses
 from .gather import gather_attention
 from .layout import choose_block, count_pairs
@@ -240,14 +240,16 @@ def _gpu_tier(name: str, req: Request) -> int:
 def _dense_cost(req: Request, graph: AttentionGraph | None, memo: dict) -> Cost | None:
     """n_q·n_k·DENSE_ENTRY_COST (SDPA's fused kernel scores an entry for less than a block
     entry), within its memory cap: DENSE_LIMIT (DENSE_LIMIT // 32 where it materialises the
-    scores: a map other than softmax, dropout, a modifier, key padding); on a GPU, first in
-    the order up to GPU_DENSE_LIMIT, not a candidate above."""
+    scores: a map other than softmax, dropout, a modifier, key padding off the CPU:
+    :func:`~sparseattn.engines.dense.fused_with_padding`); on a GPU, first in the order up to
+    GPU_DENSE_LIMIT, not a candidate above."""
     if graph is None:
         return None
     if req.device != "cpu":
         return (0, 0.0) if req.entries <= costs.GPU_DENSE_LIMIT else None
     fused = req.prob_map is not None and req.prob_map.is_softmax
-    fused = fused and not (req.dropout or req.score_mod or req.key_padding)
+    padding = req.key_padding and not fused_with_padding(req.device)
+    fused = fused and not (req.dropout or req.score_mod or padding)
     if req.entries > (costs.DENSE_LIMIT if fused else costs.DENSE_LIMIT // 32):
         return None
     entry = costs.DENSE_ENTRY_COST_TRAIN if req.train else costs.DENSE_ENTRY_COST

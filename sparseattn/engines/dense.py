@@ -13,7 +13,7 @@ from ..maps import ProbabilityMap
 from .common import grid_indices
 from .precision import compute_dtype
 
-__all__ = ["dense_attention"]
+__all__ = ["dense_attention", "fused_with_padding"]
 
 
 def dense_attention(
@@ -37,13 +37,16 @@ def dense_attention(
     # matrices, where building it costs as much as the attention); SDPA on CPU runs a 3-D
     # (H, n_q, n_k) mask ~3x slower than (1, H, n_q, n_k)
     mask = graph.cached(("dense_mask", q.device), lambda: _mask4d(graph.to(q.device).to_dense()))
-    if key_valid is None and prob_map.is_softmax and score_mod is None:
-        # every row has a key (checked by the API), so SDPA's fused kernel is exact here
+    if key_valid is not None:
+        mask = mask & key_valid[:, None, None, :]
+    padding_ok = key_valid is None or fused_with_padding(q.device.type)
+    if prob_map.is_softmax and score_mod is None and padding_ok:
+        # every graph row has a key (checked by the API), so SDPA's fused kernel is exact;
+        # with key padding a row may be left without keys, which it gives 0 (its weights'
+        # meaning here) and zero gradients
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale
         )
-    if key_valid is not None:
-        mask = mask & key_valid[:, None, None, :]
     dtype = compute_dtype(q)  # half precision on CPU: float32 scores and weights
     scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
     if score_mod is not None:
@@ -54,6 +57,15 @@ def dense_attention(
     if dropout_p:
         weights = F.dropout(weights, dropout_p)
     return (weights @ v.to(dtype)).to(q.dtype)
+
+
+def fused_with_padding(device_type: str) -> bool:
+    """Whether SDPA's fused kernel serves softmax rows with key padding on this device: it
+    must give a row without keys 0 and zero gradients. torch's CPU kernels do
+    (``tests/engines/test_engines_fast.py::test_dense_engine_with_key_padding_is_sdpa_on_cpu``
+    checks it); the CUDA kernels are unverified (no GPU run yet), so there the scores are
+    materialised."""
+    return device_type == "cpu"
 
 
 def _mask4d(mask: Tensor) -> Tensor:

@@ -106,14 +106,17 @@ def test_bench_auto_quick_runs_and_reports(tmp_path, capsys):
 
 
 def test_the_decision_knows_key_padding_and_score_modifiers():
-    """With key padding or a score modifier the dense engine materialises the scores: its
-    memory cap drops to DENSE_LIMIT // 32, and the cached decision is per such request."""
+    """With a score modifier (and, off the CPU, with key padding) the dense engine
+    materialises the scores: its memory cap drops to DENSE_LIMIT // 32, and the cached
+    decision is per such request. On CPU, key padding keeps SDPA's fused kernel (the graph ∩
+    the real keys) and its cap."""
     n = 1024
     bsz = DENSE_LIMIT // (32 * n * n) * 4  # past the materialised-scores cap
     q = torch.zeros(bsz, 1, n, 16)
     graph = sa.window(4 * n).graph(n)  # every key: dense is the cheapest
     rho = softmax()
     assert choose_engine(graph, q, q, rho) == "dense"
-    assert choose_engine(graph, q, q, rho, key_padding=True) != "dense"
     assert choose_engine(graph, q, q, rho, score_mod=True) != "dense"
-    assert choose_engine(graph, q, q, rho) == "dense"  # the cache kept the three apart
+    assert choose_engine(graph, q, q, rho, key_padding=True) == "dense"
+    assert choose_engine(graph, q, q, rho, key_padding=True, score_mod=True) != "dense"
+    assert choose_engine(graph, q, q, rho) == "dense"  # the cache kept them apart

@@ -710,6 +710,42 @@ def test_dense_engine_hands_sdpa_a_mask_of_the_inputs_rank(monkeypatch):
     torch.testing.assert_close(out, scores.softmax(-1) @ v)
 
 
+def test_dense_engine_with_key_padding_is_sdpa_on_cpu(monkeypatch):
+    """Softmax with key padding: on CPU the dense engine hands SDPA's fused kernel the graph
+    ∩ the real keys (before, it materialised the scores); a row left without keys (a padding
+    query whose window is all padding) gets 0 and zero gradients, as the library defines it,
+    which is what torch's CPU kernel gives — this test fails if a torch changes that; off the
+    CPU the scores are still materialised (the CUDA kernels are unverified there)."""
+    from sparseattn.engines import dense as dense_module
+
+    calls = []
+    sdpa = dense_module.F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs["attn_mask"].shape)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(dense_module.F, "scaled_dot_product_attention", recording)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    padding = torch.zeros(2, 16, dtype=torch.bool)
+    padding[1, 8:] = True  # item 1's queries 12…15 see keys 10…15 only: all padding
+    pattern = sa.window(4)
+    out = sa.sparse_attention(q, k, v, pattern, engine="dense", key_padding_mask=padding)
+    assert calls == ([torch.Size([2, 1, 16, 16])] if q.device.type == "cpu" else [])
+    allowed = pattern.graph(16).to(q.device).to_dense() & ~padding.to(q.device)[:, None, None]
+    scores = (q @ k.mT / math.sqrt(8)).masked_fill(~allowed, -math.inf)
+    empty = ~allowed.any(-1, keepdim=True)
+    ref = scores.masked_fill(empty, 0.0).softmax(-1).masked_fill(empty, 0.0) @ v
+    torch.testing.assert_close(out, ref)
+    assert bool(empty.any()) and not bool(out[1, :, 12:].any())
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    refs = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for grad, expected in zip(grads, refs, strict=True):
+        torch.testing.assert_close(grad, expected)
+
+
 def test_engine_capabilities_are_declared_and_refusals_name_them():
     """The capability table (engines/capabilities.py) is what explicit engines are checked
     against: a request an engine cannot compute is refused with its declared reason."""
