@@ -108,7 +108,9 @@ def account(
     if graph is None:  # exact attention
         edges = pairs
     else:
-        counts = _real_key_counts(graph, view.key_valid, bsz)
+        # the host copy where the graph lives on the host: one read back per call, not two
+        key_valid = real if graph.device.type == "cpu" else view.key_valid
+        counts = _real_key_counts(graph, None if view.key_valid is None else key_valid, bsz)
         starved = (counts == 0) & real_q[:, None, :]
         if starved.any():
             b, h, i = (int(x) for x in starved.nonzero()[0])
