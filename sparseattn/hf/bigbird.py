@@ -89,6 +89,7 @@ from .mask import MaskView
 from .persist import forget_config, guard, record_config
 from .state import (
     Capture,
+    Counts,
     LayerContext,
     LayerSpec,
     Method,
@@ -96,7 +97,6 @@ from .state import (
     declares,
     per_layer,
     resolve_method,
-    set_count_weights,
 )
 
 __all__ = [
@@ -125,7 +125,7 @@ CACHED = 64
 
 
 @dataclasses.dataclass
-class BigBirdState:
+class BigBirdState(Counts):
     """Held by a sparsified BigBird (``model._sparseattn_bigbird``).
 
     ``specs``: each configured layer's spec (``pattern``: the training layout of a layer on
@@ -133,7 +133,8 @@ class BigBirdState:
     own configuration; ``evals``: their eval layouts (one object per configuration, so that
     the layers share its graphs); ``modules``: the module patched per layer (it may have left
     the model since, replaced by transformers); ``originals``: each patched module's own
-    ``forward`` attribute before the patch (None: it had none)."""
+    ``forward`` attribute before the patch (None: it had none); its counts (:func:`_count`) and
+    capture as :class:`~sparseattn.hf.state.Counts`."""
 
     specs: dict[int, LayerSpec]
     own: set[int] = dataclasses.field(default_factory=set)
@@ -144,18 +145,6 @@ class BigBirdState:
     original: str | None = None
     #: derived tensors (a memo: pickles and copies hold none)
     cache: Memo = dataclasses.field(default_factory=lambda: Memo(CACHED))
-    #: per layer, the real-token counts since :func:`sparsify` behind
-    #: :func:`~sparseattn.hf.attention_sparsity` (as a model's ``State``)
-    edges: dict[int, float] = dataclasses.field(default_factory=dict)
-    pairs: dict[int, float] = dataclasses.field(default_factory=dict)
-    nonzero: dict[int, float] = dataclasses.field(default_factory=dict)
-    count_weights: bool = False
-    #: the :func:`~sparseattn.hf.capture_attention` block in progress, if any
-    capture: Capture | None = None
-
-    def __getstate__(self) -> dict:
-        """Pickles and copies hold no capture."""
-        return {**self.__dict__, "capture": None}
 
 
 # ---------------------------------------------------------------------- the modules
@@ -310,7 +299,7 @@ def sparsify(
             # a partial of a module-level function: deepcopy and pickle keep it bound right
             module.forward = functools.partial(bigbird_forward, module)
     state.specs.update(specs)
-    set_count_weights(state, count_weights)
+    state.set_count_weights(count_weights)
     original = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if hasattr(model, "config"):
         if state.original is None:

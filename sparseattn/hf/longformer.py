@@ -87,6 +87,7 @@ from .longformer_weights import global_weights, local_weights
 from .persist import forget_config, guard, record_config
 from .state import (
     Capture,
+    Counts,
     LayerContext,
     LayerSpec,
     Method,
@@ -94,7 +95,6 @@ from .state import (
     declares,
     per_layer,
     resolve_method,
-    set_count_weights,
 )
 
 __all__ = [
@@ -115,10 +115,11 @@ _KEY = "_sparseattn_longformer"
 
 
 @dataclasses.dataclass
-class LongformerState:
+class LongformerState(Counts):
     """Held by a sparsified Longformer (``model._sparseattn_longformer``): each configured layer's
     spec, and each patched module's own ``forward`` attribute before the patch (None: it had
-    none, the class's ``forward`` ran)."""
+    none, the class's ``forward`` ran); its counts (:func:`_count`) and capture as
+    :class:`~sparseattn.hf.state.Counts`."""
 
     specs: dict[int, LayerSpec]
     #: the model's attention implementation before :func:`sparsify` (what loading asks for)
@@ -128,18 +129,10 @@ class LongformerState:
     #: global and padding masks: a model called again with the same masks (a batch shape, the
     #: question tokens of a task) reuses the graph and the engines' plans cached on it
     graphs: OrderedDict = dataclasses.field(default_factory=OrderedDict)
-    #: per layer, the real-token counts since :func:`sparsify` behind
-    #: :func:`~sparseattn.hf.attention_sparsity` (:func:`_count`), as a model's ``State``
-    edges: dict[int, float] = dataclasses.field(default_factory=dict)
-    pairs: dict[int, float] = dataclasses.field(default_factory=dict)
-    nonzero: dict[int, float] = dataclasses.field(default_factory=dict)
-    count_weights: bool = False
-    #: the :func:`~sparseattn.hf.capture_attention` block in progress, if any
-    capture: Capture | None = None
 
     def __getstate__(self) -> dict:
-        """Pickles and copies hold the configuration, not the graphs or a capture."""
-        return {**self.__dict__, "graphs": OrderedDict(), "capture": None}
+        """Pickles and copies hold the configuration, not the graphs (nor a capture)."""
+        return {**super().__getstate__(), "graphs": OrderedDict()}
 
 
 #: How many local graphs a sparsified Longformer keeps (all layers together).
@@ -292,7 +285,7 @@ def sparsify(
             # a partial of a module-level function: deepcopy and pickle keep it bound right
             module.forward = functools.partial(longformer_forward, module)
     state.specs.update(specs)
-    set_count_weights(state, count_weights)
+    state.set_count_weights(count_weights)
     if hasattr(model, "config"):
         record_config(model, state.specs, state.original, _named_modules(model))
     return model

@@ -31,7 +31,6 @@ from .state import (
     model_state,
     per_layer,
     resolve_method,
-    set_count_weights,
 )
 
 __all__ = ["attention_modules", "layer_names", "layer_specs", "register", "restore", "sparsify"]
@@ -224,7 +223,7 @@ def sparsify(
         for _, module in _named_attention(model, cross=True):
             module._sparseattn = None  # exact attention, by design
     state.specs.update(specs)
-    set_count_weights(state, count_weights)
+    state.set_count_weights(count_weights)
     record_config(model, state.specs, state.original, _named_attention(model))
     return model
 

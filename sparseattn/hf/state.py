@@ -25,6 +25,7 @@ __all__ = [
     "VALUE_PROJECTIONS",
     "AttentionRecord",
     "Capture",
+    "Counts",
     "LayerContext",
     "LayerSpec",
     "Method",
@@ -32,7 +33,6 @@ __all__ = [
     "check_layers",
     "declares",
     "model_state",
-    "set_count_weights",
 ]
 
 #: The name under which the kernel and its mask function are registered with transformers.
@@ -164,30 +164,41 @@ class Capture:
             self.callback(record)
 
 
+@dataclasses.dataclass(kw_only=True)
+class Counts:
+    """What every sparsified model's state holds beside its layers (a :class:`State`, and
+    Longformer's and BigBird's own): per layer, the real-token counts since ``sparsify`` behind
+    :func:`~sparseattn.hf.attention_sparsity`; whether the layers whose map zeroes weights count
+    them (``sparsify(count_weights=)``); the :func:`~sparseattn.hf.capture_attention` block in
+    progress, which pickles and copies do not hold."""
+
+    edges: dict[int, float] = dataclasses.field(default_factory=dict)
+    pairs: dict[int, float] = dataclasses.field(default_factory=dict)
+    nonzero: dict[int, float] = dataclasses.field(default_factory=dict)
+    count_weights: bool = False
+    capture: Capture | None = None
+
+    def set_count_weights(self, count_weights: bool | None) -> None:
+        """``sparsify``'s ``count_weights``: None keeps the setting; a change starts the counts
+        again, so that the ratios of :func:`~sparseattn.hf.attention_sparsity` cover the same
+        calls."""
+        if count_weights is not None and count_weights != self.count_weights:
+            self.count_weights = count_weights
+            for counts in (self.edges, self.pairs, self.nonzero):
+                counts.clear()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "capture": None}
+
+
 @dataclasses.dataclass
-class State:
+class State(Counts):
     """Held by a sparsified model (``model._sparseattn``), referenced by its attention modules."""
 
     original: str
     num_layers: int
     specs: dict[int, LayerSpec]
     hooks: list = dataclasses.field(default_factory=list)
-    edges: dict[int, float] = dataclasses.field(default_factory=dict)
-    pairs: dict[int, float] = dataclasses.field(default_factory=dict)
-    nonzero: dict[int, float] = dataclasses.field(default_factory=dict)
-    #: whether the layers whose map zeroes weights count them (``sparsify(count_weights=)``)
-    count_weights: bool = False
-    capture: Capture | None = None
-
-
-def set_count_weights(state, count_weights: bool | None) -> None:
-    """``sparsify``'s ``count_weights`` on a model's state (a ``State``, or Longformer's and
-    BigBird's own): None keeps the state's; a change starts the counts again, so that the
-    ratios of :func:`~sparseattn.hf.attention_sparsity` cover the same calls."""
-    if count_weights is not None and count_weights != state.count_weights:
-        state.count_weights = count_weights
-        for counts in (state.edges, state.pairs, state.nonzero):
-            counts.clear()
 
 
 def declares(method: Method, parameter: str) -> bool:
