@@ -7,14 +7,17 @@ one graph) attends to the key blocks holding one of its edges, *full* (every pai
 partial blocks' mask as ``valid`` (Yun et al. eq. 3 on a superset of A_i, masked back to it).
 Row blocks go in chunks of ``budget`` score entries (memory O(n·d + budget)), computed by
 
-* **split softmax** (softmax, no key padding, no dropout, d_v = d, CPU): the full blocks (a run
-  of consecutive ones as a strided view, widened by the band's partial blocks under a bias)
+* **split softmax** (softmax, no dropout, d_v = d, CPU): the full blocks (a run of
+  consecutive ones as a strided view, widened by the band's partial blocks under a bias)
   through torch's fused CPU flash kernel — one call per run segment (a whole band), not per
   chunk: the kernel streams the keys — the other partial blocks here (blocks shared by the
   segment's row blocks, e.g. global keys, scored once per segment), merged by their
   log-sum-exps straight into the output; the backward splits the same way (dS = P ⊙ (dP −
-  rowsum(dO ⊙ O)) decomposes over any split of the keys), chunk by chunk;
-* **general** (any map, key padding, dropout, a score modifier): ρ on the masked row of all
+  rowsum(dO ⊙ O)) decomposes over any split of the keys), chunk by chunk. Key padding is one
+  more mask on each part (:meth:`_Runner.key_mask`: none where a chunk's keys are all real),
+  chunk by chunk in the forward too (a band's bias and the padding combined cost a chunk's
+  scores, not a whole band's);
+* **general** (any map, dropout, a score modifier): ρ on the masked row of all
   blocks; the backward recomputes each chunk (softmax's closed form, autograd for other maps,
   dropout replayed from the saved RNG state).
 
@@ -70,12 +73,16 @@ class _Runner:
 
     def __init__(self, plan, prob_map, scale, key_ok, dropout_p, budget, lead, fused, dtype, width):
         self.plan, self.prob_map, self.scale, self.dtype = plan, prob_map, scale, dtype
-        self.key_ok, self.dropout_p, self.lead = key_ok, dropout_p, lead
+        self.key_ok, self.dropout_p, self.lead, self.budget = key_ok, dropout_p, lead, budget
         self.softmax = prob_map.is_softmax
-        self.split = self.softmax and key_ok is None and not dropout_p and fused
+        self.split = self.softmax and not dropout_p and fused
         self.chunks = plan.chunks(lead, budget, self.split)
-        # the split path's forward by run segment (``width``: the head dim d)
-        self.runs = plan.runs(lead, budget, width) if self.split else None
+        # the split path's forward by run segment (``width``: the head dim d), without padding
+        self.runs = plan.runs(lead, budget, width) if self.split and key_ok is None else None
+        # the split path's key padding, blocked like the keys: 0/1 floats (L, G·nbk, b, 1)
+        self.key_ones = None
+        if self.split and key_ok is not None:
+            self.key_ones = key_ok.unsqueeze(-1).to(dtype)
         self.score_mod, self.mod_tensors, self.sizes = None, (), (1, 1, 1)
 
     def with_score_mod(self, score_mod: Callable | None, heads: int, n_q: int, n_k: int):
@@ -162,15 +169,25 @@ class _Runner:
         return rho(s) if valid is None else rho(s, valid)
 
     # -- split softmax path -------------------------------------------------------------
-    def partial_exp(self, qs: Tensor, kc: Tensor, keep: Tensor | None, lse: Tensor | None):
+    def key_mask(self, blocks: Callable, ch: BlockChunk) -> Tensor | None:
+        """The split path's key padding on the keys that ``blocks`` (one of :meth:`full_blocks`,
+        :meth:`extra_blocks`, :meth:`partial_blocks`) takes for chunk ``ch``: 0/1 floats
+        (L, m or 1, 1, keys), or None where every one of those keys is real."""
+        if self.key_ones is None:
+            return None
+        ok = blocks(self.key_ones, ch).transpose(-1, -2)
+        return None if bool(ok.all()) else ok
+
+    def partial_exp(self, qs, kc, keep: Tensor | None, ok: Tensor | None, lse: Tensor | None):
         """exp(scores − shift) on the partial blocks, exactly 0 where there is no edge
-        (``keep`` None: an edge everywhere).
+        (``keep`` None: an edge everywhere) or the key is padding (``ok``, of :meth:`key_mask`).
 
         Forward (``lse`` None): shift is the row max; returns (p, row max, row sum).
         Backward: shift is the merged log-sum-exp; returns (p, None, None).
         """
         s = _mm(qs, kc.transpose(-1, -2))
-        return masked_exp(s, [] if keep is None else [keep.to(s.dtype)], lse)
+        masks = [m.to(s.dtype) for m in (keep, ok) if m is not None]
+        return masked_exp(s, masks, lse)
 
     def partial_blocks(self, x: Tensor, ch: BlockChunk) -> Tensor:
         """The chunk's partial key blocks of x: (L, m, Cp·b, e), or (L, 1, ·, e) when shared
@@ -200,8 +217,14 @@ class _BlockAttention(torch.autograd.Function):
         out = torch.empty_like(qp) if same else qp.new_empty(*qp.shape[:-1], v.shape[-1])
         if run.split:
             lse_all = qp.new_empty(qp.shape[:-1])
-            for seg in run.runs:
-                _segment_forward(run, seg, qp, kp, vp, out, lse_all)
+            if run.runs is None:  # key padding: chunk by chunk
+                for ch in run.chunks:
+                    _chunk_forward(run, ch, qp, kp, vp, out, lse_all)
+            else:
+                for seg in run.runs:
+                    _segment_forward(run, seg, qp, kp, vp, out, lse_all)
+            # a row without any key (output 0): lse 0, so that backward's exp(s − lse) is 0
+            lse_all.masked_fill_(lse_all == float("-inf"), 0.0)
             ctx.shapes = q.shape, k.shape, v.shape
             ctx.save_for_backward(qp, kp, vp, out, lse_all)  # blocked: no second copy
             return _unblock(out, q.shape).to(q.dtype)
@@ -338,27 +361,45 @@ def _split_forward(run, qc, kp, vp, ch, run_part=None, dst=None):
     halves = [] if run_part is None else [(*run_part, run_part[1])]
     if run_part is None and ch.full.shape[1]:
         kf, vf = run.full_blocks(kp, ch), run.full_blocks(vp, ch)
-        o, lse = _flash(qc, kf, vf, 0.0, False, attn_mask=_bias(ch.bias, qc), scale=run.scale)
+        ok = run.key_mask(run.full_blocks, ch)
+        o, lse = _flash_part(run, qc, kf, vf, ch.bias, ok)
         halves.append((o, lse, lse))
     if ch.extra is not None:
         kx, vx = run.extra_blocks(kp, ch), run.extra_blocks(vp, ch)
-        o, lse = _flash(qc, kx, vx, 0.0, False, scale=run.scale)
+        o, lse = _flash_part(run, qc, kx, vx, None, run.key_mask(run.extra_blocks, ch))
         halves.append((o, lse, lse))
     if ch.part.shape[1]:
         kc, vc = run.partial_blocks(kp, ch), run.partial_blocks(vp, ch)
+        ok = run.key_mask(run.partial_blocks, ch)
         if ch.shared:
-            halves.append(_shared_part(run, qc, kc, vc, ch.keep))
+            halves.append(_shared_part(run, qc, kc, vc, ch.keep, ok))
         else:  # unnormalised: its weight exp(lse2 − lse) / total is exp(mx − lse)
-            p, mx, total = run.partial_exp(qc * run.scale, kc, ch.keep, None)
+            p, mx, total = run.partial_exp(qc * run.scale, kc, ch.keep, ok, None)
             halves.append((_mm(p, vc), mx + total.log(), mx))
     if dst is None:
         dst = qc.new_empty(*qc.shape[:-1], vp.shape[-1])
     return _merge(halves, dst)
 
 
-def _shared_part(run, qc, kc, vc, keep):
+def _flash_part(run, qc, kc, vc, bias, ok):
+    """One part of the keys through torch's flash kernel: (output, lse) (L, m, b, ·), under
+    the band's ``bias`` and the key padding ``ok`` (:meth:`_Runner.key_mask`). A row without
+    a real key gets the kernel's output 0 and lse −∞ (the kernel gives 0), so that the merge
+    weighs it 0."""
+    o, lse = _flash(qc, kc, vc, 0.0, False, attn_mask=_bias(bias, qc, ok), scale=run.scale)
+    if ok is not None:
+        if bias is None:
+            has = ok.amax(-1)
+        else:
+            has = torch.matmul(ok, (bias == 0).to(ok.device, ok.dtype).t()).squeeze(-2)
+        lse.masked_fill_(has == 0, float("-inf"))
+    return o, lse
+
+
+def _shared_part(run, qc, kc, vc, keep, ok):
     """The key blocks shared by all the chunk's row blocks, kc and vc (L, 1, C, e) (e.g. the
-    global keys), for its queries qc (L, m, b, d): ((pᵀ (L, C, m·b), v (L, C, e)), lse, max
+    global keys), and their key padding ``ok`` (L, 1, 1, C) or None, for its queries qc
+    (L, m, b, d): ((pᵀ (L, C, m·b), v (L, C, e)), lse, max
     (L, m, b)) with p = exp(s − max), its Σ p v left to :func:`_merge` (one product added into
     the output). Scored transposed, (L, C, m·b), one product per riding pair: C is small, so
     the reductions and the products run along the long m·b axis; the scale goes on the
@@ -366,6 +407,8 @@ def _shared_part(run, qc, kc, vc, keep):
     lead, m, b, _ = qc.shape
     s = torch.matmul(kc[:, 0] * run.scale, qc.reshape(lead, m * b, -1).transpose(1, 2))
     masks = [] if keep is None else [keep.reshape(m * b, -1).t().to(s.dtype)]
+    if ok is not None:
+        masks.append(ok.reshape(lead, -1, 1))
     p, mx, total = masked_exp(s, masks, None, dim=-2)
     return (p, vc[:, 0]), (mx + total.log()).view(lead, m, b), mx.view(lead, m, b)
 
@@ -418,11 +461,18 @@ def _mm_t(a: Tensor, b: Tensor, shared: bool) -> Tensor:
     ).unsqueeze(1)
 
 
-def _bias(bias: Tensor | None, qc: Tensor) -> Tensor | None:
-    """A band bias (b, Cf·b) broadcast (stride 0) to the flash kernel's (L, m, b, Cf·b)."""
+def _bias(bias: Tensor | None, qc: Tensor, ok: Tensor | None = None) -> Tensor | None:
+    """The flash kernel's additive mask (L, m, b, K) for queries qc (L, m, b, d): a band
+    bias (b, K) and key padding ``ok`` (0/1, (L, m, 1, K)), each alone broadcast (stride 0),
+    together summed into one tensor."""
+    if bias is not None:
+        bias = bias.to(qc.device, qc.dtype)
+    if ok is None:
+        return None if bias is None else bias.expand(*qc.shape[:2], *bias.shape)
+    pad = torch.zeros(ok.shape, dtype=qc.dtype, device=qc.device).masked_fill_(ok == 0, -math.inf)
     if bias is None:
-        return None
-    return bias.to(qc.device, qc.dtype).expand(*qc.shape[:2], *bias.shape)
+        return pad.expand(*pad.shape[:2], qc.shape[-2], pad.shape[-1])
+    return pad + bias
 
 
 def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
@@ -432,12 +482,14 @@ def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
     dqc = None
     if full.shape[1]:
         kf, vf = run.full_blocks(kp, ch), run.full_blocks(vp, ch)
-        dqc, dk1, dv1 = _full_backward(run, qc, go, oc, delta, lse, kf, vf, ch.bias)
+        ok = run.key_mask(run.full_blocks, ch)
+        dqc, dk1, dv1 = _full_backward(run, qc, go, oc, delta, lse, kf, vf, ch.bias, ok)
         dk.index_add_(1, full.reshape(-1), _per_block(dk1, b))
         dv.index_add_(1, full.reshape(-1), _per_block(dv1, b))
     if ch.extra is not None:
         kc, vc = run.extra_blocks(kp, ch), run.extra_blocks(vp, ch)
-        dq2, dk1, dv1 = _full_backward(run, qc, go, oc, delta, lse, kc, vc, None)
+        ok = run.key_mask(run.extra_blocks, ch)
+        dq2, dk1, dv1 = _full_backward(run, qc, go, oc, delta, lse, kc, vc, None, ok)
         dqc = dq2 if dqc is None else dqc.add_(dq2)
         dk.index_add_(1, ch.extra.reshape(-1), _per_block(dk1, b))
         dv.index_add_(1, ch.extra.reshape(-1), _per_block(dv1, b))
@@ -445,7 +497,7 @@ def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
         flat = (part[:1] if ch.shared else part).reshape(-1)
         kc, vc = run.partial_blocks(kp, ch), run.partial_blocks(vp, ch)
         qs = qc * run.scale
-        p, _, _ = run.partial_exp(qs, kc, keep, lse)
+        p, _, _ = run.partial_exp(qs, kc, keep, run.key_mask(run.partial_blocks, ch), lse)
         dv.index_add_(1, flat, run.partial_grad(_mm_t(p, go, ch.shared), ch))
         ds = p.mul_(_mm(go, vc.transpose(-1, -2)).sub_(delta))
         dq2 = _mm(ds, kc).mul_(run.scale)
@@ -454,25 +506,30 @@ def _split_backward(run, qp, kp, vp, gp, out, lse_all, dq, dk, dv, ch):
     _put(dq, ch, dqc)
 
 
-def _full_backward(run, qc, go, oc, delta, lse, kf, vf, bias):
+def _full_backward(run, qc, go, oc, delta, lse, kf, vf, bias, ok):
     """The full (and band) blocks' share of dQ, dK, dV, given the merged output ``oc`` and
     log-sum-exp: (dQ (L, m, b, d), dK and dV shaped like ``kf``, ``vf``); ``bias`` is the
-    band's (b, Cf·b) bias or None. From ``FLASH_BACKWARD_BLOCK`` on, torch's flash backward
-    kernel; below it the closed form dS = P ⊙ (dP − δ), one riding (batch, head) at a time.
+    band's (b, Cf·b) bias or None, ``ok`` the key padding (:meth:`_Runner.key_mask`) or None.
+    From ``FLASH_BACKWARD_BLOCK`` on, torch's flash backward kernel; below it the closed form
+    dS = P ⊙ (dP − δ), for as many riding (batch, head) pairs at a time as fit the budget (a
+    chunk's band is not cut by it: :meth:`~.layout.BlockPlan.chunks`).
     """
     if qc.shape[-2] >= FLASH_BACKWARD_BLOCK:
-        return _flash_backward(
-            go, qc, kf, vf, oc, lse, 0.0, False, attn_mask=_bias(bias, qc), scale=run.scale
-        )
+        mask = _bias(bias, qc, ok)
+        return _flash_backward(go, qc, kf, vf, oc, lse, 0.0, False, attn_mask=mask, scale=run.scale)
     masks = [] if bias is None else [(bias == 0).to(qc.device, qc.dtype)]
     dqc, dk1, dv1 = torch.empty_like(qc), qc.new_empty(kf.shape), qc.new_empty(vf.shape)
-    for i in range(qc.shape[0]):
-        qs = qc[i] * run.scale
-        p, _, _ = masked_exp(torch.bmm(qs, kf[i].transpose(1, 2)), masks, lse[i])
-        torch.bmm(p.transpose(1, 2), go[i], out=dv1[i])
-        ds = p.mul_(torch.bmm(go[i], vf[i].transpose(1, 2)).sub_(delta[i]))
-        torch.bmm(ds, kf[i], out=dqc[i]).mul_(run.scale)
-        torch.bmm(ds.transpose(1, 2), qs, out=dk1[i])
+    lead, m, b = qc.shape[:3]
+    step = max(1, run.budget // (m * b * kf.shape[-2]))
+    for i in range(0, lead, step):
+        at = slice(i, i + step)
+        qs = qc[at] * run.scale
+        part_masks = masks if ok is None else [*masks, ok[at]]
+        p, _, _ = masked_exp(torch.matmul(qs, kf[at].transpose(-1, -2)), part_masks, lse[at])
+        torch.matmul(p.transpose(-1, -2), go[at], out=dv1[at])
+        ds = p.mul_(torch.matmul(go[at], vf[at].transpose(-1, -2)).sub_(delta[at]))
+        torch.matmul(ds, kf[at], out=dqc[at]).mul_(run.scale)
+        torch.matmul(ds.transpose(-1, -2), qs, out=dk1[at])
     return dqc, dk1, dv1
 
 

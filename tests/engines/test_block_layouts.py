@@ -144,6 +144,40 @@ def test_rows_without_keys_give_zero_on_the_split_path(block):
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "pattern, block, n, empty_rows",
+    [
+        (sa.longformer(24, 3), 4, 192, True),  # band with edges, shared global columns
+        (sa.longformer(200, 5), 64, 384, True),  # the band under a bias in the flash backward
+        (sa.bigbird_blocks(8, 2, heads=2, seed=1), 8, 192, False),  # random blocks beside it
+    ],
+)
+def test_key_padding_rides_the_split_path(monkeypatch, pattern, block, n, empty_rows):
+    # item 0: its first 8 keys (the global ones) and its last 3/8 (longer than a window)
+    # are padding: rows without a real key, output and gradients 0; item 1: a padded stretch
+    # inside the band and the first global key; exact with gradients, through torch's flash
+    # kernel (the split path)
+    h = 2
+    keep = torch.ones(2, n, dtype=torch.bool)
+    keep[0, n - n * 3 // 8 :] = False
+    keep[0, :8] = False
+    keep[1, 40:60] = False
+    keep[1, 0] = False
+    calls = FlashCalls(monkeypatch)
+    fused, (q, k, v) = projected(2, h, n, 8, seed=4)
+    graph = pattern.graph(n)
+    out = block_attention(q, k, v, graph, softmax(), 0.3, keep, block=block, budget=1 << 12)
+    refs = contiguous(q, k, v)
+    mask = graph.to_dense().view(1, -1, n, n) & keep[:, None, None, :]
+    scores = (refs[0] @ refs[1].transpose(-1, -2) * 0.3).masked_fill(~mask, -math.inf)
+    ref = softmax()(scores, mask.expand_as(scores)) @ refs[2]
+    empty = (~mask.any(-1)).expand(2, h, n)
+    assert bool(empty.any()) == empty_rows and not out.detach()[empty].any()
+    assert_close_with_grads(out, ref, (q, k, v), (1e-10, 1e-10), (1e-9, 1e-9), ref_inputs=refs)
+    if q.device.type == "cpu":
+        assert calls.count > 0
+
+
 def test_per_head_random_blocks_keep_each_heads_band_in_one_segment(monkeypatch):
     # BigBird's training layout: random blocks drawn per head, some next to the band or to
     # one another. The band about each row's own block stays one run (a segment per head and
