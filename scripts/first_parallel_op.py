@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 
-from sparseattn.lab.results import machine_facts, write_json
+from sparseattn.lab.results import timing_record, write_json
 
 CHILD = """
 import json, sys, torch
@@ -52,14 +52,9 @@ def main() -> None:
             "last entry's values": sorted(values),
         }
         print(mode, counts[mode], flush=True)
-    result = {
-        "script": "scripts/first_parallel_op.py",
-        **machine_facts(),
-        "load before": load_before,
-        "load after": os.getloadavg()[0],
-        "processes": args.processes,
-        "counts": counts,
-    }
+    result = timing_record(
+        "scripts/first_parallel_op.py", load_before, processes=args.processes, counts=counts
+    )
     if args.out:
         write_json(args.out, result)
 

@@ -29,7 +29,7 @@ import torch
 
 import sparseattn as sa
 from sparseattn.engines import block
-from sparseattn.lab.results import interleaved_medians, machine_facts, write_json
+from sparseattn.lab.results import interleaved_medians, timing_record, write_json
 
 #: (name, pattern, batch, heads, n, d, backward)
 CELLS = [
@@ -107,15 +107,13 @@ def main() -> None:
             }
         )
         print(json.dumps(rows[-1]), flush=True)
-    result = {
-        "script": "scripts/padded_block_split.py",
-        "note": args.note,
-        **machine_facts(),
-        "load before": load_before,
-        "load after": os.getloadavg()[0],
-        "repeats": args.repeats,
-        "rows": rows,
-    }
+    result = timing_record(
+        "scripts/padded_block_split.py",
+        load_before,
+        note=args.note,
+        repeats=args.repeats,
+        rows=rows,
+    )
     if args.out:
         write_json(args.out, result)
 

@@ -18,7 +18,7 @@ import torch
 
 import sparseattn as sa
 from sparseattn.attention import choose_engine, resolve_graph
-from sparseattn.lab.results import interleaved_medians, machine_facts, write_json
+from sparseattn.lab.results import interleaved_medians, timing_record, write_json
 from sparseattn.maps import softmax
 
 #: (name, pattern, batch, heads, n, d, backward, the engine auto picked before)
@@ -72,14 +72,9 @@ def main() -> None:
             }
         )
         print(json.dumps(rows[-1]))
-    result = {
-        "script": "scripts/padded_softmax_engines.py",
-        **machine_facts(),
-        "load before": load_before,
-        "load after": os.getloadavg()[0],
-        "repeats": args.repeats,
-        "rows": rows,
-    }
+    result = timing_record(
+        "scripts/padded_softmax_engines.py", load_before, repeats=args.repeats, rows=rows
+    )
     if args.out:
         write_json(args.out, result)
 

@@ -26,6 +26,7 @@ __all__ = [
     "read_json",
     "save_figure",
     "machine_facts",
+    "timing_record",
     "cpu_name",
     "timing_facts",
     "run_folder",
@@ -192,6 +193,18 @@ def timing_facts(threads: int) -> dict:
         "threads": threads,
         "torch": torch.__version__,
         "load before": os.getloadavg()[0],
+    }
+
+
+def timing_record(script: str, load_before: float, **fields) -> dict:
+    """What a timing script writes when its runs are done: its name, :func:`machine_facts`, the
+    1-minute load average before its runs and now, then ``fields`` (its settings and rows)."""
+    return {
+        "script": script,
+        **machine_facts(),
+        "load before": load_before,
+        "load after": os.getloadavg()[0],
+        **fields,
     }
 
 
